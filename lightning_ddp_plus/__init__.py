@@ -1,0 +1,27 @@
+"""lightning-ddp-plus: DistributedDataParallel for PyTorch Lightning, correct, explainable and fast.
+
+Importing the package registers the strategy names ``ddp_plus``, ``ddp_plus_spawn``, ``ddp_plus_fork`` and
+``ddp_plus_notebook`` with Lightning's strategy registry.
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_ddp_plus.backend import KNOWN_BACKENDS
+from lightning_ddp_plus.comm_hooks import CommHook
+from lightning_ddp_plus.settings import DDPSettings
+from lightning_ddp_plus.strategy import REGISTERED_NAMES, DDPPlusStrategy
+from lightning_ddp_plus.timeout import DEFAULT_TIMEOUT, parse_timeout
+
+__version__ = "0.1.0"
+
+DDPPlusStrategy.register_strategies(StrategyRegistry)
+
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "KNOWN_BACKENDS",
+    "REGISTERED_NAMES",
+    "CommHook",
+    "DDPPlusStrategy",
+    "DDPSettings",
+    "parse_timeout",
+]

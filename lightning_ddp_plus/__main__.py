@@ -1,0 +1,3 @@
+from lightning_ddp_plus.cli import main
+
+main()

@@ -1,0 +1,27 @@
+"""The ``ddp-plus`` console script: LightningCLI with the strategy names registered.
+
+``ddp-plus fit --config configs/cpu.yaml`` trains; ``fit``, ``validate``, ``test`` and ``predict`` work as in
+LightningCLI. The current directory is put on ``sys.path`` (as ``python -m`` does) so that a config can name
+classes from the project it is run in, e.g. ``examples.spirals.SpiralClassifier``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Optional
+
+import lightning_ddp_plus  # noqa: F401  (registers the strategy names)
+
+
+def main(args: Optional[list[str]] = None) -> None:
+    """Entry point of ``ddp-plus``."""
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    from lightning.pytorch.cli import LightningCLI
+
+    LightningCLI(args=args, save_config_kwargs={"overwrite": True})
+
+
+if __name__ == "__main__":
+    main()

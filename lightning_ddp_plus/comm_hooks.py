@@ -1,0 +1,136 @@
+"""Communication hooks by name, mapped to torch's hook functions, with sensible default states.
+
+Stock Lightning registers hooks only on CUDA; torch runs them on every backend, gloo included, and so do we.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Callable, Optional, Union
+
+import torch
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+from lightning_ddp_plus._messages import closest_name, describe_bad_value
+
+HookFunction = Callable[[Any, "torch.distributed.GradBucket"], "torch.futures.Future[torch.Tensor]"]
+
+
+class CommHook(str, Enum):
+    """Named communication hooks accepted by ``DDPPlusStrategy(ddp_comm_hook=...)``.
+
+    >>> CommHook("fp16").function.__name__
+    'fp16_compress_hook'
+    """
+
+    FP16 = "fp16"
+    BF16 = "bf16"
+    POWERSGD = "powersgd"
+    BATCHED_POWERSGD = "batched_powersgd"
+
+    @property
+    def function(self) -> HookFunction:
+        return _HOOK_FUNCTIONS[self]
+
+    def default_state(self) -> Optional[object]:
+        """The state the hook gets when the user gives none.
+
+        PowerSGD: rank-1 approximation with error feedback and warm start (torch's recommended starting point), and
+        plain all-reduce for the first 2 iterations, the shortest warm-up torch allows with error feedback.
+        """
+        if self in (CommHook.POWERSGD, CommHook.BATCHED_POWERSGD):
+            return powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2)
+        return None
+
+
+_HOOK_FUNCTIONS: dict[CommHook, HookFunction] = {
+    CommHook.FP16: default_hooks.fp16_compress_hook,
+    CommHook.BF16: default_hooks.bf16_compress_hook,
+    CommHook.POWERSGD: powerSGD_hook.powerSGD_hook,
+    CommHook.BATCHED_POWERSGD: powerSGD_hook.batched_powerSGD_hook,
+}
+
+_NAMES = tuple(hook.value for hook in CommHook)
+
+
+def parse_comm_hook(value: Union[str, CommHook, HookFunction, None]) -> Union[CommHook, HookFunction, None]:
+    """Accept a hook name, a dotted import path to a hook function, a callable, or ``None``.
+
+    >>> parse_comm_hook("FP16")
+    <CommHook.FP16: 'fp16'>
+    >>> parse_comm_hook("torch.distributed.algorithms.ddp_comm_hooks.default_hooks.allreduce_hook").__name__
+    'allreduce_hook'
+    """
+    if value is None or isinstance(value, CommHook):
+        return value
+    if isinstance(value, str):
+        name = value.strip().lower()
+        if name in ("", "none", "no"):
+            return None
+        if name in _NAMES:
+            return CommHook(name)
+        if "." in value:
+            return _import_hook(value.strip())
+        suggestion = closest_name(name, _NAMES)
+        raise ValueError(
+            describe_bad_value(
+                "ddp_comm_hook",
+                value,
+                f"unknown hook name; allowed: {', '.join(_NAMES)}, a dotted import path to a hook function, a callable, or None.",
+                f"did you mean {suggestion!r}?" if suggestion else "use one of the names listed.",
+            )
+        )
+    if callable(value):
+        return value
+    raise TypeError(
+        describe_bad_value(
+            "ddp_comm_hook", value, f"expected a hook name ({', '.join(_NAMES)}), a callable `hook(state, bucket)`, or None.", "pass e.g. 'fp16'."
+        )
+    )
+
+
+def _import_hook(path: str) -> HookFunction:
+    module_name, _, attribute = path.rpartition(".")
+    try:
+        hook = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as error:
+        raise ValueError(
+            describe_bad_value("ddp_comm_hook", path, f"the import path could not be loaded ({error}).", f"check the module and function name, or use one of {', '.join(_NAMES)}.")
+        ) from error
+    if not callable(hook):
+        raise TypeError(describe_bad_value("ddp_comm_hook", path, "the import path names something that is not callable.", "point it at a function `hook(state, bucket)`."))
+    return hook
+
+
+@dataclass
+class HookCallCounter:
+    """How often the registered hook ran (each call all-reduces one gradient bucket) and how many gradient bytes
+    it was handed (before any compression the hook applies)."""
+
+    calls: int = 0
+    bucket_bytes: int = 0
+
+
+def counted_hook(hook: HookFunction, counter: HookCallCounter) -> HookFunction:
+    """Wrap ``hook`` so that each call is counted.
+
+    The wrapper has a name of its own, which also lets torch's bf16 hook run on gloo: torch refuses it by function
+    name unless CUDA+NCCL or XPU+XCCL are present, although gloo reduces bfloat16 tensors correctly.
+    """
+
+    def ddp_plus_counted_hook(state: Any, bucket: "torch.distributed.GradBucket") -> "torch.futures.Future[torch.Tensor]":
+        buffer = bucket.buffer()
+        counter.calls += 1
+        counter.bucket_bytes += buffer.numel() * buffer.element_size()
+        return hook(state, bucket)
+
+    ddp_plus_counted_hook.__qualname__ = f"counted({getattr(hook, '__qualname__', repr(hook))})"
+    return ddp_plus_counted_hook
+
+
+def allreduce_mean_hook(state: Any, bucket: "torch.distributed.GradBucket") -> "torch.futures.Future[torch.Tensor]":
+    """torch's default behaviour (all-reduce, then divide by world size), as a hook, so that runs without a user hook
+    can still be counted."""
+    return default_hooks.allreduce_hook(state, bucket)

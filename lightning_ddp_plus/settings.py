@@ -1,0 +1,102 @@
+"""The DDP knobs as one dataclass that validates itself and turns into ``DistributedDataParallel`` kwargs."""
+
+from __future__ import annotations
+
+import inspect
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_ddp_plus._messages import closest_name, describe_bad_value
+
+# Arguments the strategy owns or sets itself; passing them through ``**kwargs`` would fight the strategy.
+_MANAGED_BY_STRATEGY = {
+    "module": "the strategy wraps the LightningModule itself",
+    "device_ids": "the strategy derives it from the accelerator and local rank",
+    "output_device": "the strategy derives it from the accelerator and local rank",
+    "process_group": "the strategy uses the process group it creates",
+    "forward_sync_buffers": "use the `broadcast_buffers` argument, which maps onto it",
+    "check_reduction": "it is deprecated in torch and has no effect",
+}
+_EXPLICIT_KNOBS = ("find_unused_parameters", "bucket_cap_mb", "broadcast_buffers", "static_graph", "gradient_as_bucket_view")
+_DDP_PARAMETERS = tuple(inspect.signature(DistributedDataParallel.__init__).parameters)[1:]
+
+
+def require_bool(argument: str, value: Any) -> bool:
+    """Reject truthy stand-ins ("false", 0) that would silently mean something else."""
+    if not isinstance(value, bool):
+        raise TypeError(describe_bad_value(argument, value, f"expected True or False, got {type(value).__name__}.", f"write `{argument}=True` or `{argument}=False`."))
+    return value
+
+
+def require_positive_number(argument: str, value: Any, example: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(describe_bad_value(argument, value, f"expected a positive number, got {type(value).__name__}.", f"write e.g. `{argument}={example}`."))
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(describe_bad_value(argument, value, "it must be a finite number greater than zero.", f"write e.g. `{argument}={example}`."))
+    return value
+
+
+@dataclass
+class DDPSettings:
+    """The knobs of :class:`torch.nn.parallel.DistributedDataParallel` that ``DDPPlusStrategy`` exposes.
+
+    Args:
+        find_unused_parameters: traverse the autograd graph after each forward to find parameters that will get no
+            gradient. Needed when some parameters are unused (unless ``static_graph``); costs time otherwise.
+        bucket_cap_mb: size in MiB of the gradient buckets all-reduced together.
+        broadcast_buffers: broadcast rank 0's buffers (e.g. BatchNorm running statistics) at the start of every
+            forward and when DDP wraps the model. ``False`` keeps every rank's buffers local, at wrap time too.
+        static_graph: promise that the set of used parameters and the graph do not change between iterations.
+        gradient_as_bucket_view: let gradients be views into the communication buckets (saves memory).
+        extra: any further ``DistributedDataParallel`` keyword arguments, checked against its signature.
+
+    >>> DDPSettings(bucket_cap_mb=50).to_ddp_kwargs()["bucket_cap_mb"]
+    50
+    >>> DDPSettings(broadcast_buffers=False).to_ddp_kwargs()["forward_sync_buffers"]
+    False
+    """
+
+    find_unused_parameters: bool = False
+    bucket_cap_mb: float = 25
+    broadcast_buffers: bool = True
+    static_graph: bool = False
+    gradient_as_bucket_view: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("find_unused_parameters", "broadcast_buffers", "static_graph", "gradient_as_bucket_view"):
+            require_bool(name, getattr(self, name))
+        require_positive_number("bucket_cap_mb", self.bucket_cap_mb, "25")
+        for name in self.extra:
+            self._check_extra_argument(name)
+
+    @staticmethod
+    def _check_extra_argument(name: str) -> None:
+        if name in _MANAGED_BY_STRATEGY:
+            raise ValueError(describe_bad_value(name, "...", f"this DistributedDataParallel argument cannot be passed to DDPPlusStrategy: {_MANAGED_BY_STRATEGY[name]}.", "remove it."))
+        if name not in _DDP_PARAMETERS:
+            suggestion = closest_name(name, _EXPLICIT_KNOBS + _DDP_PARAMETERS)
+            raise TypeError(
+                f"DDPPlusStrategy got an unexpected keyword argument `{name}`: it is neither a strategy argument nor an "
+                f"argument of torch's DistributedDataParallel. Fix: "
+                + (f"did you mean `{suggestion}`?" if suggestion else "check the spelling against the strategy's documented arguments.")
+            )
+
+    def to_ddp_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``DistributedDataParallel``.
+
+        ``broadcast_buffers`` goes to torch 2.13's ``forward_sync_buffers`` so that no deprecation warning is printed;
+        the one difference in meaning (the new argument always syncs buffers at wrap time) is undone by the strategy,
+        which restores rank-local buffers after wrapping when ``broadcast_buffers=False``.
+        """
+        return {
+            "find_unused_parameters": self.find_unused_parameters,
+            "bucket_cap_mb": self.bucket_cap_mb,
+            "forward_sync_buffers": self.broadcast_buffers,
+            "static_graph": self.static_graph,
+            "gradient_as_bucket_view": self.gradient_as_bucket_view,
+            **self.extra,
+        }

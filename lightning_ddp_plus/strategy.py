@@ -1,0 +1,239 @@
+"""``DDPPlusStrategy``: Lightning's ``DDPStrategy`` with every DDP knob typed, validated and settable from YAML."""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from typing import Any, Callable, Literal, Optional, Union
+
+import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch.nn import Module
+from torch.nn.parallel.distributed import DistributedDataParallel
+from typing_extensions import override
+
+import lightning.pytorch as pl
+from lightning_ddp_plus._messages import describe_bad_value
+from lightning_ddp_plus.backend import normalize_backend, resolve_backend_for_device
+from lightning_ddp_plus.comm_hooks import CommHook, HookCallCounter, HookFunction, counted_hook, parse_comm_hook
+from lightning_ddp_plus.settings import DDPSettings
+from lightning_ddp_plus.timeout import DEFAULT_TIMEOUT, TimeoutLike, format_timeout, parse_timeout
+
+log = logging.getLogger(__name__)
+
+StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
+_START_METHODS = ("popen", "spawn", "fork", "forkserver")
+
+#: Registered names and their launchers, mirroring Lightning's ``ddp``, ``ddp_spawn``, ``ddp_fork``, ``ddp_notebook``.
+REGISTERED_NAMES: tuple[tuple[str, StartMethod], ...] = (
+    ("ddp_plus", "popen"),
+    ("ddp_plus_spawn", "spawn"),
+    ("ddp_plus_fork", "fork"),
+    ("ddp_plus_notebook", "fork"),
+)
+
+
+class DDPPlusStrategy(DDPStrategy):
+    """Multi-process data-parallel training with every DDP knob as an explicit, typed, validated argument.
+
+    Bad values fail here, at construction, or (where the device matters) when the ``Trainer`` is built, always before
+    any process is started.
+
+    Args:
+        accelerator: set by the ``Trainer``.
+        parallel_devices: set by the ``Trainer``.
+        cluster_environment: set by the ``Trainer`` unless given.
+        checkpoint_io: checkpoint plugin, as in ``DDPStrategy``.
+        precision_plugin: set by the ``Trainer`` unless given.
+        process_group_backend: ``"nccl"``, ``"gloo"``, ``"mpi"``, ``"ucc"``, ``"xccl"``, ``"hccl"``, ``"cncl"``, or
+            ``None``/``"auto"`` to follow the accelerator (cuda->nccl, cpu->gloo, xpu->xccl, hpu->hccl, mlu->cncl).
+        timeout: how long a collective may wait before the job fails: seconds, a ``timedelta``, ``"90s"``, ``"30m"``,
+            ``"2h"``, ``"1h30m"``, ``"1d"``, ``"0:30:00"`` or ``"1 day, 0:00:00"``. Default 30 minutes.
+        find_unused_parameters: let DDP find parameters that get no gradient in an iteration.
+        bucket_cap_mb: size of the gradient buckets in MiB.
+        broadcast_buffers: keep buffers (e.g. BatchNorm statistics) equal to rank 0's at every forward.
+        static_graph: promise DDP that the graph and the set of used parameters never change.
+        gradient_as_bucket_view: make gradients views into the communication buckets (saves memory).
+        ddp_comm_hook: ``"fp16"``, ``"bf16"``, ``"powersgd"``, ``"batched_powersgd"``, a dotted import path to a hook
+            function, or a callable ``hook(state, bucket)``. Registered on every backend, gloo included.
+        ddp_comm_state: state passed to the hook; PowerSGD gets a default state when this is ``None``.
+        ddp_comm_wrapper: wrapper applied to the hook, e.g. torch's ``fp16_compress_wrapper``.
+        model_averaging_period: period of model averaging for post-local SGD, as in ``DDPStrategy``.
+        start_method: how processes are started: ``"popen"`` (re-run the script), ``"spawn"``, ``"fork"``,
+            ``"forkserver"``.
+        **kwargs: further ``DistributedDataParallel`` arguments, checked against its signature.
+
+    Example:
+        >>> import lightning_ddp_plus
+        >>> strategy = lightning_ddp_plus.DDPPlusStrategy(process_group_backend="gloo", timeout="1h30m")
+        >>> strategy.timeout
+        datetime.timedelta(seconds=5400)
+    """
+
+    strategy_name = "ddp_plus"
+
+    def __init__(
+        self,
+        accelerator: Optional["pl.accelerators.Accelerator"] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[TimeoutLike] = DEFAULT_TIMEOUT,
+        find_unused_parameters: bool = False,
+        bucket_cap_mb: float = 25,
+        broadcast_buffers: bool = True,
+        static_graph: bool = False,
+        gradient_as_bucket_view: bool = False,
+        ddp_comm_hook: Union[str, Callable, None] = None,
+        ddp_comm_state: Optional[object] = None,
+        ddp_comm_wrapper: Optional[Callable] = None,
+        model_averaging_period: Optional[int] = None,
+        start_method: StartMethod = "popen",
+        **kwargs: Any,
+    ) -> None:
+        settings = DDPSettings(
+            find_unused_parameters=find_unused_parameters,
+            bucket_cap_mb=bucket_cap_mb,
+            broadcast_buffers=broadcast_buffers,
+            static_graph=static_graph,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            extra=dict(kwargs),
+        )
+        requested_backend = normalize_backend(process_group_backend)
+        parsed_timeout = parse_timeout(timeout)
+        comm_hook = parse_comm_hook(ddp_comm_hook)
+        if start_method not in _START_METHODS:
+            raise ValueError(
+                describe_bad_value("start_method", start_method, f"allowed: {', '.join(_START_METHODS)}.", "use 'popen' for scripts and CLIs, 'spawn' inside notebooks or tests.")
+            )
+        if model_averaging_period is not None and (isinstance(model_averaging_period, bool) or not isinstance(model_averaging_period, int) or model_averaging_period < 1):
+            raise ValueError(describe_bad_value("model_averaging_period", model_averaging_period, "expected a positive integer or None.", "set e.g. `model_averaging_period=4`."))
+        if ddp_comm_wrapper is not None and comm_hook is None:
+            raise ValueError(describe_bad_value("ddp_comm_wrapper", ddp_comm_wrapper, "a wrapper needs a hook to wrap, and `ddp_comm_hook` is None.", "set `ddp_comm_hook` too, or remove the wrapper."))
+        if ddp_comm_wrapper is not None and not callable(ddp_comm_wrapper):
+            raise TypeError(describe_bad_value("ddp_comm_wrapper", ddp_comm_wrapper, "expected a callable that wraps a hook.", "pass e.g. torch's `fp16_compress_wrapper`."))
+
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            ddp_comm_state=ddp_comm_state,
+            ddp_comm_hook=None,  # registered by ``_register_ddp_hooks`` below on every backend
+            ddp_comm_wrapper=ddp_comm_wrapper,
+            model_averaging_period=model_averaging_period,
+            process_group_backend=requested_backend,
+            timeout=parsed_timeout,
+            start_method=start_method,
+            **settings.to_ddp_kwargs(),
+        )
+        self.settings = settings
+        self._requested_backend = requested_backend
+        self._comm_hook: Union[CommHook, HookFunction, None] = comm_hook
+        #: Calls of the registered communication hook (one per gradient bucket all-reduced) on this rank.
+        self.comm_hook_counter = HookCallCounter()
+
+    @property
+    def timeout(self) -> timedelta:
+        """The collective timeout the process group is created with."""
+        assert self._timeout is not None
+        return self._timeout
+
+    @property
+    def comm_hook(self) -> Union[CommHook, HookFunction, None]:
+        return self._comm_hook
+
+    @property
+    def start_method(self) -> str:
+        return self._start_method
+
+    def _device_type(self) -> str:
+        if self.parallel_devices:
+            return self.parallel_devices[0].type
+        return self.root_device.type
+
+    @override
+    def _configure_launcher(self) -> None:
+        # The Trainer calls this once it has chosen the accelerator and devices, before anything is launched: the
+        # earliest moment at which device-dependent settings can be judged.
+        self._process_group_backend = resolve_backend_for_device(self._requested_backend, self._device_type())
+        super()._configure_launcher()
+
+    @override
+    def _get_process_group_backend(self) -> str:
+        return resolve_backend_for_device(self._requested_backend, self.root_device.type)
+
+    @override
+    def _setup_model(self, model: Module) -> DistributedDataParallel:
+        self._ddp_kwargs = self.settings.to_ddp_kwargs()
+        # torch 2.13 always broadcasts buffers when wrapping once `forward_sync_buffers` is used; the old
+        # `broadcast_buffers=False` kept them rank-local, so put each rank's own values back.
+        local_buffers = None if self.settings.broadcast_buffers else [buffer.detach().clone() for buffer in model.buffers()]
+        ddp_model = super()._setup_model(model)
+        if local_buffers is not None:
+            with torch.no_grad():
+                for buffer, local in zip(model.buffers(), local_buffers):
+                    buffer.copy_(local)
+        return ddp_model
+
+    @override
+    def _register_ddp_hooks(self) -> None:
+        if self._comm_hook is None:
+            return
+        assert isinstance(self.model, DistributedDataParallel)
+        if isinstance(self._comm_hook, CommHook):
+            hook = self._comm_hook.function
+            state = self._ddp_comm_state if self._ddp_comm_state is not None else self._comm_hook.default_state()
+        else:
+            hook, state = self._comm_hook, self._ddp_comm_state
+        if self._ddp_comm_wrapper is not None:
+            hook = self._ddp_comm_wrapper(hook)
+        self.model.register_comm_hook(state=state, hook=counted_hook(hook, self.comm_hook_counter))
+
+    @override
+    def configure_ddp(self) -> None:
+        super().configure_ddp()
+        rank_zero_info(self.describe())
+
+    def describe(self) -> str:
+        """One compact line with the resolved settings, logged by rank 0 at setup."""
+        settings = self.settings
+        if isinstance(self._comm_hook, CommHook):
+            hook = self._comm_hook.value
+        elif self._comm_hook is not None:
+            hook = getattr(self._comm_hook, "__qualname__", repr(self._comm_hook))
+        else:
+            hook = "none"
+        backend = self._process_group_backend or (self._requested_backend or "auto")
+        flags = ", ".join(f"{name}={getattr(settings, name)}" for name in ("find_unused_parameters", "broadcast_buffers", "static_graph", "gradient_as_bucket_view"))
+        extra = f", extra={settings.extra}" if settings.extra else ""
+        return (
+            f"DDPPlusStrategy: backend={backend}, timeout={format_timeout(self.timeout)}, world_size={self.world_size}, "
+            f"start_method={self._start_method}, bucket_cap_mb={settings.bucket_cap_mb:g}{self._bucket_count()}, {flags}, "
+            f"comm_hook={hook}{extra}"
+        )
+
+    def _bucket_count(self) -> str:
+        if not isinstance(self.model, DistributedDataParallel):
+            return ""
+        buckets = self.model._get_ddp_logging_data().get("num_buckets_reduced")
+        return f" ({buckets} buckets)" if buckets is not None else ""
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        for name, start_method in REGISTERED_NAMES:
+            strategy_registry.register(
+                name,
+                cls,
+                description=f"DDP Plus strategy with `start_method` '{start_method}'",
+                override=True,
+                start_method=start_method,
+            )
