@@ -100,14 +100,14 @@ class SpiralClassifier(L.LightningModule):
         logits = self(x)
         self.val_accuracy.update(logits, y)
         self.log("val_loss", nn.functional.cross_entropy(logits, y), sync_dist=True)
+        # Logging the metric object lets Lightning call compute() at epoch end, which sums the metric state over
+        # all ranks first: every rank logs the accuracy over the whole validation set.
+        self.log("val_acc", self.val_accuracy, prog_bar=True)
 
-    def on_validation_epoch_end(self) -> None:
-        # compute() sums the metric state over all ranks first, so every rank gets the global accuracy.
-        accuracy = self.val_accuracy.compute()
-        self.val_accuracy.reset()
-        self.log("val_acc", accuracy, prog_bar=True)
-        if not self.trainer.sanity_checking:
-            self.val_accuracy_history.append(float(accuracy))
+    def on_train_epoch_end(self) -> None:
+        # Validation ran at the end of this training epoch; its logged figures are in callback_metrics by now.
+        if "val_acc" in self.trainer.callback_metrics:
+            self.val_accuracy_history.append(float(self.trainer.callback_metrics["val_acc"]))
 
     def on_fit_end(self) -> None:
         if self.trainer.is_global_zero and self.val_accuracy_history:

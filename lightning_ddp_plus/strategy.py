@@ -223,8 +223,8 @@ class DDPPlusStrategy(DDPStrategy):
     def _bucket_count(self) -> str:
         if not isinstance(self.model, DistributedDataParallel):
             return ""
-        buckets = self.model._get_ddp_logging_data().get("num_buckets_reduced")
-        return f" ({buckets} buckets)" if buckets is not None else ""
+        sizes = str(self.model._get_ddp_logging_data().get("bucket_sizes", ""))
+        return f" ({len(sizes.split(','))} buckets)" if sizes else ""
 
     @classmethod
     @override

@@ -1,0 +1,134 @@
+"""Small models, data and callbacks shared by the tests (importable, so the spawn launcher can pickle them)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, TensorDataset
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def regression_data(num_samples: int, features: int = 8, seed: int = 0) -> TensorDataset:
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_samples, features, generator=generator)
+    y = x @ torch.randn(features, 1, generator=generator) + 0.1 * torch.randn(num_samples, 1, generator=generator)
+    return TensorDataset(x, y)
+
+
+class TinyRegression(L.LightningModule):
+    """Linear -> ReLU -> Linear regression trained with plain SGD (so results are easy to reproduce exactly)."""
+
+    def __init__(self, num_samples: int = 64, batch_size: int = 4, lr: float = 0.05, features: int = 8) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        torch.manual_seed(1)
+        self.net = nn.Sequential(nn.Linear(features, 16), nn.ReLU(), nn.Linear(16, 1))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self(x), y)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(regression_data(self.hparams.num_samples, self.hparams.features), batch_size=self.hparams.batch_size)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+
+
+class ProcessGroupProbe(L.Callback):
+    """Records what the process group really got: its backend and its timeout."""
+
+    def __init__(self) -> None:
+        self.backend: Optional[str] = None
+        self.timeout_seconds: Optional[float] = None
+        self.world_size: Optional[int] = None
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.backend = dist.get_backend()
+        self.world_size = dist.get_world_size()
+        self.timeout_seconds = process_group_timeout().total_seconds()
+
+
+def process_group_timeout() -> Any:
+    group = dist.distributed_c10d._get_default_group()
+    return group._get_backend(torch.device("cpu")).options._timeout
+
+
+class ReplicaReport(L.Callback):
+    """At the end of training, gathers every rank's flattened parameters and hook counts; rank 0 writes them as JSON.
+
+    It also records, after every backward (when the all-reduce has finished), whether each gradient is exactly
+    representable in float16: true on every step only when an fp16 compression hook really ran.
+    """
+
+    def __init__(self, out_path: str) -> None:
+        self.out_path = out_path
+        self.grads_fp16_exact: list[bool] = []
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+        self.grads_fp16_exact.append(all(torch.equal(g, g.half().float()) for g in grads))
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        flat = torch.cat([p.detach().flatten() for p in pl_module.parameters()])
+        gathered = [torch.zeros_like(flat) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, flat)
+        counter = getattr(trainer.strategy, "comm_hook_counter", None)
+        local = torch.tensor([counter.calls if counter else -1, int(all(self.grads_fp16_exact)), trainer.global_step])
+        stats = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
+        dist.all_gather(stats, local)
+        if trainer.is_global_zero:
+            report = {
+                "params": [t.tolist() for t in gathered],
+                "hook_calls": [int(s[0]) for s in stats],
+                "grads_fp16_exact": [bool(s[1]) for s in stats],
+                "global_step": [int(s[2]) for s in stats],
+                "backend": dist.get_backend(),
+                "timeout_seconds": process_group_timeout().total_seconds(),
+                "world_size": dist.get_world_size(),
+            }
+            Path(self.out_path).write_text(json.dumps(report))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_job(args: list[str], timeout: float = 180, env: Optional[dict[str, str]] = None, cwd: Optional[Path] = None) -> subprocess.CompletedProcess:
+    """Run a command in its own session; on time-out kill its whole process group (launched ranks included)."""
+    full_env = {**os.environ, "MASTER_PORT": str(free_port()), "PYTHONPATH": str(REPO_ROOT), **(env or {})}
+    process = subprocess.Popen(
+        args, cwd=cwd or REPO_ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, 9)
+        output, _ = process.communicate()
+        raise AssertionError(f"job timed out after {timeout}s: {args}\n{output[-4000:]}")
+    finally:
+        try:
+            os.killpg(process.pid, 9)
+        except ProcessLookupError:
+            pass
+    return subprocess.CompletedProcess(args, process.returncode, output, None)
+
+
+def python_script(name: str) -> list[str]:
+    return [sys.executable, str(REPO_ROOT / "tests" / "scripts" / name)]

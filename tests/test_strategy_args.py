@@ -1,0 +1,161 @@
+"""Construction-time and Trainer-time validation of ``DDPPlusStrategy``: no process is started in this file."""
+
+import warnings
+from datetime import timedelta
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.accelerators import CPUAccelerator
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+
+import lightning_ddp_plus
+from lightning_ddp_plus import DDPPlusStrategy, REGISTERED_NAMES
+from lightning_ddp_plus.comm_hooks import CommHook
+
+
+def test_is_a_lightning_ddp_strategy_with_documented_defaults():
+    strategy = DDPPlusStrategy()
+    assert isinstance(strategy, DDPStrategy)
+    assert strategy.timeout == timedelta(seconds=1800)
+    assert strategy.settings.find_unused_parameters is False
+    assert strategy.settings.bucket_cap_mb == 25
+    assert strategy.settings.broadcast_buffers is True
+    assert strategy.settings.static_graph is False
+    assert strategy.settings.gradient_as_bucket_view is False
+    assert strategy.comm_hook is None
+    assert strategy.start_method == "popen"
+
+
+def test_every_knob_reaches_the_ddp_kwargs():
+    strategy = DDPPlusStrategy(
+        find_unused_parameters=True, bucket_cap_mb=50, broadcast_buffers=False, static_graph=True, gradient_as_bucket_view=True, batched_grad_copy=True
+    )
+    assert strategy._ddp_kwargs == {
+        "find_unused_parameters": True,
+        "bucket_cap_mb": 50,
+        "forward_sync_buffers": False,
+        "static_graph": True,
+        "gradient_as_bucket_view": True,
+        "batched_grad_copy": True,
+    }
+
+
+def test_timeout_and_hook_are_parsed():
+    strategy = DDPPlusStrategy(process_group_backend="gloo", timeout="30m", ddp_comm_hook="fp16")
+    assert strategy.timeout == timedelta(minutes=30)
+    assert strategy.comm_hook is CommHook.FP16
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "pattern"),
+    [
+        ({"process_group_backend": "ncll"}, ValueError, "did you mean 'nccl'"),
+        ({"timeout": 0}, ValueError, r"`timeout=0`.*greater than zero"),
+        ({"timeout": "-1h"}, ValueError, "could not be read"),
+        ({"timeout": "later"}, ValueError, "could not be read"),
+        ({"bucket_cap_mb": 0}, ValueError, r"`bucket_cap_mb=0`.*greater than zero"),
+        ({"bucket_cap_mb": -25}, ValueError, "bucket_cap_mb"),
+        ({"bucket_cap_mb": "25"}, TypeError, r"bucket_cap_mb.*expected a positive number"),
+        ({"find_unused_parameters": "false"}, TypeError, r"find_unused_parameters='false'.*True or False"),
+        ({"static_graph": 1}, TypeError, "static_graph"),
+        ({"broadcast_buffers": None}, TypeError, "broadcast_buffers"),
+        ({"gradient_as_bucket_view": "yes"}, TypeError, "gradient_as_bucket_view"),
+        ({"ddp_comm_hook": "fp61"}, ValueError, "did you mean 'fp16'"),
+        ({"ddp_comm_hook": "powrsgd"}, ValueError, "did you mean 'powersgd'"),
+        ({"start_method": "thread"}, ValueError, "start_method"),
+        ({"model_averaging_period": 0}, ValueError, "model_averaging_period"),
+        ({"find_unused_parameter": True}, TypeError, "did you mean `find_unused_parameters`"),
+        ({"forward_sync_buffers": False}, ValueError, "use the `broadcast_buffers` argument"),
+        ({"device_ids": [0]}, ValueError, "device_ids"),
+        ({"ddp_comm_wrapper": print}, ValueError, "needs a hook to wrap"),
+    ],
+)
+def test_bad_values_fail_at_construction(kwargs, error, pattern):
+    with pytest.raises(error, match=pattern):
+        DDPPlusStrategy(**kwargs)
+
+
+def test_registered_names_resolve_to_the_strategy_with_their_launcher():
+    assert {name for name, _ in REGISTERED_NAMES} == {"ddp_plus", "ddp_plus_spawn", "ddp_plus_fork", "ddp_plus_notebook"}
+    for name, start_method in REGISTERED_NAMES:
+        strategy = StrategyRegistry.get(name)
+        assert type(strategy) is DDPPlusStrategy
+        assert strategy.start_method == start_method
+
+
+def test_registration_is_idempotent():
+    DDPPlusStrategy.register_strategies(StrategyRegistry)
+    DDPPlusStrategy.register_strategies(StrategyRegistry)
+    assert StrategyRegistry.get("ddp_plus").start_method == "popen"
+    import importlib
+
+    importlib.reload(lightning_ddp_plus)
+    assert type(StrategyRegistry.get("ddp_plus_spawn")) is lightning_ddp_plus.DDPPlusStrategy
+
+
+def trainer(strategy, accelerator="cpu", devices=2):
+    return L.Trainer(strategy=strategy, accelerator=accelerator, devices=devices, logger=False, enable_progress_bar=False)
+
+
+def test_trainer_string_gets_auto_backend_for_cpu():
+    assert trainer("ddp_plus").strategy.process_group_backend == "gloo"
+
+
+def test_nccl_on_cpu_fails_at_trainer_construction():
+    with pytest.raises(ValueError, match=r"'nccl' cannot run collectives on 'cpu' devices.*set `process_group_backend` to 'gloo'"):
+        trainer(DDPPlusStrategy(process_group_backend="nccl"))
+
+
+def test_xccl_without_xpus_fails_at_trainer_construction():
+    with pytest.raises(ValueError, match=r"'xccl' cannot run collectives on 'cpu' devices"):
+        trainer(DDPPlusStrategy(process_group_backend="xccl"))
+
+
+class FakeCUDAAccelerator(CPUAccelerator):
+    """Claims CUDA devices so the device-dependent choices can be checked on a CPU machine; nothing runs on them."""
+
+    @staticmethod
+    def get_parallel_devices(devices):
+        return [torch.device("cuda", i) for i in range(int(devices))]
+
+    @staticmethod
+    def is_available() -> bool:
+        return True
+
+
+def test_gloo_is_accepted_on_cuda_devices():
+    strategy = trainer(DDPPlusStrategy(process_group_backend="gloo"), accelerator=FakeCUDAAccelerator()).strategy
+    assert strategy.process_group_backend == "gloo"
+    assert strategy.parallel_devices[0].type == "cuda"
+
+
+def test_auto_on_cuda_picks_nccl_which_this_cpu_build_lacks():
+    with pytest.raises(ValueError, match=r"`process_group_backend='nccl'`.*has no 'nccl' backend"):
+        trainer(DDPPlusStrategy(), accelerator=FakeCUDAAccelerator())
+
+
+def test_xccl_on_cuda_devices_is_refused():
+    with pytest.raises(ValueError, match="'xccl' cannot run collectives on 'cuda' devices"):
+        trainer(DDPPlusStrategy(process_group_backend="xccl"), accelerator=FakeCUDAAccelerator())
+
+
+def test_broadcast_buffers_maps_without_deprecation_warning():
+    # The mapped kwargs are what torch receives; constructing DDP with them must not warn about broadcast_buffers.
+    import os
+
+    import torch.distributed as dist
+
+    from tests.helpers import free_port
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        for value in (True, False):
+            kwargs = DDPPlusStrategy(broadcast_buffers=value)._ddp_kwargs
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", FutureWarning)
+                ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.BatchNorm1d(3), **kwargs)
+            assert ddp.broadcast_buffers is value
+    finally:
+        dist.destroy_process_group()
