@@ -3,14 +3,13 @@
 Stock Lightning registers hooks only on CUDA; torch runs them on every backend, gloo included, and so do we.
 """
 
-from __future__ import annotations
-
 import importlib
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Callable, Optional, Union
 
 import torch
+import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
 from lightning_ddp_plus._messages import closest_name, describe_bad_value
@@ -120,7 +119,8 @@ def counted_hook(hook: HookFunction, counter: HookCallCounter) -> HookFunction:
     name unless CUDA+NCCL or XPU+XCCL are present, although gloo reduces bfloat16 tensors correctly.
     """
 
-    def ddp_plus_counted_hook(state: Any, bucket: "torch.distributed.GradBucket") -> "torch.futures.Future[torch.Tensor]":
+    # Real (not string) annotations: torch's register_comm_hook compares them with dist.GradBucket and Future.
+    def ddp_plus_counted_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         buffer = bucket.buffer()
         counter.calls += 1
         counter.bucket_bytes += buffer.numel() * buffer.element_size()
@@ -130,7 +130,7 @@ def counted_hook(hook: HookFunction, counter: HookCallCounter) -> HookFunction:
     return ddp_plus_counted_hook
 
 
-def allreduce_mean_hook(state: Any, bucket: "torch.distributed.GradBucket") -> "torch.futures.Future[torch.Tensor]":
+def allreduce_mean_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """torch's default behaviour (all-reduce, then divide by world size), as a hook, so that runs without a user hook
     can still be counted."""
     return default_hooks.allreduce_hook(state, bucket)

@@ -1,0 +1,98 @@
+"""Real LightningCLI runs from YAML files on disk: the strategy the YAML names is the one the process group gets.
+
+Each run is one process (devices=1), so the process group is real but nothing is launched; the process group is
+destroyed after each run so the next one creates its own.
+"""
+
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+from lightning.pytorch.cli import LightningCLI
+
+import lightning_ddp_plus  # noqa: F401  (registers ddp_plus)
+from lightning_ddp_plus import DDPPlusStrategy
+from tests.helpers import ProcessGroupProbe, free_port
+
+BASE = """
+trainer:
+  accelerator: cpu
+  devices: 1
+  max_steps: 2
+  logger: false
+  enable_checkpointing: false
+  enable_progress_bar: false
+  enable_model_summary: false
+  callbacks:
+    - class_path: tests.helpers.ProcessGroupProbe
+  strategy: {strategy}
+model:
+  class_path: tests.helpers.TinyRegression
+  init_args: {{num_samples: 16, batch_size: 4}}
+"""
+
+
+@pytest.fixture(autouse=True)
+def fresh_process_group(monkeypatch):
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    monkeypatch.setattr("sys.argv", ["ddp-plus"])
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def run_cli(tmp_path: Path, strategy_yaml: str) -> LightningCLI:
+    config = tmp_path / "config.yaml"
+    config.write_text(BASE.format(strategy=strategy_yaml))
+    return LightningCLI(args=["fit", "--config", str(config)], save_config_callback=None)
+
+
+def probe_of(cli: LightningCLI) -> ProcessGroupProbe:
+    return next(c for c in cli.trainer.callbacks if isinstance(c, ProcessGroupProbe))
+
+
+# YAML text as written in the file -> the timedelta the process group must get.
+TIMEOUT_FORMS = [
+    ("45", 45),
+    ("12.5", 12.5),
+    ("90s", 90),
+    ("30m", 1800),
+    ("2h", 7200),
+    ("1h30m", 5400),
+    ("1d", 86400),
+    ("'0:30:00'", 1800),
+    ("1:00:00", 3600),  # unquoted: YAML 1.1 reads base-60, the int 3600
+    ("'1 day, 0:00:00'", 86400),
+]
+
+
+@pytest.mark.parametrize(("timeout_yaml", "seconds"), TIMEOUT_FORMS, ids=[form for form, _ in TIMEOUT_FORMS])
+def test_timeout_forms_reach_the_process_group(tmp_path, timeout_yaml, seconds):
+    strategy = (
+        "\n    class_path: lightning_ddp_plus.DDPPlusStrategy"
+        f"\n    init_args: {{process_group_backend: gloo, timeout: {timeout_yaml}, find_unused_parameters: false, bucket_cap_mb: 25}}"
+    )
+    cli = run_cli(tmp_path, strategy)
+    assert isinstance(cli.trainer.strategy, DDPPlusStrategy)
+    assert cli.trainer.strategy.timeout == timedelta(seconds=seconds)
+    probe = probe_of(cli)
+    assert probe.backend == "gloo"
+    assert probe.timeout_seconds == pytest.approx(seconds)
+    assert cli.trainer.global_step == 2
+
+
+def test_strategy_name_ddp_plus(tmp_path):
+    cli = run_cli(tmp_path, "ddp_plus")
+    assert type(cli.trainer.strategy) is DDPPlusStrategy
+    probe = probe_of(cli)
+    assert probe.backend == "gloo"  # auto from the CPU accelerator
+    assert probe.timeout_seconds == 1800
+    assert cli.trainer.global_step == 2
+
+
+def test_bad_yaml_value_fails_before_training(tmp_path):
+    strategy = "\n    class_path: lightning_ddp_plus.DDPPlusStrategy\n    init_args: {process_group_backend: ncll}"
+    with pytest.raises(ValueError, match="did you mean 'nccl'"):
+        run_cli(tmp_path, strategy)
+    assert not dist.is_initialized()
