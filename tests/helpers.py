@@ -132,3 +132,8 @@ def run_job(args: list[str], timeout: float = 180, env: Optional[dict[str, str]]
 
 def python_script(name: str) -> list[str]:
     return [sys.executable, str(REPO_ROOT / "tests" / "scripts" / name)]
+
+
+def console_script(name: str) -> str:
+    """The installed console script beside this interpreter (the venv's bin/), whether or not PATH has it."""
+    return str(Path(sys.executable).parent / name)

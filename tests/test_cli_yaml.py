@@ -96,3 +96,43 @@ def test_bad_yaml_value_fails_before_training(tmp_path):
     with pytest.raises(ValueError, match="did you mean 'nccl'"):
         run_cli(tmp_path, strategy)
     assert not dist.is_initialized()
+
+
+STRATEGY_ARGUMENTS = (
+    "process_group_backend",
+    "timeout",
+    "find_unused_parameters",
+    "bucket_cap_mb",
+    "broadcast_buffers",
+    "static_graph",
+    "gradient_as_bucket_view",
+    "ddp_comm_hook",
+    "start_method",
+)
+
+
+@pytest.mark.parametrize("config", ["cpu.yaml", "gpu.yaml", "multinode.yaml"])
+def test_console_script_prints_every_strategy_argument(config):
+    import yaml
+
+    from tests.helpers import console_script, run_job
+
+    result = run_job([console_script("ddp-plus"), "fit", "--config", f"configs/{config}", "--print_config"], timeout=120)
+    assert result.returncode == 0, result.stdout[-3000:]
+    printed = yaml.safe_load(result.stdout[result.stdout.index("# lightning.pytorch") if "# lightning.pytorch" in result.stdout else 0 :])
+    strategy = printed["trainer"]["strategy"]
+    assert strategy["class_path"] == "lightning_ddp_plus.DDPPlusStrategy"
+    for name in STRATEGY_ARGUMENTS:
+        assert name in strategy["init_args"], name
+
+
+def test_console_script_help_shows_types_and_defaults():
+    from tests.helpers import console_script, run_job
+
+    result = run_job([console_script("ddp-plus"), "fit", "--trainer.strategy.help", "lightning_ddp_plus.DDPPlusStrategy"], timeout=120)
+    assert result.returncode == 0, result.stdout[-3000:]
+    text = " ".join(result.stdout.split())
+    for name in STRATEGY_ARGUMENTS:
+        assert f"--trainer.strategy.{name}" in text
+    assert "type: Optional[str], default: null" in text  # process_group_backend
+    assert "default: 25" in text  # bucket_cap_mb
