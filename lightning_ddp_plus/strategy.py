@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
+from collections.abc import Generator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Callable, Literal, Optional, Union
 
@@ -11,13 +14,26 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.types import STEP_OUTPUT
+from torch import Tensor
 from torch.nn import Module
+from torch.optim import Optimizer
 from torch.nn.parallel.distributed import DistributedDataParallel
 from typing_extensions import override
 
 import lightning.pytorch as pl
 from lightning_ddp_plus._messages import describe_bad_value
+from lightning_ddp_plus.accumulation import (
+    SHORT_WINDOW_MODES,
+    ShortWindow,
+    SyncStats,
+    WindowPosition,
+    check_accumulation_steps,
+    loss_scale,
+    merge_accumulation_settings,
+    window_position,
+)
 from lightning_ddp_plus.backend import normalize_backend, resolve_backend_for_device
 from lightning_ddp_plus.comm_hooks import CommHook, HookCallCounter, HookFunction, counted_hook, parse_comm_hook
 from lightning_ddp_plus.settings import DDPSettings
@@ -63,6 +79,11 @@ class DDPPlusStrategy(DDPStrategy):
         ddp_comm_state: state passed to the hook; PowerSGD gets a default state when this is ``None``.
         ddp_comm_wrapper: wrapper applied to the hook, e.g. torch's ``fp16_compress_wrapper``.
         model_averaging_period: period of model averaging for post-local SGD, as in ``DDPStrategy``.
+        gradient_accumulation_steps: micro-batches per optimizer step; the gradient all-reduce runs only on the
+            last one of each window, in automatic and manual optimization. The same as
+            ``Trainer(accumulate_grad_batches=...)``: set either (they must agree if both are set).
+        short_window: how the short last window of an epoch is averaged. ``"mean"`` (default): the mean over the
+            micro-batches it really had. ``"lightning"``: Lightning's rule, the sum divided by k.
         start_method: how processes are started: ``"popen"`` (re-run the script), ``"spawn"``, ``"fork"``,
             ``"forkserver"``.
         **kwargs: further ``DistributedDataParallel`` arguments, checked against its signature.
@@ -94,6 +115,8 @@ class DDPPlusStrategy(DDPStrategy):
         ddp_comm_state: Optional[object] = None,
         ddp_comm_wrapper: Optional[Callable] = None,
         model_averaging_period: Optional[int] = None,
+        gradient_accumulation_steps: Optional[int] = None,
+        short_window: ShortWindow = "mean",
         start_method: StartMethod = "popen",
         **kwargs: Any,
     ) -> None:
@@ -108,6 +131,11 @@ class DDPPlusStrategy(DDPStrategy):
         requested_backend = normalize_backend(process_group_backend)
         parsed_timeout = parse_timeout(timeout)
         comm_hook = parse_comm_hook(ddp_comm_hook)
+        accumulation_steps = check_accumulation_steps(gradient_accumulation_steps)
+        if short_window not in SHORT_WINDOW_MODES:
+            raise ValueError(
+                describe_bad_value("short_window", short_window, f"allowed: {', '.join(SHORT_WINDOW_MODES)}.", "use 'mean' (average over the micro-batches the window had) or 'lightning' (divide by k).")
+            )
         if start_method not in _START_METHODS:
             raise ValueError(
                 describe_bad_value("start_method", start_method, f"allowed: {', '.join(_START_METHODS)}.", "use 'popen' for scripts and CLIs, 'spawn' inside notebooks or tests.")
@@ -139,6 +167,15 @@ class DDPPlusStrategy(DDPStrategy):
         self._comm_hook: Union[CommHook, HookFunction, None] = comm_hook
         #: Calls of the registered communication hook (one per gradient bucket all-reduced) on this rank.
         self.comm_hook_counter = HookCallCounter()
+        self._accumulation_setting = accumulation_steps
+        #: Micro-batches per optimizer step in effect (resolved with the Trainer's setting when fitting starts).
+        self.gradient_accumulation_steps = accumulation_steps or 1
+        self._short_window: ShortWindow = short_window
+        #: Synced and skipped backward passes and optimizer steps on this rank.
+        self.sync_stats = SyncStats()
+        self._synced_backward_seen = False
+        self._backward_syncs = True
+        self._warned_unsynced_step = False
 
     @property
     def timeout(self) -> timedelta:
@@ -164,7 +201,120 @@ class DDPPlusStrategy(DDPStrategy):
         # The Trainer calls this once it has chosen the accelerator and devices, before anything is launched: the
         # earliest moment at which device-dependent settings can be judged.
         self._process_group_backend = resolve_backend_for_device(self._requested_backend, self._device_type())
+        merge_accumulation_settings(self._accumulation_setting, _accumulate_grad_batches_of_trainer_being_built())
         super()._configure_launcher()
+
+    @override
+    def connect(self, model: "pl.LightningModule") -> None:
+        super().connect(model)
+        trainer = model._trainer
+        if trainer is None:
+            return
+        steps = merge_accumulation_settings(self._accumulation_setting, trainer.accumulate_grad_batches)
+        self._accumulation_setting = self.gradient_accumulation_steps = steps
+        # The loop accumulates in automatic optimization; in manual optimization Lightning refuses
+        # accumulate_grad_batches != 1 and the strategy does the accumulation itself.
+        trainer.accumulate_grad_batches = steps if model.automatic_optimization else 1
+
+    def _window_position(self) -> WindowPosition:
+        assert self.lightning_module is not None
+        trainer = self.lightning_module.trainer
+        batch_number = max(1, trainer.fit_loop.epoch_loop.batch_progress.current.ready)
+        return window_position(batch_number, self.gradient_accumulation_steps, trainer.num_training_batches)
+
+    @property
+    def sync_gradients(self) -> bool:
+        """True while training on the micro-batch that closes an accumulation window: its backward all-reduces,
+        and in manual optimization it is the one after which to call ``optimizer.step()``."""
+        if self.gradient_accumulation_steps == 1 or self.lightning_module is None:
+            return True
+        return self._window_position().closes_window
+
+    def _must_sync_first_backward(self) -> bool:
+        # torch's reducer asserts (expect_autograd_hooks_) when the very first backward of a static graph runs under
+        # no_sync (R3). So the first micro-batch all-reduces too; averaging is linear and that gradient is already
+        # identical on every rank, so the window's result stays exact, at the cost of one extra all-reduce per run.
+        return self.settings.static_graph and not self._synced_backward_seen
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator:
+        if self._must_sync_first_backward():
+            yield None
+            return
+        with super().block_backward_sync():
+            yield None
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
+        model = self.model
+        if not isinstance(model, DistributedDataParallel):
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        assert self.lightning_module is not None
+        automatic = self.lightning_module.automatic_optimization
+        steps = self.gradient_accumulation_steps
+        if steps > 1:
+            position = self._window_position()
+            scale = loss_scale(position, steps, self._short_window, automatic)
+            if scale != 1.0:
+                closure_loss = closure_loss * scale
+            # Automatic: the loop has already entered no_sync for micro-batches that do not close a window.
+            syncs = model.require_backward_grad_sync if automatic else (position.closes_window or self._must_sync_first_backward())
+        else:
+            syncs = model.require_backward_grad_sync or not automatic
+        self._backward_syncs = syncs
+        if not syncs:
+            model.require_backward_grad_sync = False
+        try:
+            closure_loss = super().backward(closure_loss, optimizer, *args, **kwargs)
+        finally:
+            if not automatic:
+                model.require_backward_grad_sync = True
+        if syncs:
+            self.sync_stats.synced_backwards += 1
+            self._synced_backward_seen = True
+        else:
+            self.sync_stats.skipped_backwards += 1
+        return closure_loss
+
+    @override
+    def post_backward(self, closure_loss: Tensor) -> None:
+        # Lightning's manual static-graph flush must only follow a backward that all-reduced.
+        if self._backward_syncs:
+            super().post_backward(closure_loss)
+
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Optional[Union["pl.LightningModule", Module]] = None, **kwargs: Any) -> Any:
+        lightning_module = self.lightning_module
+        if (
+            lightning_module is not None
+            and not lightning_module.automatic_optimization
+            and not self.sync_gradients
+            and not self._warned_unsynced_step
+        ):
+            self._warned_unsynced_step = True
+            rank_zero_warn(
+                f"optimizer.step() was called on a micro-batch that does not close its accumulation window "
+                f"(gradient_accumulation_steps={self.gradient_accumulation_steps}): its gradients were not all-reduced, "
+                "so replicas will diverge. Fix: call it only when `self.trainer.strategy.sync_gradients` is True."
+            )
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self.sync_stats.optimizer_steps += 1
+        if lightning_module is not None:
+            trainer = lightning_module.trainer
+            if self.sync_stats.optimizer_steps % max(1, trainer.log_every_n_steps) == 0:
+                self._log_sync_stats(trainer)
+        return output
+
+    def _log_sync_stats(self, trainer: "pl.Trainer") -> None:
+        for logger in trainer.loggers:
+            logger.log_metrics(self.sync_stats.as_metrics(), step=trainer.global_step)
+
+    @override
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        if self.lightning_module is not None:
+            self._log_sync_stats(self.lightning_module.trainer)
 
     @override
     def _get_process_group_backend(self) -> str:
@@ -217,7 +367,7 @@ class DDPPlusStrategy(DDPStrategy):
         return (
             f"DDPPlusStrategy: backend={backend}, timeout={format_timeout(self.timeout)}, world_size={self.world_size}, "
             f"start_method={self._start_method}, bucket_cap_mb={settings.bucket_cap_mb:g}{self._bucket_count()}, {flags}, "
-            f"comm_hook={hook}{extra}"
+            f"comm_hook={hook}, accumulation={self.gradient_accumulation_steps} (short_window={self._short_window}){extra}"
         )
 
     def _bucket_count(self) -> str:
@@ -237,3 +387,17 @@ class DDPPlusStrategy(DDPStrategy):
                 override=True,
                 start_method=start_method,
             )
+
+
+def _accumulate_grad_batches_of_trainer_being_built() -> Optional[object]:
+    """``accumulate_grad_batches`` of the ``Trainer.__init__`` that is configuring this strategy, if any.
+
+    The Trainer stores that argument only after it has set up the strategy, but a mismatch must fail while the
+    Trainer is being built, before anything is launched; the argument is already in the constructor's frame.
+    """
+    frame = inspect.currentframe()
+    while frame is not None:
+        if frame.f_code.co_name == "__init__" and isinstance(frame.f_locals.get("self"), pl.Trainer):
+            return frame.f_locals.get("accumulate_grad_batches")
+        frame = frame.f_back
+    return None

@@ -137,3 +137,56 @@ def python_script(name: str) -> list[str]:
 def console_script(name: str) -> str:
     """The installed console script beside this interpreter (the venv's bin/), whether or not PATH has it."""
     return str(Path(sys.executable).parent / name)
+
+
+class TinyRegressionManual(TinyRegression):
+    """The same model in manual optimization, accumulating with ``strategy.sync_gradients``."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.automatic_optimization = False
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        optimizer = self.optimizers()
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x), y)
+        self.manual_backward(loss)  # the strategy scales by the window length and skips the all-reduce mid-window
+        if self.trainer.strategy.sync_gradients:
+            optimizer.step()
+            optimizer.zero_grad()
+        return loss
+
+
+def start_ranks(args: list[str], world_size: int = 2, timeout: float = 300, env: Optional[dict[str, str]] = None) -> list[subprocess.CompletedProcess]:
+    """Start ``world_size`` processes of one job ourselves (as torchrun would), so one pair of processes can run
+    several ``Trainer.fit`` calls on one process group. Every process is killed at the time limit."""
+    port = str(free_port())
+    processes = []
+    for rank in range(world_size):
+        rank_env = {
+            **os.environ,
+            "PYTHONPATH": str(REPO_ROOT),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+            "LOCAL_RANK": str(rank),
+            "NODE_RANK": "0",
+            "WORLD_SIZE": str(world_size),
+            **(env or {}),
+        }
+        processes.append(
+            subprocess.Popen(args, cwd=REPO_ROOT, env=rank_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        )
+    results = []
+    try:
+        for process in processes:
+            output, _ = process.communicate(timeout=timeout)
+            results.append(subprocess.CompletedProcess(args, process.returncode, output, None))
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"ranks timed out after {timeout}s: {args}")
+    finally:
+        for process in processes:
+            try:
+                os.killpg(process.pid, 9)
+            except ProcessLookupError:
+                pass
+    return results
