@@ -134,3 +134,37 @@ def test_one_allreduce_per_optimizer_step_and_exact_result(accumulation_results,
 def test_short_window_modes_really_differ(accumulation_results):
     # The check above could not tell the two modes apart if the short window were never scaled.
     assert not torch.allclose(reference_parameters(4, "mean"), reference_parameters(4, "lightning"), atol=1e-5)
+
+
+def test_sync_stats_reach_the_trainer_logger(tmp_path, monkeypatch):
+    # One real process group of one rank, so the run stays in this process; the counts are logged under ddp/.
+    import csv
+
+    import torch.distributed as dist
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    from tests.helpers import TinyRegressionManual, free_port
+
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    strategy = DDPPlusStrategy(gradient_accumulation_steps=3)
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        log_every_n_steps=1,
+        logger=CSVLogger(tmp_path),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+    )
+    try:
+        trainer.fit(TinyRegressionManual(num_samples=40, batch_size=4))
+    finally:
+        dist.destroy_process_group()
+    rows = list(csv.DictReader(open(next(tmp_path.rglob("metrics.csv")))))
+    last = [row for row in rows if row.get("ddp/optimizer_steps")][-1]
+    assert float(last["ddp/optimizer_steps"]) == 4  # windows 3, 3, 3, 1
+    assert float(last["ddp/synced_backwards"]) == 4
+    assert float(last["ddp/skipped_backwards"]) == 6
+    assert strategy.sync_stats.optimizer_steps == 4

@@ -1,0 +1,172 @@
+"""Manual optimization with gradient accumulation (k=4): ``ddp_plus`` against stock Lightning ``DDPStrategy`` with
+Lightning's documented manual-accumulation recipe, side by side in one run on 2 processes (gloo).
+
+    python benchmarks/bench_manual_accumulation.py [--repeats 5] [--width 1024] [--layers 3] [--batches 64]
+
+The script starts its 2 ranks itself (as torchrun would) and runs the variants alternately (A B A B ...) on one
+process group. Both variants get the same counting communication hook, so all-reduces are counted the same way.
+Reports per-step time medians, min/max, the ratio ddp_plus / stock and all-reduces per optimizer step; writes JSON
+to benchmarks/results/.
+"""
+
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+from lightning_ddp_plus import DDPPlusStrategy  # noqa: E402
+
+K = 4
+
+
+class StockRecipe(L.LightningModule):
+    """Lightning's documented manual accumulation: divide by k, step every k batches; DDP syncs every backward."""
+
+    def __init__(self, width: int, layers: int, batches: int) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        torch.manual_seed(0)
+        self.net = nn.Sequential(*[m for _ in range(layers) for m in (nn.Linear(width, width), nn.ReLU())])
+        self.width, self.batches = width, batches
+
+    def loss(self, batch):
+        (x,) = batch
+        return self.net(x).pow(2).mean()
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers()
+        self.manual_backward(self.loss(batch) / K)
+        if (batch_idx + 1) % K == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(torch.randn(self.batches * 2 * 32, self.width)), batch_size=32)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-4)
+
+
+class PlusRecipe(StockRecipe):
+    """The same with ddp_plus: manual_backward syncs only on the window's last micro-batch."""
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers()
+        self.manual_backward(self.loss(batch))
+        if self.trainer.strategy.sync_gradients:
+            optimizer.step()
+            optimizer.zero_grad()
+
+
+class StepTimer(L.Callback):
+    def __init__(self) -> None:
+        self.window_ends: list[float] = []
+        self.allreduces = 0  # all-reduce passes (backward passes that synced), counted at their last bucket
+        self.bucket_allreduces = 0
+
+    def on_train_start(self, trainer, pl_module):
+        timer = self
+
+        def counting_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+            timer.bucket_allreduces += 1
+            timer.allreduces += int(bucket.is_last())
+            return default_hooks.allreduce_hook(state, bucket)
+
+        trainer.strategy.model.register_comm_hook(None, counting_hook)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if (batch_idx + 1) % K == 0:
+            self.window_ends.append(time.perf_counter())
+
+
+def run_variant(name: str, args) -> dict:
+    if name == "stock":
+        strategy, model = L.pytorch.strategies.DDPStrategy(process_group_backend="gloo"), StockRecipe(args.width, args.layers, args.batches)
+    else:
+        strategy, model = DDPPlusStrategy(process_group_backend="gloo", gradient_accumulation_steps=K), PlusRecipe(args.width, args.layers, args.batches)
+    timer = StepTimer()
+    trainer = L.Trainer(
+        strategy=strategy, accelerator="cpu", devices=2, max_epochs=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[timer],
+    )
+    trainer.fit(model)
+    steps = [b - a for a, b in zip(timer.window_ends, timer.window_ends[1:])]  # the first window is warm-up
+    windows = len(timer.window_ends)
+    return {
+        "step_seconds": statistics.median(steps),
+        "allreduces_per_step": timer.allreduces / windows,
+        "bucket_allreduces_per_step": timer.bucket_allreduces / windows,
+    }
+
+
+def rank_main(args) -> None:
+    results: dict[str, list[dict]] = {"stock": [], "ddp_plus": []}
+    for _ in range(args.repeats):
+        for name in ("stock", "ddp_plus"):
+            results[name].append(run_variant(name, args))
+    if dist.get_rank() == 0:
+        Path(args.out).write_text(json.dumps(results))
+
+
+def summarize(results: dict, args) -> dict:
+    summary = {}
+    for name, runs in results.items():
+        times = [r["step_seconds"] * 1000 for r in runs]
+        summary[name] = {
+            "median_ms_per_step": statistics.median(times), "min_ms": min(times), "max_ms": max(times),
+            "allreduces_per_step": statistics.median(r["allreduces_per_step"] for r in runs),
+            "bucket_allreduces_per_step": statistics.median(r["bucket_allreduces_per_step"] for r in runs),
+        }
+    summary["ratio_ddp_plus_over_stock"] = summary["ddp_plus"]["median_ms_per_step"] / summary["stock"]["median_ms_per_step"]
+    params = args.layers * (args.width * args.width + args.width)
+    summary["config"] = {"k": K, "parameters": params, "repeats": args.repeats, "batches_per_rank": args.batches, "world_size": 2, "backend": "gloo"}
+    return summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=3)
+    parser.add_argument("--batches", type=int, default=64, help="micro-batches per rank per repeat")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "manual_accumulation.json"))
+    args = parser.parse_args()
+    if "LOCAL_RANK" in os.environ:
+        rank_main(args)
+        return
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    raw = args.out + ".raw"
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ranks = []
+    for rank in range(2):
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "LOCAL_RANK": str(rank), "NODE_RANK": "0", "WORLD_SIZE": "2"}
+        ranks.append(subprocess.Popen([sys.executable, __file__, *sys.argv[1:], "--out", raw], env=env, stdout=subprocess.DEVNULL if rank else None, stderr=subprocess.STDOUT))
+    codes = [process.wait(timeout=1800) for process in ranks]
+    if any(codes):
+        sys.exit(f"a rank failed: exit codes {codes}")
+    summary = summarize(json.loads(Path(raw).read_text()), args)
+    Path(raw).unlink()
+    Path(args.out).write_text(json.dumps(summary, indent=2))
+    print(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()
