@@ -146,8 +146,10 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--batches", type=int, default=64, help="micro-batches per rank per repeat")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "manual_accumulation.json"))
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds before the ranks are killed")
+    parser.add_argument("--as-rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the launcher below
     args = parser.parse_args()
-    if "LOCAL_RANK" in os.environ:
+    if args.as_rank is not None:
         rank_main(args)
         return
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -157,9 +159,15 @@ def main() -> None:
         port = sock.getsockname()[1]
     ranks = []
     for rank in range(2):
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "LOCAL_RANK": str(rank), "NODE_RANK": "0", "WORLD_SIZE": "2"}
-        ranks.append(subprocess.Popen([sys.executable, __file__, *sys.argv[1:], "--out", raw], env=env, stdout=subprocess.DEVNULL if rank else None, stderr=subprocess.STDOUT))
-    codes = [process.wait(timeout=1800) for process in ranks]
+        inherited = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "GROUP_RANK", "LOCAL_WORLD_SIZE")}
+        env = {**inherited, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "LOCAL_RANK": str(rank), "NODE_RANK": "0", "WORLD_SIZE": "2"}
+        ranks.append(subprocess.Popen([sys.executable, __file__, *sys.argv[1:], "--out", raw, "--as-rank", str(rank)], env=env, stdout=subprocess.DEVNULL if rank else None, stderr=subprocess.STDOUT))
+    try:
+        codes = [process.wait(timeout=args.timeout) for process in ranks]
+    except subprocess.TimeoutExpired:
+        for process in ranks:
+            process.kill()
+        sys.exit(f"the benchmark ranks did not finish within {args.timeout} s")
     if any(codes):
         sys.exit(f"a rank failed: exit codes {codes}")
     summary = summarize(json.loads(Path(raw).read_text()), args)

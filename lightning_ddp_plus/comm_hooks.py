@@ -128,9 +128,3 @@ def counted_hook(hook: HookFunction, counter: HookCallCounter) -> HookFunction:
 
     ddp_plus_counted_hook.__qualname__ = f"counted({getattr(hook, '__qualname__', repr(hook))})"
     return ddp_plus_counted_hook
-
-
-def allreduce_mean_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """torch's default behaviour (all-reduce, then divide by world size), as a hook, so that runs without a user hook
-    can still be counted."""
-    return default_hooks.allreduce_hook(state, bucket)

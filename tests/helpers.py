@@ -110,9 +110,18 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+# Set in this (pytest) process by earlier in-process Lightning runs; a child that inherits them would believe it is
+# already one rank of a launched job and wait for peers that never come.
+_LAUNCH_VARIABLES = ("LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def clean_environment() -> dict[str, str]:
+    return {key: value for key, value in os.environ.items() if key not in _LAUNCH_VARIABLES}
+
+
 def run_job(args: list[str], timeout: float = 180, env: Optional[dict[str, str]] = None, cwd: Optional[Path] = None) -> subprocess.CompletedProcess:
     """Run a command in its own session; on time-out kill its whole process group (launched ranks included)."""
-    full_env = {**os.environ, "MASTER_PORT": str(free_port()), "PYTHONPATH": str(REPO_ROOT), **(env or {})}
+    full_env = {**clean_environment(), "MASTER_PORT": str(free_port()), "PYTHONPATH": str(REPO_ROOT), **(env or {})}
     process = subprocess.Popen(
         args, cwd=cwd or REPO_ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )
@@ -164,7 +173,7 @@ def start_ranks(args: list[str], world_size: int = 2, timeout: float = 300, env:
     processes = []
     for rank in range(world_size):
         rank_env = {
-            **os.environ,
+            **clean_environment(),
             "PYTHONPATH": str(REPO_ROOT),
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": port,

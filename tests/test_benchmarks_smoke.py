@@ -13,7 +13,7 @@ pytestmark = pytest.mark.multiprocess
 def test_manual_accumulation_benchmark_runs(tmp_path):
     out = tmp_path / "bench.json"
     script = str(REPO_ROOT / "benchmarks" / "bench_manual_accumulation.py")
-    result = run_job([sys.executable, script, "--repeats", "1", "--width", "32", "--layers", "1", "--batches", "8", "--out", str(out)], timeout=300)
+    result = run_job([sys.executable, script, "--repeats", "1", "--width", "32", "--layers", "1", "--batches", "8", "--out", str(out), "--timeout", "240"], timeout=300)
     assert result.returncode == 0, result.stdout[-3000:]
     summary = json.loads(out.read_text())
     # counts, not times: the stock recipe all-reduces on each of the k backwards, ddp_plus once per step
