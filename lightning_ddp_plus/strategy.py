@@ -349,6 +349,8 @@ class DDPPlusStrategy(DDPStrategy):
 
     @override
     def configure_ddp(self) -> None:
+        # A new DDP wrapper (a new fit) starts a new reducer, whose first static-graph backward must sync again.
+        self._synced_backward_seen = False
         super().configure_ddp()
         rank_zero_info(self.describe())
 
