@@ -18,6 +18,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
+#: Trainer arguments that keep test runs free of files and console noise.
+QUIET_TRAINER = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False}
+
 
 def regression_data(num_samples: int, features: int = 8, seed: int = 0) -> TensorDataset:
     generator = torch.Generator().manual_seed(seed)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import lightning_ddp_plus  # noqa: F401
-from tests.helpers import ReplicaReport, TinyRegression, python_script, run_job
+from tests.helpers import QUIET_TRAINER, ReplicaReport, TinyRegression, python_script, run_job
 
 pytestmark = pytest.mark.multiprocess
 
@@ -53,10 +53,7 @@ def test_ddp_plus_spawn_trains_with_identical_replicas(tmp_path):
         accelerator="cpu",
         devices=2,
         max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **QUIET_TRAINER,
         callbacks=[ReplicaReport(str(out))],
     )
     model = TinyRegression()

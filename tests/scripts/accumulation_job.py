@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_ddp_plus import DDPPlusStrategy
-from tests.helpers import TinyRegression, TinyRegressionManual
+from tests.helpers import QUIET_TRAINER, TinyRegression, TinyRegressionManual
 
 ALLREDUCE_HOOK = "torch.distributed.algorithms.ddp_comm_hooks.default_hooks.allreduce_hook"
 
@@ -31,10 +31,7 @@ def run_case(case: dict) -> dict:
         devices=2,
         max_epochs=1,
         accumulate_grad_batches=case.get("trainer_k", 1),
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **QUIET_TRAINER,
     )
     model_cls = TinyRegressionManual if case["manual"] else TinyRegression
     model = model_cls(num_samples=80, batch_size=4, lr=0.05)

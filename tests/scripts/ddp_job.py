@@ -9,7 +9,7 @@ import sys
 import lightning as L
 
 import lightning_ddp_plus
-from tests.helpers import ReplicaReport, TinyRegression
+from tests.helpers import QUIET_TRAINER, ReplicaReport, TinyRegression
 
 
 def main() -> None:
@@ -22,10 +22,7 @@ def main() -> None:
         accelerator="cpu",
         devices=2,
         max_epochs=trainer_kwargs.pop("max_epochs", 2),
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **QUIET_TRAINER,
         callbacks=[ReplicaReport(out_path)],
         **trainer_kwargs,
     )
