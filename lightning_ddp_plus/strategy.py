@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
+import weakref
 from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -12,6 +14,7 @@ from typing import Any, Callable, Literal, Optional, Union
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.strategies import _StrategyRegistry
+from lightning.pytorch.overrides.distributed import _sync_module_states, prepare_for_backward
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -19,7 +22,7 @@ from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
-from torch.nn.parallel.distributed import DistributedDataParallel
+from torch.nn.parallel.distributed import DistributedDataParallel, _DDPSink
 from typing_extensions import override
 
 import lightning.pytorch as pl
@@ -35,6 +38,9 @@ from lightning_ddp_plus.accumulation import (
     window_position,
 )
 from lightning_ddp_plus.backend import normalize_backend, resolve_backend_for_device
+from lightning_ddp_plus.errors import DDPConflictError
+from lightning_ddp_plus.facts import ForwardProbe, ModelFacts
+from lightning_ddp_plus.rules import DDPView, Finding, evaluate, resolved_view
 from lightning_ddp_plus.comm_hooks import CommHook, HookCallCounter, HookFunction, counted_hook, parse_comm_hook
 from lightning_ddp_plus.settings import DDPSettings
 from lightning_ddp_plus.timeout import DEFAULT_TIMEOUT, TimeoutLike, format_timeout, parse_timeout
@@ -42,6 +48,8 @@ from lightning_ddp_plus.timeout import DEFAULT_TIMEOUT, TimeoutLike, format_time
 log = logging.getLogger(__name__)
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
+ConflictMode = Literal["error", "warn", "resolve", "off"]
+_CONFLICT_MODES = ("error", "warn", "resolve", "off")
 _START_METHODS = ("popen", "spawn", "fork", "forkserver")
 
 #: Registered names and their launchers, mirroring Lightning's ``ddp``, ``ddp_spawn``, ``ddp_fork``, ``ddp_notebook``.
@@ -82,6 +90,12 @@ class DDPPlusStrategy(DDPStrategy):
         gradient_accumulation_steps: micro-batches per optimizer step; the gradient all-reduce runs only on the
             last one of each window, in automatic and manual optimization. The same as
             ``Trainer(accumulate_grad_batches=...)``: set either (they must agree if both are set).
+        checkpointing_conflict: what to do when the DDP settings conflict with the model (gradient checkpointing,
+            reused or unused parameters; see the README's rule table). The model is observed during the first
+            training forward, before DDP wraps it: ``"error"`` (default) raises ``DDPConflictError`` before any
+            gradient is all-reduced or any optimizer step runs; ``"warn"`` warns once per rule and carries on;
+            ``"resolve"`` changes the settings to a working combination and logs what changed; ``"off"`` wraps the
+            model at setup as stock Lightning does and checks nothing.
         short_window: how the short last window of an epoch is averaged. ``"mean"`` (default): the mean over the
             micro-batches it really had. ``"lightning"``: Lightning's rule, the sum divided by k.
         start_method: how processes are started: ``"popen"`` (re-run the script), ``"spawn"``, ``"fork"``,
@@ -117,6 +131,7 @@ class DDPPlusStrategy(DDPStrategy):
         model_averaging_period: Optional[int] = None,
         gradient_accumulation_steps: Optional[int] = None,
         short_window: ShortWindow = "mean",
+        checkpointing_conflict: ConflictMode = "error",
         start_method: StartMethod = "popen",
         **kwargs: Any,
     ) -> None:
@@ -132,6 +147,10 @@ class DDPPlusStrategy(DDPStrategy):
         parsed_timeout = parse_timeout(timeout)
         comm_hook = parse_comm_hook(ddp_comm_hook)
         accumulation_steps = check_accumulation_steps(gradient_accumulation_steps)
+        if checkpointing_conflict not in _CONFLICT_MODES:
+            raise ValueError(
+                describe_bad_value("checkpointing_conflict", checkpointing_conflict, f"allowed: {', '.join(_CONFLICT_MODES)}.", "use 'error' (default), 'warn', 'resolve' or 'off'.")
+            )
         if short_window not in SHORT_WINDOW_MODES:
             raise ValueError(
                 describe_bad_value("short_window", short_window, f"allowed: {', '.join(SHORT_WINDOW_MODES)}.", "use 'mean' (average over the micro-batches the window had) or 'lightning' (divide by k).")
@@ -176,6 +195,11 @@ class DDPPlusStrategy(DDPStrategy):
         self._synced_backward_seen = False
         self._backward_syncs = True
         self._warned_unsynced_step = False
+        self._conflict_mode: ConflictMode = checkpointing_conflict
+        self._ddp_deferred = False
+        self._probe: Optional[ForwardProbe] = None
+        #: What the conflict check found at the first training forward (empty before, or with ``"off"``).
+        self.findings: list[Finding] = []
 
     @property
     def timeout(self) -> timedelta:
@@ -246,7 +270,118 @@ class DDPPlusStrategy(DDPStrategy):
             yield None
 
     @override
+    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        if not self._ddp_deferred:
+            return super().training_step(*args, **kwargs)
+        assert self.lightning_module is not None
+        self._probe = ForwardProbe(self.lightning_module).__enter__()
+        try:
+            with self.precision_plugin.train_step_context():
+                return self.lightning_module.training_step(*args, **kwargs)
+        finally:
+            self._probe.stop()
+
+    def _check_conflicts(self, loss: Tensor) -> None:
+        """Evaluate the rules on the observed facts and act on them as ``checkpointing_conflict`` says."""
+        assert self._probe is not None
+        self._probe.stop()
+        facts = self._agree_across_ranks(self._probe.facts(loss))
+        view = DDPView(
+            find_unused_parameters=self.settings.find_unused_parameters,
+            static_graph=self.settings.static_graph,
+            broadcast_buffers=self.settings.broadcast_buffers,
+            gradient_accumulation_steps=self.gradient_accumulation_steps,
+        )
+        self.findings = evaluate(view, facts)
+        errors = [finding for finding in self.findings if finding.rule.level == "error"]
+        for finding in self.findings:
+            if finding.rule.level == "advice" or self._conflict_mode == "warn":
+                rank_zero_warn(f"DDPPlusStrategy: {finding}")
+        if not errors or self._conflict_mode == "warn":
+            return
+        if self._conflict_mode == "error":
+            settings = ", ".join(f"{name}={getattr(view, name)}" for name in ("find_unused_parameters", "static_graph"))
+            raise DDPConflictError(
+                "DDPPlusStrategy found DDP settings that torch's reducer cannot train this model with (checked at the "
+                "first training forward, before any gradient was all-reduced and before any optimizer step):\n"
+                + "\n".join(f"  {finding}" for finding in errors)
+                + f"\nSettings: {settings}. Or set `checkpointing_conflict='resolve'` to let the strategy change them.",
+                errors,
+            )
+        resolved = resolved_view(view, errors)
+        changed = {name: value for name, value in resolved.__dict__.items() if getattr(view, name) != value}
+        self.settings = dataclasses.replace(self.settings, **{k: v for k, v in changed.items() if hasattr(self.settings, k)})
+        reasons = "; ".join(f"[{finding.rule.id}] {finding.rule.title}" for finding in errors)
+        changes = ", ".join(f"{name}: {getattr(view, name)} -> {value}" for name, value in changed.items())
+        rank_zero_info(f"DDPPlusStrategy resolved conflicts ({reasons}) by setting {changes}.")
+
+    def _agree_across_ranks(self, facts: ModelFacts) -> ModelFacts:
+        # Every rank must take the same decision (raise, or wrap with the same settings), so facts are OR-ed.
+        if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+            return facts
+        assert self.lightning_module is not None
+        params = [name for name, _ in self.lightning_module.named_parameters()]
+        buffers = [name for name, _ in self.lightning_module.named_buffers()]
+        kinds = sorted({"reentrant", "non_reentrant"})
+        unused = set(facts.unused_parameters or ())
+        flags = (
+            [kind in facts.checkpointing for kind in kinds]
+            + [name in facts.reused_in_checkpoint for name in params]
+            + [name in unused for name in params]
+            + [name in facts.mutable_buffers for name in buffers]
+        )
+        vector = torch.tensor(flags, dtype=torch.int32, device=self.root_device)
+        torch.distributed.all_reduce(vector, op=torch.distributed.ReduceOp.MAX)
+        agreed = vector.bool().tolist()
+        n = len(params)
+        return ModelFacts(
+            checkpointing=frozenset(kind for kind, on in zip(kinds, agreed[:2]) if on),
+            checkpoint_sources=facts.checkpoint_sources,
+            reused_in_checkpoint=tuple(name for name, on in zip(params, agreed[2 : 2 + n]) if on),
+            unused_parameters=tuple(name for name, on in zip(params, agreed[2 + n : 2 + 2 * n]) if on),
+            mutable_buffers=tuple(name for name, on in zip(buffers, agreed[2 + 2 * n :]) if on),
+        )
+
+    def _first_backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
+        """The first backward of a fit with the conflict check on: check, wrap with the final settings, and run the
+        backward through the new DDP wrapper (whose forward the probe step bypassed)."""
+        lightning_module = self.lightning_module
+        assert lightning_module is not None
+        self._check_conflicts(closure_loss)
+        self._wrap_deferred_model()
+        model = self.model
+        assert isinstance(model, DistributedDataParallel)
+        steps = self.gradient_accumulation_steps
+        position = self._window_position()
+        scale = loss_scale(position, steps, self._short_window, lightning_module.automatic_optimization) if steps > 1 else 1.0
+        if scale != 1.0:
+            closure_loss = closure_loss * scale
+        syncs = steps == 1 or position.closes_window or self._must_sync_first_backward()
+        self._backward_syncs = syncs
+        if syncs:
+            prepare_for_backward(model, closure_loss)
+            if model.static_graph:
+                # DDP's forward (which the probe step bypassed) routes a static graph's first output through
+                # _DDPSink, whose backward queues the reducer's delayed all-reduce; do the same.
+                closure_loss = _DDPSink.apply(weakref.ref(model), closure_loss)[0]
+                self._pl_static_graph_delay_done = True
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, lightning_module)
+        self.precision_plugin.backward(closure_loss, lightning_module, optimizer, *args, **kwargs)
+        closure_loss = self.precision_plugin.post_backward(closure_loss, lightning_module)
+        self._count_backward(syncs)
+        return closure_loss
+
+    def _count_backward(self, syncs: bool) -> None:
+        if syncs:
+            self.sync_stats.synced_backwards += 1
+            self._synced_backward_seen = True
+        else:
+            self.sync_stats.skipped_backwards += 1
+
+    @override
     def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
+        if self._ddp_deferred:
+            return self._first_backward(closure_loss, optimizer, *args, **kwargs)
         model = self.model
         if not isinstance(model, DistributedDataParallel):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
@@ -270,11 +405,7 @@ class DDPPlusStrategy(DDPStrategy):
         finally:
             if not automatic:
                 model.require_backward_grad_sync = True
-        if syncs:
-            self.sync_stats.synced_backwards += 1
-            self._synced_backward_seen = True
-        else:
-            self.sync_stats.skipped_backwards += 1
+        self._count_backward(syncs)
         return closure_loss
 
     @override
@@ -323,15 +454,23 @@ class DDPPlusStrategy(DDPStrategy):
     @override
     def _setup_model(self, model: Module) -> DistributedDataParallel:
         self._ddp_kwargs = self.settings.to_ddp_kwargs()
+        if self._ddp_deferred:
+            # Parameters and buffers were broadcast at setup; broadcasting again now would modify, in place,
+            # tensors the first forward's autograd graph has saved.
+            self._ddp_kwargs["init_sync"] = False
+        with self._keep_local_buffers(model):
+            return super()._setup_model(model)
+
+    @contextmanager
+    def _keep_local_buffers(self, model: Module) -> Generator:
         # torch 2.13 always broadcasts buffers when wrapping once `forward_sync_buffers` is used; the old
         # `broadcast_buffers=False` kept them rank-local, so put each rank's own values back.
         local_buffers = None if self.settings.broadcast_buffers else [buffer.detach().clone() for buffer in model.buffers()]
-        ddp_model = super()._setup_model(model)
+        yield None
         if local_buffers is not None:
             with torch.no_grad():
                 for buffer, local in zip(model.buffers(), local_buffers):
                     buffer.copy_(local)
-        return ddp_model
 
     @override
     def _register_ddp_hooks(self) -> None:
@@ -351,7 +490,20 @@ class DDPPlusStrategy(DDPStrategy):
     def configure_ddp(self) -> None:
         # A new DDP wrapper (a new fit) starts a new reducer, whose first static-graph backward must sync again.
         self._synced_backward_seen = False
+        if self._conflict_mode == "off":
+            super().configure_ddp()
+            rank_zero_info(self.describe())
+            return
+        # Wrapping waits for the first training forward, which shows the model facts the settings must fit; until
+        # then the ranks only need what DDP's constructor would have done: start from rank 0's weights.
+        assert isinstance(self.model, pl.LightningModule)
+        with self._keep_local_buffers(self.model):
+            _sync_module_states(self.model)
+        self._ddp_deferred = True
+
+    def _wrap_deferred_model(self) -> None:
         super().configure_ddp()
+        self._ddp_deferred = False
         rank_zero_info(self.describe())
 
     def describe(self) -> str:
