@@ -202,3 +202,83 @@ def start_ranks(args: list[str], world_size: int = 2, timeout: float = 300, env:
             except ProcessLookupError:
                 pass
     return results
+
+
+class CheckpointNet(L.LightningModule):
+    """The reference document's model: Linear -> Norm -> ReLU -> a residual middle block (Linear, Norm, Linear),
+    optionally checkpointed and optionally run twice (weight reuse) -> Linear head; optionally an unused Linear."""
+
+    def __init__(
+        self,
+        checkpointing: str = "none",
+        reuse: bool = False,
+        unused: bool = False,
+        norm: str = "layer",
+        num_samples: int = 24,
+        batch_size: int = 4,
+        lr: float = 0.05,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        torch.manual_seed(1)
+        make_norm = nn.LayerNorm if norm == "layer" else nn.BatchNorm1d
+        self.inp, self.norm = nn.Linear(8, 16), make_norm(16)
+        self.mid = nn.Sequential(nn.Linear(16, 16), make_norm(16), nn.Linear(16, 16))
+        self.head = nn.Linear(16, 1)
+        self.spare = nn.Linear(16, 16) if unused else None
+
+    def block(self, h: Tensor) -> Tensor:
+        if self.hparams.checkpointing == "none":
+            return self.mid(h)
+        return torch.utils.checkpoint.checkpoint(self.mid, h, use_reentrant=self.hparams.checkpointing == "reentrant")
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.relu(self.norm(self.inp(x)))
+        h = h + self.block(h)
+        if self.hparams.reuse:
+            h = h + self.block(h)
+        return self.head(h)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self(x), y)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(regression_data(self.hparams.num_samples), batch_size=self.hparams.batch_size)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+
+
+def flat_parameters(module: nn.Module) -> Tensor:
+    return torch.cat([p.detach().flatten() for p in module.parameters()])
+
+
+def reference_parameters(model: L.LightningModule, k: int = 1, short_window: str = "mean", world_size: int = 2) -> Tensor:
+    """Single-process reference for a 2-rank run of one epoch: the same model sees every rank's micro-batches
+    (Lightning gives each rank a shuffling ``DistributedSampler``, seed 0, epoch 0, for training) and steps SGD once
+    per window of k micro-batches with the window's mean gradient (or Lightning's sum / k)."""
+    from torch.utils.data import DistributedSampler
+
+    hp = model.hparams
+    dataset = regression_data(hp.num_samples)
+    x, y = dataset.tensors
+    shards = []
+    for rank in range(world_size):
+        indices = list(DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=0))
+        shards.append((x[indices], y[indices]))
+    batches = len(shards[0][0]) // hp.batch_size
+    optimizer = torch.optim.SGD(model.parameters(), lr=hp.lr)
+    size = hp.batch_size
+    for start in range(0, batches, k):
+        window = range(start, min(start + k, batches))
+        divisor = len(window) if short_window == "mean" else k
+        optimizer.zero_grad()
+        total = sum(
+            nn.functional.mse_loss(model(xs[size * b : size * (b + 1)]), ys[size * b : size * (b + 1)]) / divisor / world_size
+            for b in window
+            for xs, ys in shards
+        )
+        total.backward()
+        optimizer.step()
+    return flat_parameters(model)

@@ -5,12 +5,10 @@ import json
 import lightning as L
 import pytest
 import torch
-from torch import nn
-from torch.utils.data import DistributedSampler
 
 from lightning_ddp_plus import DDPPlusStrategy
 from lightning_ddp_plus.accumulation import WindowPosition, loss_scale, merge_accumulation_settings, window_position
-from tests.helpers import TinyRegression, python_script, regression_data, start_ranks
+from tests.helpers import TinyRegression, python_script, reference_parameters, start_ranks
 
 
 def test_windows_of_an_epoch_of_ten_with_k4():
@@ -63,28 +61,8 @@ def test_bad_short_window():
         DDPPlusStrategy(short_window="avg")
 
 
-def reference_parameters(k: int, short_window: str) -> torch.Tensor:
-    """One process that sees both ranks' micro-batches and steps SGD once per window with the window's mean
-    gradient (or Lightning's sum/k). Lightning gives each rank a shuffling ``DistributedSampler`` (seed 0, epoch 0)
-    for training, so the reference draws the same indices."""
-    model = TinyRegression(num_samples=80, batch_size=4, lr=0.05)
-    dataset = regression_data(80)
-    x, y = dataset.tensors
-    shards = []
-    for rank in range(2):
-        indices = list(DistributedSampler(dataset, num_replicas=2, rank=rank, shuffle=True, seed=0))
-        shards.append((x[indices], y[indices]))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    for start in range(0, 10, k):
-        window = range(start, min(start + k, 10))
-        divisor = len(window) if short_window == "mean" else k
-        optimizer.zero_grad()
-        total = sum(
-            nn.functional.mse_loss(model(xs[4 * b : 4 * b + 4]), ys[4 * b : 4 * b + 4]) / divisor / 2 for b in window for xs, ys in shards
-        )
-        total.backward()
-        optimizer.step()
-    return torch.cat([p.detach().flatten() for p in model.parameters()])
+def reference(k: int, short_window: str) -> torch.Tensor:
+    return reference_parameters(TinyRegression(num_samples=80, batch_size=4, lr=0.05), k, short_window)
 
 
 CASES = [
@@ -126,14 +104,14 @@ def test_one_allreduce_per_optimizer_step_and_exact_result(accumulation_results,
     assert result["synced_backwards"] + result["skipped_backwards"] == 10
     params = [torch.tensor(p) for p in result["params"]]
     assert torch.equal(params[0], params[1]), "replicas differ"
-    reference = reference_parameters(k, result.get("short_window", "mean"))
-    assert torch.allclose(params[0], reference, atol=1e-5, rtol=0), (params[0] - reference).abs().max()
+    expected = reference(k, result.get("short_window", "mean"))
+    assert torch.allclose(params[0], expected, atol=1e-5, rtol=0), (params[0] - expected).abs().max()
 
 
 @pytest.mark.multiprocess
 def test_short_window_modes_really_differ(accumulation_results):
     # The check above could not tell the two modes apart if the short window were never scaled.
-    assert not torch.allclose(reference_parameters(4, "mean"), reference_parameters(4, "lightning"), atol=1e-5)
+    assert not torch.allclose(reference(4, "mean"), reference(4, "lightning"), atol=1e-5)
 
 
 def test_sync_stats_reach_the_trainer_logger(tmp_path, monkeypatch):
