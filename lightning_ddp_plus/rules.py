@@ -7,6 +7,7 @@ noticed.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Callable, Literal, Optional
 
@@ -129,7 +130,7 @@ RULES: tuple[Rule, ...] = (
         id="A3",
         level="advice",
         title="broadcast_buffers=True with gradient checkpointing",
-        applies=lambda v, f: v.broadcast_buffers and f.checkpointed,
+        applies=lambda v, f: v.broadcast_buffers and f.checkpointed and bool(f.mutable_buffers),
         problem=lambda v, f: (
             "the HF DDP guide advises broadcast_buffers=False with checkpointing. Measured on torch 2.13 (CPU, gloo): it "
             "changed no parameter outcome; BatchNorm inside a checkpointed block updates its running statistics twice per "
@@ -146,7 +147,7 @@ def evaluate(view: DDPView, facts: ModelFacts, rules: tuple[Rule, ...] = RULES) 
 
     >>> from lightning_ddp_plus.facts import ModelFacts
     >>> [f.rule.id for f in evaluate(DDPView(find_unused_parameters=True), ModelFacts(checkpointing=frozenset({"reentrant"})))]
-    ['R1', 'A3']
+    ['R1']
     """
     return [
         Finding(rule=rule, message=rule.problem(view, facts), changes=rule.resolve(view, facts) if rule.resolve else {})
@@ -162,6 +163,26 @@ def resolved_view(view: DDPView, findings: list[Finding]) -> DDPView:
         if finding.rule.level == "error":
             changes.update(finding.changes)
     return DDPView(**{**view.__dict__, **changes})
+
+
+# Messages of torch 2.13's reducer and the rule each one means.
+_TORCH_ERROR_PATTERNS = (
+    (re.compile(r"marked as ready twice|mark a variable ready only once"), "R1"),
+    (re.compile(r"expect_autograd_hooks_"), "R3"),
+    (re.compile(r"Expected to have finished reduction in the prior iteration"), "R4"),
+)
+
+
+def rule_for_torch_error(message: str) -> Optional[Rule]:
+    """The rule a torch reducer error message corresponds to (R1 stands for R1/R2: torch says the same for both).
+
+    >>> rule_for_torch_error("Expected to have finished reduction in the prior iteration before starting a new one").id
+    'R4'
+    """
+    for pattern, rule_id in _TORCH_ERROR_PATTERNS:
+        if pattern.search(message):
+            return next(rule for rule in RULES if rule.id == rule_id)
+    return None
 
 
 def rules_table() -> str:

@@ -40,7 +40,7 @@ from lightning_ddp_plus.accumulation import (
 from lightning_ddp_plus.backend import normalize_backend, resolve_backend_for_device
 from lightning_ddp_plus.errors import DDPConflictError
 from lightning_ddp_plus.facts import ForwardProbe, ModelFacts
-from lightning_ddp_plus.rules import DDPView, Finding, evaluate, resolved_view
+from lightning_ddp_plus.rules import DDPView, Finding, evaluate, resolved_view, rule_for_torch_error
 from lightning_ddp_plus.comm_hooks import CommHook, HookCallCounter, HookFunction, counted_hook, parse_comm_hook
 from lightning_ddp_plus.settings import DDPSettings
 from lightning_ddp_plus.timeout import DEFAULT_TIMEOUT, TimeoutLike, format_timeout, parse_timeout
@@ -529,6 +529,21 @@ class DDPPlusStrategy(DDPStrategy):
             return ""
         sizes = str(self.model._get_ddp_logging_data().get("bucket_sizes", ""))
         return f" ({len(sizes.split(','))} buckets)" if sizes else ""
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        # Our own error already names the rule and the fix. For torch's reducer errors, keep torch's message (Lightning
+        # would replace it) and add which rule it is and the fix.
+        if isinstance(exception, DDPConflictError) or not exception.args or not isinstance(exception.args[0], str):
+            return
+        rule = rule_for_torch_error(exception.args[0])
+        if rule is not None:
+            exception.args = (
+                f"{exception.args[0]}\n\nlightning-ddp-plus: this is rule {rule.id} ({rule.title}). Fix: {rule.fix} "
+                "With `checkpointing_conflict='error'` (the default) DDPPlusStrategy reports it before the first "
+                "optimizer step; 'resolve' changes the settings for you.",
+                *exception.args[1:],
+            )
 
     @classmethod
     @override
