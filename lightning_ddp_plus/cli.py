@@ -1,7 +1,8 @@
 """The ``ddp-plus`` console script: LightningCLI with the strategy names registered.
 
 ``ddp-plus fit --config configs/cpu.yaml`` trains; ``fit``, ``validate``, ``test`` and ``predict`` work as in
-LightningCLI. The current directory is put on ``sys.path`` (as ``python -m`` does) so that a config can name
+LightningCLI. ``ddp-plus check --config FILE`` runs the conflict checks without training (exit status 1 on an
+error-level finding). The current directory is put on ``sys.path`` (as ``python -m`` does) so that a config can name
 classes from the project it is run in, e.g. ``examples.spirals.SpiralClassifier``.
 """
 
@@ -18,6 +19,11 @@ def main(args: Optional[list[str]] = None) -> None:
     """Entry point of ``ddp-plus``."""
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
+    argv = sys.argv[1:] if args is None else list(args)
+    if argv[:1] == ["check"]:
+        from lightning_ddp_plus.check import run_check
+
+        sys.exit(run_check(argv[1:]))
     from lightning.pytorch.cli import LightningCLI
 
     LightningCLI(args=args, save_config_kwargs={"overwrite": True})
