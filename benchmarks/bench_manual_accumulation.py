@@ -80,15 +80,15 @@ class StepTimer(L.Callback):
         self.allreduces = 0  # all-reduce passes (backward passes that synced), counted at their last bucket
         self.bucket_allreduces = 0
 
+    def hook(self, state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        self.bucket_allreduces += 1
+        self.allreduces += int(bucket.is_last())
+        return default_hooks.allreduce_hook(state, bucket)
+
     def on_train_start(self, trainer, pl_module):
-        timer = self
-
-        def counting_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-            timer.bucket_allreduces += 1
-            timer.allreduces += int(bucket.is_last())
-            return default_hooks.allreduce_hook(state, bucket)
-
-        trainer.strategy.model.register_comm_hook(None, counting_hook)
+        # Stock Lightning registers hooks only on CUDA, so the stock run gets it here; ddp_plus registers it itself.
+        if isinstance(trainer.strategy.model, torch.nn.parallel.DistributedDataParallel):
+            trainer.strategy.model.register_comm_hook(None, self.hook)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if (batch_idx + 1) % K == 0:
@@ -96,11 +96,12 @@ class StepTimer(L.Callback):
 
 
 def run_variant(name: str, args) -> dict:
+    timer = StepTimer()
     if name == "stock":
         strategy, model = L.pytorch.strategies.DDPStrategy(process_group_backend="gloo"), StockRecipe(args.width, args.layers, args.batches)
     else:
-        strategy, model = DDPPlusStrategy(process_group_backend="gloo", gradient_accumulation_steps=K), PlusRecipe(args.width, args.layers, args.batches)
-    timer = StepTimer()
+        strategy = DDPPlusStrategy(process_group_backend="gloo", gradient_accumulation_steps=K, ddp_comm_hook=timer.hook)
+        model = PlusRecipe(args.width, args.layers, args.batches)
     trainer = L.Trainer(
         strategy=strategy, accelerator="cpu", devices=2, max_epochs=1, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=[timer],
