@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, Union
 
 from torch.nn.parallel import DistributedDataParallel
 
@@ -49,6 +50,7 @@ class DDPSettings:
         bucket_cap_mb: size in MiB of the gradient buckets all-reduced together.
         broadcast_buffers: broadcast rank 0's buffers (e.g. BatchNorm running statistics) at the start of every
             forward and when DDP wraps the model. ``False`` keeps every rank's buffers local, at wrap time too.
+            ``"auto"``: on when the model has buffers that training changes, off otherwise (see ``resolve_auto``).
         static_graph: promise that the set of used parameters and the graph do not change between iterations.
         gradient_as_bucket_view: let gradients be views into the communication buckets (saves memory).
         extra: any further ``DistributedDataParallel`` keyword arguments, checked against its signature.
@@ -57,18 +59,22 @@ class DDPSettings:
     50
     >>> DDPSettings(broadcast_buffers=False).to_ddp_kwargs()["forward_sync_buffers"]
     False
+    >>> DDPSettings(broadcast_buffers="auto").resolve_auto(has_changing_buffers=True).to_ddp_kwargs()["forward_sync_buffers"]
+    True
     """
 
     find_unused_parameters: bool = False
     bucket_cap_mb: float = 25
-    broadcast_buffers: bool = True
+    broadcast_buffers: Union[bool, Literal["auto"]] = True
     static_graph: bool = False
     gradient_as_bucket_view: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for name in ("find_unused_parameters", "broadcast_buffers", "static_graph", "gradient_as_bucket_view"):
+        for name in ("find_unused_parameters", "static_graph", "gradient_as_bucket_view"):
             require_bool(name, getattr(self, name))
+        if self.broadcast_buffers != "auto":
+            require_bool("broadcast_buffers", self.broadcast_buffers)
         require_positive_number("bucket_cap_mb", self.bucket_cap_mb, "25")
         for name in self.extra:
             self._check_extra_argument(name)
@@ -85,6 +91,16 @@ class DDPSettings:
                 + (f"did you mean `{suggestion}`?" if suggestion else "check the spelling against the strategy's documented arguments.")
             )
 
+    def resolve_auto(self, has_changing_buffers: bool) -> "DDPSettings":
+        """``broadcast_buffers="auto"`` decided for a model: on when training changes some of its buffers.
+
+        >>> DDPSettings(broadcast_buffers="auto").resolve_auto(has_changing_buffers=False).broadcast_buffers
+        False
+        """
+        if self.broadcast_buffers != "auto":
+            return self
+        return dataclasses.replace(self, broadcast_buffers=has_changing_buffers)
+
     def to_ddp_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``DistributedDataParallel``.
 
@@ -92,6 +108,8 @@ class DDPSettings:
         the one difference in meaning (the new argument always syncs buffers at wrap time) is undone by the strategy,
         which restores rank-local buffers after wrapping when ``broadcast_buffers=False``.
         """
+        if self.broadcast_buffers == "auto":
+            raise RuntimeError("broadcast_buffers='auto' must be resolved for the model (DDPSettings.resolve_auto) first.")
         return {
             "find_unused_parameters": self.find_unused_parameters,
             "bucket_cap_mb": self.bucket_cap_mb,

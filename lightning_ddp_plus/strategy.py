@@ -5,9 +5,10 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
+import time
 import weakref
 from collections.abc import Generator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Callable, Literal, Optional, Union
 
@@ -22,6 +23,7 @@ from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel.distributed import DistributedDataParallel, _DDPSink
 from typing_extensions import override
 
@@ -39,7 +41,9 @@ from lightning_ddp_plus.accumulation import (
 )
 from lightning_ddp_plus.backend import normalize_backend, resolve_backend_for_device
 from lightning_ddp_plus.errors import DDPConflictError
-from lightning_ddp_plus.facts import ForwardProbe, ModelFacts
+from lightning_ddp_plus.facts import ForwardProbe, ModelFacts, running_stat_buffers
+from lightning_ddp_plus.replicas import verify_replicas
+from lightning_ddp_plus.telemetry import DDPTelemetry, SyncTelemetry
 from lightning_ddp_plus.rules import DDPView, Finding, evaluate, resolved_view, rule_for_torch_error
 from lightning_ddp_plus.comm_hooks import CommHook, HookCallCounter, HookFunction, counted_hook, parse_comm_hook
 from lightning_ddp_plus.settings import DDPSettings
@@ -79,7 +83,8 @@ class DDPPlusStrategy(DDPStrategy):
             ``"2h"``, ``"1h30m"``, ``"1d"``, ``"0:30:00"`` or ``"1 day, 0:00:00"``. Default 30 minutes.
         find_unused_parameters: let DDP find parameters that get no gradient in an iteration.
         bucket_cap_mb: size of the gradient buckets in MiB.
-        broadcast_buffers: keep buffers (e.g. BatchNorm statistics) equal to rank 0's at every forward.
+        broadcast_buffers: keep buffers (e.g. BatchNorm statistics) equal to rank 0's at every forward. ``"auto"``:
+            on when the model has buffers that training changes (BatchNorm-style running statistics), off otherwise.
         static_graph: promise DDP that the graph and the set of used parameters never change.
         gradient_as_bucket_view: make gradients views into the communication buckets (saves memory).
         ddp_comm_hook: ``"fp16"``, ``"bf16"``, ``"powersgd"``, ``"batched_powersgd"``, a dotted import path to a hook
@@ -96,6 +101,11 @@ class DDPPlusStrategy(DDPStrategy):
             gradient is all-reduced or any optimizer step runs; ``"warn"`` warns once per rule and carries on;
             ``"resolve"`` changes the settings to a working combination and logs what changed; ``"off"`` wraps the
             model at setup as stock Lightning does and checks nothing.
+        verify_replicas_every_n_steps: every N optimizer steps, check that all ranks hold identical parameters (and
+            buffers, when ``broadcast_buffers`` is on) by exchanging per-tensor fingerprints; a mismatch stops
+            training with ``ReplicaDriftError`` naming the tensor, the ranks and the step. ``None`` (default): off.
+        telemetry: record, per optimizer step, buckets all-reduced, bytes sent, synced and skipped backward passes
+            and the wait for communication, logged under ``ddp/`` (adds the ``DDPTelemetry`` callback).
         short_window: how the short last window of an epoch is averaged. ``"mean"`` (default): the mean over the
             micro-batches it really had. ``"lightning"``: Lightning's rule, the sum divided by k.
         start_method: how processes are started: ``"popen"`` (re-run the script), ``"spawn"``, ``"fork"``,
@@ -122,7 +132,7 @@ class DDPPlusStrategy(DDPStrategy):
         timeout: Optional[TimeoutLike] = DEFAULT_TIMEOUT,
         find_unused_parameters: bool = False,
         bucket_cap_mb: float = 25,
-        broadcast_buffers: bool = True,
+        broadcast_buffers: Union[bool, Literal["auto"]] = True,
         static_graph: bool = False,
         gradient_as_bucket_view: bool = False,
         ddp_comm_hook: Union[str, Callable, None] = None,
@@ -132,6 +142,8 @@ class DDPPlusStrategy(DDPStrategy):
         gradient_accumulation_steps: Optional[int] = None,
         short_window: ShortWindow = "mean",
         checkpointing_conflict: ConflictMode = "error",
+        verify_replicas_every_n_steps: Optional[int] = None,
+        telemetry: bool = False,
         start_method: StartMethod = "popen",
         **kwargs: Any,
     ) -> None:
@@ -147,6 +159,14 @@ class DDPPlusStrategy(DDPStrategy):
         parsed_timeout = parse_timeout(timeout)
         comm_hook = parse_comm_hook(ddp_comm_hook)
         accumulation_steps = check_accumulation_steps(gradient_accumulation_steps)
+        if verify_replicas_every_n_steps is not None and (
+            isinstance(verify_replicas_every_n_steps, bool) or not isinstance(verify_replicas_every_n_steps, int) or verify_replicas_every_n_steps < 1
+        ):
+            raise ValueError(
+                describe_bad_value("verify_replicas_every_n_steps", verify_replicas_every_n_steps, "expected a positive integer or None (off).", "set e.g. `verify_replicas_every_n_steps=100`.")
+            )
+        if not isinstance(telemetry, bool):
+            raise TypeError(describe_bad_value("telemetry", telemetry, "expected True or False.", "write `telemetry=True`."))
         if checkpointing_conflict not in _CONFLICT_MODES:
             raise ValueError(
                 describe_bad_value("checkpointing_conflict", checkpointing_conflict, f"allowed: {', '.join(_CONFLICT_MODES)}.", "use 'error' (default), 'warn', 'resolve' or 'off'.")
@@ -179,7 +199,7 @@ class DDPPlusStrategy(DDPStrategy):
             process_group_backend=requested_backend,
             timeout=parsed_timeout,
             start_method=start_method,
-            **settings.to_ddp_kwargs(),
+            **settings.resolve_auto(True).to_ddp_kwargs(),  # placeholder until the model is known
         )
         self.settings = settings
         self._requested_backend = requested_backend
@@ -200,6 +220,14 @@ class DDPPlusStrategy(DDPStrategy):
         self._probe: Optional[ForwardProbe] = None
         #: What the conflict check found at the first training forward (empty before, or with ``"off"``).
         self.findings: list[Finding] = []
+        self._buffers_auto = broadcast_buffers == "auto"
+        self._verify_every = verify_replicas_every_n_steps
+        self._replica_check_step: Optional[int] = None
+        self._replica_hook: Optional[Any] = None
+        #: Seconds each replica check took on this rank.
+        self.replica_check_seconds: list[float] = []
+        #: Per-step communication figures when ``telemetry=True``, else ``None``.
+        self.telemetry: Optional[SyncTelemetry] = SyncTelemetry() if telemetry else None
 
     @property
     def timeout(self) -> timedelta:
@@ -366,12 +394,18 @@ class DDPPlusStrategy(DDPStrategy):
                 closure_loss = _DDPSink.apply(weakref.ref(model), closure_loss)[0]
                 self._pl_static_graph_delay_done = True
         closure_loss = self.precision_plugin.pre_backward(closure_loss, lightning_module)
-        self.precision_plugin.backward(closure_loss, lightning_module, optimizer, *args, **kwargs)
+        with self._counting_bytes(syncs):
+            self.precision_plugin.backward(closure_loss, lightning_module, optimizer, *args, **kwargs)
         closure_loss = self.precision_plugin.post_backward(closure_loss, lightning_module)
         self._count_backward(syncs)
         return closure_loss
 
+    def _counting_bytes(self, syncs: bool) -> Any:
+        return self.telemetry.counting_bytes() if self.telemetry is not None and syncs else nullcontext()
+
     def _count_backward(self, syncs: bool) -> None:
+        if self.telemetry is not None:
+            self.telemetry.count_backward(syncs)
         if syncs:
             self.sync_stats.synced_backwards += 1
             self._synced_backward_seen = True
@@ -401,7 +435,8 @@ class DDPPlusStrategy(DDPStrategy):
         if not syncs:
             model.require_backward_grad_sync = False
         try:
-            closure_loss = super().backward(closure_loss, optimizer, *args, **kwargs)
+            with self._counting_bytes(syncs):
+                closure_loss = super().backward(closure_loss, optimizer, *args, **kwargs)
         finally:
             if not automatic:
                 model.require_backward_grad_sync = True
@@ -431,6 +466,10 @@ class DDPPlusStrategy(DDPStrategy):
             )
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         self.sync_stats.optimizer_steps += 1
+        if self.telemetry is not None:
+            self.telemetry.end_step(self.sync_stats.optimizer_steps)
+        if self._verify_every is not None and self.sync_stats.optimizer_steps % self._verify_every == 0:
+            self._replica_check_step = self.sync_stats.optimizer_steps
         if lightning_module is not None:
             trainer = lightning_module.trainer
             if self.sync_stats.optimizer_steps % max(1, trainer.log_every_n_steps) == 0:
@@ -441,8 +480,35 @@ class DDPPlusStrategy(DDPStrategy):
         for logger in trainer.loggers:
             logger.log_metrics(self.sync_stats.as_metrics(), step=trainer.global_step)
 
+    def _replica_tensors(self, with_buffers: bool) -> list[tuple[str, Tensor]]:
+        assert self.lightning_module is not None
+        tensors = list(self.lightning_module.named_parameters())
+        if with_buffers and self.settings.broadcast_buffers:
+            tensors += list(self.lightning_module.named_buffers())
+        return tensors
+
+    def _verify_pending(self, with_buffers: bool) -> None:
+        step, self._replica_check_step = self._replica_check_step, None
+        if step is None or not torch.distributed.is_initialized():
+            return
+        started = time.perf_counter()
+        verify_replicas(self._replica_tensors(with_buffers), step)
+        self.replica_check_seconds.append(time.perf_counter() - started)
+
+    def _verify_before_forward(self, module: Module, args: Any) -> None:
+        if module.training:
+            self._verify_pending(with_buffers=True)
+
+    @override
+    def setup(self, trainer: "pl.Trainer") -> None:
+        super().setup(trainer)
+        if self.telemetry is not None and not any(isinstance(c, DDPTelemetry) for c in trainer.callbacks):
+            trainer.callbacks.append(DDPTelemetry())
+
     @override
     def on_train_end(self) -> None:
+        # A check due after the last step: no forward follows, so parameters only (buffers are not broadcast yet).
+        self._verify_pending(with_buffers=False)
         super().on_train_end()
         if self.lightning_module is not None:
             self._log_sync_stats(self.lightning_module.trainer)
@@ -455,9 +521,10 @@ class DDPPlusStrategy(DDPStrategy):
     def _setup_model(self, model: Module) -> DistributedDataParallel:
         self._ddp_kwargs = self.settings.to_ddp_kwargs()
         if self._ddp_deferred:
-            # Parameters and buffers were broadcast at setup; broadcasting again now would modify, in place,
+            # Parameters and buffers were broadcast at setup; touching them again now would modify, in place,
             # tensors the first forward's autograd graph has saved.
             self._ddp_kwargs["init_sync"] = False
+            return super()._setup_model(model)
         with self._keep_local_buffers(model):
             return super()._setup_model(model)
 
@@ -474,25 +541,33 @@ class DDPPlusStrategy(DDPStrategy):
 
     @override
     def _register_ddp_hooks(self) -> None:
-        if self._comm_hook is None:
+        if self._comm_hook is None and self.telemetry is None:
             return
         assert isinstance(self.model, DistributedDataParallel)
-        if isinstance(self._comm_hook, CommHook):
+        if self._comm_hook is None:
+            # Telemetry needs a Python hook to see the buckets; torch's plain all-reduce is what DDP does anyway.
+            hook, state = default_hooks.allreduce_hook, None
+        elif isinstance(self._comm_hook, CommHook):
             hook = self._comm_hook.function
             state = self._ddp_comm_state if self._ddp_comm_state is not None else self._comm_hook.default_state()
         else:
             hook, state = self._comm_hook, self._ddp_comm_state
-        if self._ddp_comm_wrapper is not None:
+        if self._ddp_comm_wrapper is not None and self._comm_hook is not None:
             hook = self._ddp_comm_wrapper(hook)
+        if self.telemetry is not None:
+            hook = self.telemetry.timed_hook(hook)
         self.model.register_comm_hook(state=state, hook=counted_hook(hook, self.comm_hook_counter))
 
     @override
     def configure_ddp(self) -> None:
         # A new DDP wrapper (a new fit) starts a new reducer, whose first static-graph backward must sync again.
         self._synced_backward_seen = False
+        assert isinstance(self.model, pl.LightningModule)
+        if self._buffers_auto:
+            self.settings = dataclasses.replace(self.settings, broadcast_buffers="auto").resolve_auto(bool(running_stat_buffers(self.model)))
         if self._conflict_mode == "off":
             super().configure_ddp()
-            rank_zero_info(self.describe())
+            self._after_wrap()
             return
         # Wrapping waits for the first training forward, which shows the model facts the settings must fit; until
         # then the ranks only need what DDP's constructor would have done: start from rank 0's weights.
@@ -504,6 +579,14 @@ class DDPPlusStrategy(DDPStrategy):
     def _wrap_deferred_model(self) -> None:
         super().configure_ddp()
         self._ddp_deferred = False
+        self._after_wrap()
+
+    def _after_wrap(self) -> None:
+        assert self.lightning_module is not None
+        if self._verify_every is not None:
+            # The check runs at the start of the forward after every N-th step: parameters are as the step left
+            # them and buffers have just been broadcast, so both can be compared.
+            self._replica_hook = self.lightning_module.register_forward_pre_hook(self._verify_before_forward)
         rank_zero_info(self.describe())
 
     def describe(self) -> str:
@@ -516,12 +599,15 @@ class DDPPlusStrategy(DDPStrategy):
         else:
             hook = "none"
         backend = self._process_group_backend or (self._requested_backend or "auto")
-        flags = ", ".join(f"{name}={getattr(settings, name)}" for name in ("find_unused_parameters", "broadcast_buffers", "static_graph", "gradient_as_bucket_view"))
+        flags = ", ".join(f"{name}={getattr(settings, name)}" for name in ("find_unused_parameters", "static_graph", "gradient_as_bucket_view"))
+        flags = f"broadcast_buffers={'auto->' if self._buffers_auto else ''}{settings.broadcast_buffers}, {flags}"
         extra = f", extra={settings.extra}" if settings.extra else ""
         return (
             f"DDPPlusStrategy: backend={backend}, timeout={format_timeout(self.timeout)}, world_size={self.world_size}, "
             f"start_method={self._start_method}, bucket_cap_mb={settings.bucket_cap_mb:g}{self._bucket_count()}, {flags}, "
-            f"comm_hook={hook}, accumulation={self.gradient_accumulation_steps} (short_window={self._short_window}){extra}"
+            f"comm_hook={hook}, accumulation={self.gradient_accumulation_steps} (short_window={self._short_window}), "
+            f"conflict_check={self._conflict_mode}, verify_replicas_every_n_steps={self._verify_every}, "
+            f"telemetry={self.telemetry is not None}{extra}"
         )
 
     def _bucket_count(self) -> str:
@@ -529,6 +615,13 @@ class DDPPlusStrategy(DDPStrategy):
             return ""
         sizes = str(self.model._get_ddp_logging_data().get("bucket_sizes", ""))
         return f" ({len(sizes.split(','))} buckets)" if sizes else ""
+
+    @override
+    def teardown(self) -> None:
+        if self._replica_hook is not None:
+            self._replica_hook.remove()
+            self._replica_hook = None
+        super().teardown()
 
     @override
     def on_exception(self, exception: BaseException) -> None:

@@ -1,0 +1,106 @@
+"""Diagnostics: replica-drift guard, sync telemetry and broadcast_buffers="auto", with real 2-rank gloo runs."""
+
+import json
+
+import pytest
+import torch
+
+from lightning_ddp_plus import DDPPlusStrategy, DDPSettings
+from lightning_ddp_plus.replicas import first_mismatch, fingerprints
+from tests.helpers import python_script, start_ranks
+
+
+def test_fingerprints_tell_tensors_apart():
+    a = [torch.arange(6.0).reshape(2, 3), torch.ones(4)]
+    b = [a[0].clone(), a[1].clone()]
+    b[1][2] += 1e-6
+    gathered = torch.stack([fingerprints(a), fingerprints(b)])
+    assert first_mismatch(gathered, ["w", "v"]) == ("v", [1])
+    assert first_mismatch(torch.stack([fingerprints(a), fingerprints(a)]), ["w", "v"]) is None
+
+
+def test_auto_buffers_setting():
+    assert DDPSettings(broadcast_buffers="auto").resolve_auto(True).broadcast_buffers is True
+    assert DDPSettings(broadcast_buffers="auto").resolve_auto(False).broadcast_buffers is False
+    with pytest.raises(RuntimeError, match="must be resolved"):
+        DDPSettings(broadcast_buffers="auto").to_ddp_kwargs()
+
+
+@pytest.mark.parametrize(("kwargs", "pattern"), [({"verify_replicas_every_n_steps": 0}, "verify_replicas_every_n_steps"), ({"telemetry": "yes"}, "telemetry"), ({"broadcast_buffers": "sometimes"}, "broadcast_buffers")])
+def test_bad_diagnostics_arguments(kwargs, pattern):
+    with pytest.raises((ValueError, TypeError), match=pattern):
+        DDPPlusStrategy(**kwargs)
+
+
+CASES = [
+    # 0: a replica corrupted on rank 1 after step 3 is caught at the check after step 4
+    {"strategy": {"verify_replicas_every_n_steps": 2}, "corrupt": {"step": 3, "parameter": "net.0.weight"}, "epochs": 2},
+    # 1: a clean run with the guard on
+    {"strategy": {"verify_replicas_every_n_steps": 2}, "epochs": 2},
+    # 2: telemetry with accumulation, against an independent counting hook
+    {"strategy": {"telemetry": True, "gradient_accumulation_steps": 3, "independent_hook": True}},
+    # 3, 4: bytes without a hook and with fp16
+    {"strategy": {"telemetry": True}},
+    {"strategy": {"telemetry": True, "ddp_comm_hook": "fp16"}},
+    # 5, 6, 7: broadcast_buffers auto for LayerNorm / BatchNorm, and BatchNorm with the broadcast off
+    {"strategy": {"broadcast_buffers": "auto"}, "model": {"checkpoint_net": True}},
+    {"strategy": {"broadcast_buffers": "auto"}, "model": {"checkpoint_net": True, "norm": "batch"}},
+    {"strategy": {"broadcast_buffers": False}, "model": {"checkpoint_net": True, "norm": "batch"}},
+]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("diagnostics") / "results.json"
+    runs = start_ranks(python_script("diagnostics_job.py") + [str(out), json.dumps(CASES)], timeout=400)
+    for run in runs:
+        assert run.returncode == 0, run.stdout[-4000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.multiprocess
+def test_corrupted_replica_is_caught_with_name_rank_and_step(results):
+    result = results[0]
+    assert result["error"] == "ReplicaDriftError"
+    assert "optimizer step 4" in result["message"]
+    assert "`net.0.weight` on rank(s) 1 differs from rank 0" in result["message"]
+    assert result["optimizer_steps"] == 4  # stopped at the check, before step 5
+
+
+@pytest.mark.multiprocess
+def test_clean_run_with_guard_finishes(results):
+    result = results[1]
+    assert result["error"] is None
+    assert result["optimizer_steps"] == 16
+    assert result["replica_checks"] == 8
+
+
+@pytest.mark.multiprocess
+def test_telemetry_equals_independent_counts_with_accumulation(results):
+    result = results[2]
+    totals = result["telemetry_totals"]
+    assert result["error"] is None
+    assert totals["buckets"] == result["independent"]["calls"] == 3  # 8 micro-batches, k=3: windows 3, 3, 2
+    assert totals["bytes_sent"] == result["independent"]["bytes"]
+    assert totals["synced_backwards"] == result["synced_backwards"] == 3
+    assert totals["skipped_backwards"] == result["skipped_backwards"] == 5
+    assert totals["comm_wait_ms"] > 0
+    assert set(result["logged"]) >= {"ddp/buckets", "ddp/bytes_sent", "ddp/synced_backwards", "ddp/skipped_backwards", "ddp/comm_wait_ms", "ddp_MB"}
+
+
+@pytest.mark.multiprocess
+def test_fp16_sends_half_the_bytes(results):
+    plain, fp16 = results[3]["telemetry_totals"], results[4]["telemetry_totals"]
+    assert plain["buckets"] == fp16["buckets"] == 8
+    assert fp16["bytes_sent"] * 2 == plain["bytes_sent"]
+
+
+@pytest.mark.multiprocess
+def test_auto_buffers(results):
+    layer_norm, batch_norm, batch_norm_off = results[5], results[6], results[7]
+    assert layer_norm["broadcast_buffers"] is False
+    assert batch_norm["broadcast_buffers"] is True
+    assert batch_norm["buffers_equal_after_forward"] is True
+    # the contrast: without the broadcast, running statistics differ across ranks
+    assert batch_norm_off["buffers_equal_after_forward"] is False
+    assert all(r["error"] is None for r in (layer_norm, batch_norm, batch_norm_off))
