@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
+import re
 import time
 import weakref
 from collections.abc import Generator
@@ -41,6 +42,7 @@ from lightning_ddp_plus.accumulation import (
 )
 from lightning_ddp_plus.backend import normalize_backend, resolve_backend_for_device
 from lightning_ddp_plus.errors import DDPConflictError
+from lightning_ddp_plus.launcher import KillChildrenOnFailureLauncher, watch_parent
 from lightning_ddp_plus.facts import ForwardProbe, ModelFacts, running_stat_buffers
 from lightning_ddp_plus.replicas import verify_replicas
 from lightning_ddp_plus.telemetry import DDPTelemetry, SyncTelemetry
@@ -255,6 +257,14 @@ class DDPPlusStrategy(DDPStrategy):
         self._process_group_backend = resolve_backend_for_device(self._requested_backend, self._device_type())
         merge_accumulation_settings(self._accumulation_setting, _accumulate_grad_batches_of_trainer_being_built())
         super()._configure_launcher()
+        if self._start_method == "popen":
+            assert self.cluster_environment is not None
+            self._launcher = KillChildrenOnFailureLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    @override
+    def setup_environment(self) -> None:
+        watch_parent()
+        super().setup_environment()
 
     @override
     def connect(self, model: "pl.LightningModule") -> None:
@@ -629,6 +639,15 @@ class DDPPlusStrategy(DDPStrategy):
         # would replace it) and add which rule it is and the fix.
         if isinstance(exception, DDPConflictError) or not exception.args or not isinstance(exception.args[0], str):
             return
+        if _TIMEOUT_PATTERN.search(exception.args[0]):
+            exception.args = (
+                f"{exception.args[0]}\n\nlightning-ddp-plus: a collective waited longer than the process group's "
+                f"timeout ({format_timeout(self.timeout)}, set by `DDPPlusStrategy(timeout=...)`): another rank is hung, "
+                "crashed or much slower. Fix: find the rank that stopped (its own error or a stack dump); raise `timeout` "
+                "only if that rank is legitimately slow (e.g. data preparation on rank 0).",
+                *exception.args[1:],
+            )
+            return
         rule = rule_for_torch_error(exception.args[0])
         if rule is not None:
             exception.args = (
@@ -649,6 +668,9 @@ class DDPPlusStrategy(DDPStrategy):
                 override=True,
                 start_method=start_method,
             )
+
+
+_TIMEOUT_PATTERN = re.compile(r"timed out|timeout|Timeout", re.IGNORECASE)
 
 
 def _accumulate_grad_batches_of_trainer_being_built() -> Optional[object]:

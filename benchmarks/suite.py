@@ -1,0 +1,231 @@
+"""ddp_plus against stock Lightning DDP, side by side in one run, on this machine's CPU with gloo.
+
+    python benchmarks/suite.py [--repeats 5] [--width 1024] [--layers 3] [--batches 40] [--only NAME ...]
+
+Benchmarks (each alternates its variants A B A B ... on one process group, reports medians, min/max and ratios):
+  overhead   automatic optimization, time per optimizer step: stock, ddp_plus, +telemetry, +replica guard (every step)
+  hooks      ddp_plus with none / fp16 / bf16 / powersgd: bytes and time per step (telemetry on for all)
+  setup      time from Trainer.fit to the end of the first optimizer step: stock, ddp_plus validator on / off
+  scaling    samples per second with 1 and 2 processes (ddp_plus), and the ratio to 1 process
+  manual_accumulation   runs benchmarks/bench_manual_accumulation.py (k=4, manual optimization)
+Writes benchmarks/results/suite.json and, with matplotlib (the `bench` extra), suite.png.
+"""
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+from lightning_ddp_plus import DDPPlusStrategy  # noqa: E402
+
+QUIET = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False}
+BENCHMARKS = ("overhead", "hooks", "setup", "scaling", "manual_accumulation")
+
+
+class MLP(L.LightningModule):
+    def __init__(self, width: int, layers: int, batches: int, batch_size: int = 32) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(*[m for _ in range(layers) for m in (nn.Linear(width, width), nn.ReLU())])
+        self.width, self.batches, self.batch_size = width, batches, batch_size
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        return self.net(x).pow(2).mean()
+
+    def train_dataloader(self):
+        world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+        return DataLoader(TensorDataset(torch.randn(self.batches * world * self.batch_size, self.width)), batch_size=self.batch_size)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-4)
+
+
+class Clock(L.Callback):
+    """Times every optimizer step, and the first one from the moment fit was called."""
+
+    def __init__(self, fit_called: float) -> None:
+        self.fit_called, self.ends, self.first_step_s = fit_called, [], None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        now = time.perf_counter()
+        self.ends.append(now)
+        if self.first_step_s is None:
+            self.first_step_s = now - self.fit_called
+
+    def step_seconds(self) -> float:
+        steps = [b - a for a, b in zip(self.ends, self.ends[1:])][2:]  # the first steps are warm-up
+        return statistics.median(steps)
+
+
+def fit(strategy, args, devices: int = 2) -> dict:
+    clock = Clock(time.perf_counter())
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_epochs=1, callbacks=[clock], **QUIET)
+    trainer.fit(MLP(args.width, args.layers, args.batches))
+    telemetry = getattr(strategy, "telemetry", None)
+    steps = max(1, trainer.global_step)
+    return {
+        "step_s": clock.step_seconds(),
+        "first_step_s": clock.first_step_s,
+        "bytes_per_step": telemetry.totals.bytes_sent / steps if telemetry else None,
+        "samples_per_s": 32 * devices / clock.step_seconds(),
+    }
+
+
+def variants(name: str):
+    stock = lambda: L.pytorch.strategies.DDPStrategy(process_group_backend="gloo")  # noqa: E731
+    plus = lambda **kw: (lambda: DDPPlusStrategy(process_group_backend="gloo", **kw))  # noqa: E731
+    if name == "overhead":
+        return {"stock": stock, "ddp_plus": plus(), "ddp_plus_telemetry": plus(telemetry=True), "ddp_plus_guard_every_step": plus(verify_replicas_every_n_steps=1)}
+    if name == "hooks":
+        return {hook or "none": plus(telemetry=True, ddp_comm_hook=hook) for hook in (None, "fp16", "bf16", "powersgd")}
+    if name == "setup":
+        return {"stock": stock, "ddp_plus_validator_on": plus(), "ddp_plus_validator_off": plus(checkpointing_conflict="off")}
+    raise ValueError(name)
+
+
+def rank_main(args) -> None:
+    raw: dict = {}
+    if args.bench == "scaling":
+        raw[f"{args.world}_processes"] = [fit(DDPPlusStrategy(process_group_backend="gloo"), args, devices=args.world) for _ in range(args.repeats)]
+    else:
+        factories = variants(args.bench)
+        for _ in range(args.repeats):
+            for label, factory in factories.items():  # alternating: A B C A B C ...
+                raw.setdefault(label, []).append(fit(factory(), args))
+    if int(os.environ["LOCAL_RANK"]) == 0:
+        Path(args.raw).write_text(json.dumps(raw))
+
+
+def launch(args, bench: str, world: int) -> dict:
+    raw = ROOT / "benchmarks" / "results" / f".{bench}_{world}.raw.json"
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    base = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "GROUP_RANK", "LOCAL_WORLD_SIZE")}
+    command = [sys.executable, __file__, "--repeats", str(args.repeats), "--width", str(args.width), "--layers", str(args.layers), "--batches", str(args.batches)]
+    ranks = []
+    for rank in range(world):
+        env = {**base, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "LOCAL_RANK": str(rank), "NODE_RANK": "0", "WORLD_SIZE": str(world)}
+        rank_args = ["--as-rank", str(rank), "--bench", bench, "--world", str(world), "--raw", str(raw)]
+        ranks.append(subprocess.Popen(command + rank_args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    try:
+        errors = [process.communicate(timeout=args.timeout)[1] for process in ranks]
+    except subprocess.TimeoutExpired:
+        for process in ranks:
+            process.kill()
+        sys.exit(f"benchmark {bench} did not finish within {args.timeout} s")
+    if any(process.returncode for process in ranks):
+        sys.exit(f"benchmark {bench} failed:\n" + "\n".join(e[-3000:] for e in errors))
+    data = json.loads(raw.read_text())
+    raw.unlink()
+    return data
+
+
+def stats(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def summarize(bench: str, raw: dict, baseline: str, metric: str) -> dict:
+    summary = {label: {k: stats([run[k] for run in runs]) for k in runs[0] if runs[0][k] is not None} for label, runs in raw.items()}
+    base = summary[baseline][metric]["median"]
+    for label in summary:
+        summary[label][f"ratio_to_{baseline}"] = summary[label][metric]["median"] / base
+    return summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=3)
+    parser.add_argument("--batches", type=int, default=40, help="batches per rank per run")
+    parser.add_argument("--only", nargs="*", choices=BENCHMARKS, default=list(BENCHMARKS))
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    parser.add_argument("--timeout", type=float, default=1800)
+    parser.add_argument("--as-rank", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--bench", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--world", type=int, default=2, help=argparse.SUPPRESS)
+    parser.add_argument("--raw", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.as_rank is not None:
+        rank_main(args)
+        return
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results: dict = {
+        "machine": f"{os.cpu_count()} CPU cores, torch {torch.__version__}, lightning {L.__version__}, gloo",
+        "config": {"width": args.width, "layers": args.layers, "parameters": args.layers * (args.width**2 + args.width), "repeats": args.repeats, "batches_per_rank": args.batches, "batch_size": 32},
+    }
+    for bench in args.only:
+        started = time.perf_counter()
+        if bench == "overhead":
+            results[bench] = summarize(bench, launch(args, bench, 2), "stock", "step_s")
+        elif bench == "hooks":
+            results[bench] = summarize(bench, launch(args, bench, 2), "none", "step_s")
+        elif bench == "setup":
+            results[bench] = summarize(bench, launch(args, bench, 2), "stock", "first_step_s")
+        elif bench == "scaling":
+            raw = {**launch(args, bench, 1), **launch(args, bench, 2)}
+            results[bench] = summarize(bench, raw, "1_processes", "samples_per_s")
+        elif bench == "manual_accumulation":
+            target = out / "manual_accumulation.json"
+            command = [sys.executable, str(ROOT / "benchmarks" / "bench_manual_accumulation.py"), "--repeats", str(args.repeats), "--width", str(args.width), "--layers", str(args.layers), "--batches", str(max(8, args.batches)), "--out", str(target), "--timeout", str(args.timeout)]
+            subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            results[bench] = json.loads(target.read_text())
+        print(f"{bench}: done in {time.perf_counter() - started:.0f} s", flush=True)
+    (out / "suite.json").write_text(json.dumps(results, indent=2))
+    print(json.dumps(results, indent=2))
+    chart(results, out / "suite.png")
+
+
+def chart(results: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install -e '.[bench]'): no chart drawn")
+        return
+    panels = [name for name in ("overhead", "hooks", "setup", "scaling") if name in results]
+    if "manual_accumulation" in results:
+        panels.append("manual_accumulation")
+    figure, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.6), squeeze=False)
+    for axis, name in zip(axes[0], panels):
+        if name == "manual_accumulation":
+            data = results[name]
+            labels, values = ["stock", "ddp_plus"], [1.0, data["ratio_ddp_plus_over_stock"]]
+            axis.set_title("manual accumulation k=4\nstep time / stock")
+        else:
+            data = results[name]
+            ratio_key = next(k for k in next(iter(data.values())) if k.startswith("ratio_to_"))
+            labels = list(data)
+            values = [data[label][ratio_key] for label in labels]
+            axis.set_title(f"{name}\n{ratio_key.replace('_', ' ')}")
+        axis.bar(range(len(labels)), values, color="#4a7ab7")
+        axis.set_xticks(range(len(labels)), [label.replace("ddp_plus_", "+").replace("_", " ") for label in labels], rotation=30, ha="right", fontsize=8)
+        axis.axhline(1.0, color="gray", linewidth=0.8)
+        for index, value in enumerate(values):
+            axis.text(index, value, f"{value:.2f}", ha="center", va="bottom", fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    print(f"chart: {path}")
+
+
+if __name__ == "__main__":
+    main()

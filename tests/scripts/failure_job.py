@@ -1,0 +1,39 @@
+"""A 2-rank ``ddp_plus`` job (popen launcher) in which one rank misbehaves at a given step.
+
+``failure_job.py MODE RANK STEP TIMEOUT TAG``: MODE ``hang`` sleeps for 120 s before the step's backward (so the
+other rank waits in the all-reduce), ``crash`` raises. TAG only marks the command line so the test can find any
+process left behind.
+"""
+
+import sys
+import time
+
+import lightning as L
+
+from lightning_ddp_plus import DDPPlusStrategy
+from tests.helpers import QUIET_TRAINER, TinyRegression
+
+
+class Misbehaving(TinyRegression):
+    def __init__(self, mode: str, rank: int, step: int) -> None:
+        super().__init__(num_samples=256, batch_size=4)
+        self.mode, self.bad_rank, self.bad_step = mode, rank, step
+
+    def training_step(self, batch, batch_idx):
+        if self.global_rank == self.bad_rank and self.global_step == self.bad_step:
+            if self.mode == "hang":
+                print(f"rank {self.global_rank} hangs at step {self.global_step}", flush=True)
+                time.sleep(120)
+            else:
+                raise RuntimeError(f"deliberate failure on rank {self.global_rank} at step {self.global_step}")
+        return super().training_step(batch, batch_idx)
+
+
+def main() -> None:
+    mode, rank, step, timeout = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    trainer = L.Trainer(strategy=DDPPlusStrategy(timeout=timeout), accelerator="cpu", devices=2, max_epochs=1, **QUIET_TRAINER)
+    trainer.fit(Misbehaving(mode, rank, step))
+
+
+if __name__ == "__main__":
+    main()
