@@ -123,6 +123,7 @@ def rank_main(args) -> None:
             results[name].append(run_variant(name, args))
     if dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps(results))
+    dist.destroy_process_group()
 
 
 def summarize(results: dict, args) -> dict:

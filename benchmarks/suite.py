@@ -3,7 +3,8 @@
     python benchmarks/suite.py [--repeats 5] [--width 1024] [--layers 3] [--batches 40] [--only NAME ...]
 
 Benchmarks (each alternates its variants A B A B ... on one process group, reports medians, min/max and ratios):
-  overhead   automatic optimization, time per optimizer step: stock, ddp_plus, +telemetry, +replica guard (every step)
+  overhead   automatic optimization, time per optimizer step: stock, ddp_plus (conflict check on, off), +telemetry,
+             +replica guard (every step)
   hooks      ddp_plus with none / fp16 / bf16 / powersgd: bytes and time per step (telemetry on for all)
   setup      time from Trainer.fit to the end of the first optimizer step: stock, ddp_plus validator on / off
   scaling    samples per second with 1 and 2 processes (ddp_plus), and the ratio to 1 process
@@ -90,7 +91,7 @@ def variants(name: str):
     stock = lambda: L.pytorch.strategies.DDPStrategy(process_group_backend="gloo")  # noqa: E731
     plus = lambda **kw: (lambda: DDPPlusStrategy(process_group_backend="gloo", **kw))  # noqa: E731
     if name == "overhead":
-        return {"stock": stock, "ddp_plus": plus(), "ddp_plus_telemetry": plus(telemetry=True), "ddp_plus_guard_every_step": plus(verify_replicas_every_n_steps=1)}
+        return {"stock": stock, "ddp_plus": plus(), "ddp_plus_check_off": plus(checkpointing_conflict="off"), "ddp_plus_telemetry": plus(telemetry=True), "ddp_plus_guard_every_step": plus(verify_replicas_every_n_steps=1)}
     if name == "hooks":
         return {hook or "none": plus(telemetry=True, ddp_comm_hook=hook) for hook in (None, "fp16", "bf16", "powersgd")}
     if name == "setup":
@@ -109,6 +110,8 @@ def rank_main(args) -> None:
                 raw.setdefault(label, []).append(fit(factory(), args))
     if int(os.environ["LOCAL_RANK"]) == 0:
         Path(args.raw).write_text(json.dumps(raw))
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def launch(args, bench: str, world: int) -> dict:

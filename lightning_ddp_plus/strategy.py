@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import inspect
 import logging
@@ -16,6 +17,7 @@ from typing import Any, Callable, Literal, Optional, Union
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.distributed import _destroy_dist_connection
 from lightning.pytorch.overrides.distributed import _sync_module_states, prepare_for_backward
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
@@ -265,6 +267,9 @@ class DDPPlusStrategy(DDPStrategy):
     def setup_environment(self) -> None:
         watch_parent()
         super().setup_environment()
+        # Lightning destroys only NCCL process groups at exit; a gloo group left to the interpreter's shutdown can
+        # abort the process ("terminate called without an active exception") and turn a finished run into a failure.
+        atexit.register(_destroy_dist_connection)
 
     @override
     def connect(self, model: "pl.LightningModule") -> None:

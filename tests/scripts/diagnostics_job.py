@@ -98,6 +98,7 @@ def main() -> None:
     if dist.get_rank() == 0:
         with open(out_path, "w") as handle:
             json.dump(results, handle)
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
