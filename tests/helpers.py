@@ -32,7 +32,7 @@ def regression_data(num_samples: int, features: int = 8, seed: int = 0) -> Tenso
 class TinyRegression(L.LightningModule):
     """Linear -> ReLU -> Linear regression trained with plain SGD (so results are easy to reproduce exactly)."""
 
-    def __init__(self, num_samples: int = 64, batch_size: int = 4, lr: float = 0.05, features: int = 8) -> None:
+    def __init__(self, num_samples: int = 64, batch_size: int = 4, lr: float = 0.05, features: int = 8, momentum: float = 0.0) -> None:
         super().__init__()
         self.save_hyperparameters()
         torch.manual_seed(1)
@@ -49,7 +49,7 @@ class TinyRegression(L.LightningModule):
         return DataLoader(regression_data(self.hparams.num_samples, self.hparams.features), batch_size=self.hparams.batch_size)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=self.hparams.momentum)
 
 
 class ProcessGroupProbe(L.Callback):
