@@ -42,7 +42,7 @@ def multinode_config(tmp_path: Path, out: Path) -> Path:
     """configs/multinode.yaml as shipped, made small and given a replica report."""
     config = yaml.safe_load((REPO_ROOT / "configs" / "multinode.yaml").read_text())
     assert config["trainer"]["num_nodes"] == 2 and config["trainer"]["devices"] == 1
-    config["trainer"].update(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    config["trainer"].update(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False, default_root_dir=str(tmp_path))
     config["trainer"]["callbacks"] = [{"class_path": "tests.helpers.ReplicaReport", "init_args": {"out_path": str(out)}}]
     config["data"]["init_args"].update(num_train=512, num_val=256)
     path = tmp_path / "multinode.yaml"
