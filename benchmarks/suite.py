@@ -115,7 +115,7 @@ def rank_main(args) -> None:
 
 
 def launch(args, bench: str, world: int) -> dict:
-    raw = ROOT / "benchmarks" / "results" / f".{bench}_{world}.raw.json"
+    raw = Path(args.out) / f".{bench}_{world}.raw.json"  # --out exists (main makes it); results/ may not
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
