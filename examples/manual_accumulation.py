@@ -16,7 +16,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `examples.*` importable when run as a script
 
 import lightning as L
-import torch
 from torch import Tensor, nn
 
 from examples.spirals import SpiralClassifier, SpiralDataModule

@@ -282,3 +282,20 @@ def reference_parameters(model: L.LightningModule, k: int = 1, short_window: str
         total.backward()
         optimizer.step()
     return flat_parameters(model)
+
+
+def job_main(run_case: Any) -> None:
+    """``main`` of a test job script started on every rank: ``SCRIPT OUT_JSON CASES_JSON`` runs each case on the one
+    process group; rank 0 writes the results."""
+    out_path, cases = sys.argv[1], json.loads(sys.argv[2])
+    results = [run_case(case) for case in cases]
+    if dist.get_rank() == 0:
+        Path(out_path).write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+def run_case_job(script: str, cases: list, out: Path, timeout: float = 400) -> list:
+    """Start ``script`` on 2 ranks with ``cases``; every rank must succeed; return rank 0's results."""
+    for result in start_ranks(python_script(script) + [str(out), json.dumps(cases)], timeout=timeout):
+        assert result.returncode == 0, result.stdout[-4000:]
+    return json.loads(out.read_text())

@@ -1,6 +1,5 @@
 """Accumulation-aware sync: the window rules (pure), the settings check, and real 2-rank runs on gloo."""
 
-import json
 
 import lightning as L
 import pytest
@@ -8,7 +7,7 @@ import torch
 
 from lightning_ddp_plus import DDPPlusStrategy
 from lightning_ddp_plus.accumulation import WindowPosition, loss_scale, merge_accumulation_settings, window_position
-from tests.helpers import TinyRegression, python_script, reference_parameters, start_ranks
+from tests.helpers import TinyRegression, reference_parameters, run_case_job
 
 
 def test_windows_of_an_epoch_of_ten_with_k4():
@@ -79,11 +78,7 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def accumulation_results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("accumulation") / "results.json"
-    results = start_ranks(python_script("accumulation_job.py") + [str(out), json.dumps(CASES)], timeout=400)
-    for result in results:
-        assert result.returncode == 0, result.stdout[-4000:]
-    return json.loads(out.read_text())
+    return run_case_job("accumulation_job.py", CASES, tmp_path_factory.mktemp("accumulation") / "results.json")
 
 
 def case_id(case):

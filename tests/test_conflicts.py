@@ -7,7 +7,6 @@ the run trains to the end and matches a single-process reference; the working co
 
 import functools
 import re
-import json
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from lightning_ddp_plus import DDPPlusStrategy
 from lightning_ddp_plus.facts import ForwardProbe, ModelFacts, static_facts
 from lightning_ddp_plus.rules import RULES, DDPView, evaluate, resolved_view, rule_for_torch_error
-from tests.helpers import CheckpointNet, flat_parameters, python_script, reference_parameters, start_ranks
+from tests.helpers import CheckpointNet, flat_parameters, reference_parameters, run_case_job
 
 REENTRANT = frozenset({"reentrant"})
 
@@ -144,11 +143,7 @@ def test_probe_sees_changing_buffers():
 
 
 def run_cases(tmp_path, cases, name):
-    out = tmp_path / f"{name}.json"
-    results = start_ranks(python_script("conflict_job.py") + [str(out), json.dumps(cases)], timeout=400)
-    for result in results:
-        assert result.returncode == 0, result.stdout[-4000:]
-    return json.loads(out.read_text())
+    return run_case_job("conflict_job.py", cases, tmp_path / f"{name}.json")
 
 
 TORCH_FAILURES = {

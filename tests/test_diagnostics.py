@@ -1,13 +1,12 @@
 """Diagnostics: replica-drift guard, sync telemetry and broadcast_buffers="auto", with real 2-rank gloo runs."""
 
-import json
 
 import pytest
 import torch
 
 from lightning_ddp_plus import DDPPlusStrategy, DDPSettings
 from lightning_ddp_plus.replicas import first_mismatch, fingerprints
-from tests.helpers import python_script, start_ranks
+from tests.helpers import run_case_job
 
 
 def test_fingerprints_tell_tensors_apart():
@@ -51,11 +50,7 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("diagnostics") / "results.json"
-    runs = start_ranks(python_script("diagnostics_job.py") + [str(out), json.dumps(CASES)], timeout=400)
-    for run in runs:
-        assert run.returncode == 0, run.stdout[-4000:]
-    return json.loads(out.read_text())
+    return run_case_job("diagnostics_job.py", CASES, tmp_path_factory.mktemp("diagnostics") / "results.json")
 
 
 @pytest.mark.multiprocess

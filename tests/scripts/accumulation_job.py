@@ -5,15 +5,13 @@ epoch of 10 micro-batches per rank; a counting hook (torch's plain all-reduce, r
 counts the real all-reduces.
 """
 
-import json
-import sys
 
 import lightning as L
 import torch
 import torch.distributed as dist
 
 from lightning_ddp_plus import DDPPlusStrategy
-from tests.helpers import QUIET_TRAINER, TinyRegression, TinyRegressionManual
+from tests.helpers import job_main, QUIET_TRAINER, TinyRegression, TinyRegressionManual
 
 ALLREDUCE_HOOK = "torch.distributed.algorithms.ddp_comm_hooks.default_hooks.allreduce_hook"
 
@@ -50,14 +48,5 @@ def run_case(case: dict) -> dict:
     }
 
 
-def main() -> None:
-    out_path, cases = sys.argv[1], json.loads(sys.argv[2])
-    results = [run_case(case) for case in cases]
-    if dist.get_rank() == 0:
-        with open(out_path, "w") as handle:
-            json.dump(results, handle)
-    dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    main()
+    job_main(run_case)

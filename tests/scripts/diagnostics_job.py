@@ -4,9 +4,7 @@ A case may corrupt one parameter on rank 1 after a given optimizer step, count a
 check the telemetry against), and snapshot buffers at the start of the last step's forward (after DDP's broadcast).
 """
 
-import json
 import statistics
-import sys
 
 import lightning as L
 import torch
@@ -14,7 +12,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from lightning_ddp_plus import DDPPlusStrategy
-from tests.helpers import QUIET_TRAINER, CheckpointNet, TinyRegression
+from tests.helpers import job_main, QUIET_TRAINER, CheckpointNet, TinyRegression
 
 INDEPENDENT = {"calls": 0, "bytes": 0}
 
@@ -92,14 +90,5 @@ def run_case(case: dict) -> dict:
     return result
 
 
-def main() -> None:
-    out_path, cases = sys.argv[1], json.loads(sys.argv[2])
-    results = [run_case(case) for case in cases]
-    if dist.get_rank() == 0:
-        with open(out_path, "w") as handle:
-            json.dump(results, handle)
-    dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    main()
+    job_main(run_case)
