@@ -12,10 +12,7 @@ to benchmarks/results/.
 
 import argparse
 import json
-import os
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -30,6 +27,7 @@ from torch import nn  # noqa: E402
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
+from benchmarks.ranks import run_ranks  # noqa: E402
 from lightning_ddp_plus import DDPPlusStrategy  # noqa: E402
 
 K = 4
@@ -156,22 +154,7 @@ def main() -> None:
         return
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     raw = args.out + ".raw"
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    ranks = []
-    for rank in range(2):
-        inherited = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "GROUP_RANK", "LOCAL_WORLD_SIZE")}
-        env = {**inherited, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "LOCAL_RANK": str(rank), "NODE_RANK": "0", "WORLD_SIZE": "2"}
-        ranks.append(subprocess.Popen([sys.executable, __file__, *sys.argv[1:], "--out", raw, "--as-rank", str(rank)], env=env, stdout=subprocess.DEVNULL if rank else None, stderr=subprocess.STDOUT))
-    try:
-        codes = [process.wait(timeout=args.timeout) for process in ranks]
-    except subprocess.TimeoutExpired:
-        for process in ranks:
-            process.kill()
-        sys.exit(f"the benchmark ranks did not finish within {args.timeout} s")
-    if any(codes):
-        sys.exit(f"a rank failed: exit codes {codes}")
+    run_ranks([sys.executable, __file__, *sys.argv[1:], "--out", raw], world=2, timeout=args.timeout)
     summary = summarize(json.loads(Path(raw).read_text()), args)
     Path(raw).unlink()
     Path(args.out).write_text(json.dumps(summary, indent=2))

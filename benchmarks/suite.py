@@ -15,7 +15,6 @@ Writes benchmarks/results/suite.json and, with matplotlib (the `bench` extra), s
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -31,6 +30,7 @@ import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
+from benchmarks.ranks import run_ranks  # noqa: E402
 from lightning_ddp_plus import DDPPlusStrategy  # noqa: E402
 
 QUIET = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False}
@@ -116,24 +116,8 @@ def rank_main(args) -> None:
 
 def launch(args, bench: str, world: int) -> dict:
     raw = Path(args.out) / f".{bench}_{world}.raw.json"  # --out exists (main makes it); results/ may not
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    base = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "GROUP_RANK", "LOCAL_WORLD_SIZE")}
     command = [sys.executable, __file__, "--repeats", str(args.repeats), "--width", str(args.width), "--layers", str(args.layers), "--batches", str(args.batches)]
-    ranks = []
-    for rank in range(world):
-        env = {**base, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "LOCAL_RANK": str(rank), "NODE_RANK": "0", "WORLD_SIZE": str(world)}
-        rank_args = ["--as-rank", str(rank), "--bench", bench, "--world", str(world), "--raw", str(raw)]
-        ranks.append(subprocess.Popen(command + rank_args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
-    try:
-        errors = [process.communicate(timeout=args.timeout)[1] for process in ranks]
-    except subprocess.TimeoutExpired:
-        for process in ranks:
-            process.kill()
-        sys.exit(f"benchmark {bench} did not finish within {args.timeout} s")
-    if any(process.returncode for process in ranks):
-        sys.exit(f"benchmark {bench} failed:\n" + "\n".join(e[-3000:] for e in errors))
+    run_ranks([*command, "--bench", bench, "--world", str(world), "--raw", str(raw)], world=world, timeout=args.timeout)
     data = json.loads(raw.read_text())
     raw.unlink()
     return data
