@@ -84,9 +84,8 @@ class StepTimer(L.Callback):
         return default_hooks.allreduce_hook(state, bucket)
 
     def on_train_start(self, trainer, pl_module):
-        # Stock Lightning registers hooks only on CUDA, so the stock run gets it here; ddp_plus registers it itself.
-        if isinstance(trainer.strategy.model, torch.nn.parallel.DistributedDataParallel):
-            trainer.strategy.model.register_comm_hook(None, self.hook)
+        # Both strategies have wrapped the model by now (ddp_plus as stock does), so the counting hook goes on the same way.
+        trainer.strategy.model.register_comm_hook(None, self.hook)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if (batch_idx + 1) % K == 0:
@@ -98,7 +97,7 @@ def run_variant(name: str, args) -> dict:
     if name == "stock":
         strategy, model = L.pytorch.strategies.DDPStrategy(process_group_backend="gloo"), StockRecipe(args.width, args.layers, args.batches)
     else:
-        strategy = DDPPlusStrategy(process_group_backend="gloo", gradient_accumulation_steps=K, ddp_comm_hook=timer.hook)
+        strategy = DDPPlusStrategy(process_group_backend="gloo", gradient_accumulation_steps=K)
         model = PlusRecipe(args.width, args.layers, args.batches)
     trainer = L.Trainer(
         strategy=strategy, accelerator="cpu", devices=2, max_epochs=1, logger=False, enable_checkpointing=False,

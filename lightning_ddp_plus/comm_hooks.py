@@ -110,6 +110,7 @@ class HookCallCounter:
 
     calls: int = 0
     bucket_bytes: int = 0
+    element_size: int = 4
 
 
 def counted_hook(hook: HookFunction, counter: HookCallCounter) -> HookFunction:
@@ -124,7 +125,48 @@ def counted_hook(hook: HookFunction, counter: HookCallCounter) -> HookFunction:
         buffer = bucket.buffer()
         counter.calls += 1
         counter.bucket_bytes += buffer.numel() * buffer.element_size()
+        counter.element_size = buffer.element_size()
         return hook(state, bucket)
 
     ddp_plus_counted_hook.__qualname__ = f"counted({getattr(hook, '__qualname__', repr(hook))})"
     return ddp_plus_counted_hook
+
+
+class HookAssembly:
+    """The communication hook a wrapper gets: the named hook or callable, its state (PowerSGD gets a default one),
+    the optional wrapper, and a counter of its calls. Registered on every backend, gloo included.
+
+    >>> assembly = HookAssembly(CommHook.FP16, state=None, wrapper=None)
+    >>> assembly.name
+    'fp16'
+    """
+
+    def __init__(self, hook: Union[CommHook, HookFunction, None], state: Optional[object], wrapper: Optional[Callable]) -> None:
+        self.hook = hook
+        self.user_state = state
+        self.wrapper = wrapper
+        #: Calls of the registered hook (one per gradient bucket all-reduced) on this rank.
+        self.counter = HookCallCounter()
+        #: The state the hook was last registered with (PowerSGD's holds its iteration and error feedback).
+        self.state: Optional[object] = None
+
+    @property
+    def name(self) -> str:
+        if isinstance(self.hook, CommHook):
+            return self.hook.value
+        if self.hook is not None:
+            return getattr(self.hook, "__qualname__", repr(self.hook))
+        return "none"
+
+    def register(self, ddp: "torch.nn.parallel.DistributedDataParallel") -> None:
+        """Register the hook on a new wrapper (a fresh default state each time, like a fresh reducer)."""
+        if self.hook is None:
+            return
+        if isinstance(self.hook, CommHook):
+            function = self.hook.function
+            self.state = self.user_state if self.user_state is not None else self.hook.default_state()
+        else:
+            function, self.state = self.hook, self.user_state
+        if self.wrapper is not None:
+            function = self.wrapper(function)
+        ddp.register_comm_hook(state=self.state, hook=counted_hook(function, self.counter))

@@ -1,20 +1,37 @@
-"""Model facts that decide whether a DDP configuration works: gradient checkpointing and its kind, parameters
-reused inside a checkpointed region, parameters that get no gradient, and buffers that training changes.
+"""Model facts that decide whether a DDP configuration works, observed during a real training forward.
 
-Detected without importing optional libraries: Hugging Face models are recognised by their flags, torch's
-checkpoint wrapper by its class, and calls to ``torch.utils.checkpoint`` are observed during one forward.
+What torch's reducer cares about is where each trainable parameter's gradient is accumulated (measured on torch
+2.13, see the README's rule table):
+
+- the autograd graph of the loss (ordinary use, non-reentrant checkpointing included);
+- a reentrant checkpointed region, whose parameters are hidden from that graph and get their gradient in a separate
+  backward pass run when the region is recomputed; a region whose tensor inputs do not require grad is never
+  recomputed, so its parameters get no gradient at all.
+
+A parameter accumulated in more than one of these places is "marked ready twice"; one used several times inside
+one region is not. So the probe attributes every use of a parameter to the innermost reentrant region it happens
+in, whatever the call form (module call, ``F.linear(h, self.weight)``, ``h * self.scale`` in a lambda, nested
+regions), through a ``TorchFunctionMode`` that is active only inside reentrant regions, and reads the rest from the
+loss's autograd graph. What a forward really does wins over what attributes suggest; attributes (Hugging Face flags,
+torch's ``CheckpointWrapper``) are only read when no forward can be observed (``static_facts``).
+
+The probe patches ``torch.utils.checkpoint`` only between ``start()`` and ``stop()`` (one forward), restores it even
+if the forward raises, and registers its module hooks on the probed model only.
 """
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Iterable
+import weakref
+from collections import defaultdict
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 
 REENTRANT = "reentrant"
 NON_REENTRANT = "non_reentrant"
@@ -22,15 +39,28 @@ NON_REENTRANT = "non_reentrant"
 
 @dataclass(frozen=True)
 class ModelFacts:
-    """What the conflict rules look at.
+    """What the conflict rules look at; parameter names as ``named_parameters()`` gives them.
 
-    ``unused_parameters`` is ``None`` when no forward has been observed (nothing is known about it).
+    Attributes:
+        observed: facts come from a real forward (``False``: read from attributes only, see ``static_facts``).
+        checkpointing: kinds of gradient checkpointing seen (``"reentrant"``, ``"non_reentrant"``).
+        checkpoint_sources: where the checkpointing was seen, for messages.
+        reentrant_parameters: trainable parameters whose gradient a reentrant region that the loss reaches computes.
+        reused_in_checkpoint: trainable parameters whose gradient is accumulated in more than one backward pass: in
+            two reentrant regions, or in one and outside it.
+        unused_parameters: trainable parameters that get no gradient (``None`` when no forward was observed).
+        no_grad_region_parameters: trainable parameters inside a reentrant region entered with grad enabled but no
+            input that requires grad: torch never recomputes such a region, so they never learn.
+        mutable_buffers: buffers that a training forward changes (BatchNorm-style running statistics).
     """
 
+    observed: bool = False
     checkpointing: frozenset[str] = frozenset()
     checkpoint_sources: tuple[str, ...] = ()
+    reentrant_parameters: tuple[str, ...] = ()
     reused_in_checkpoint: tuple[str, ...] = ()
     unused_parameters: Optional[tuple[str, ...]] = None
+    no_grad_region_parameters: tuple[str, ...] = ()
     mutable_buffers: tuple[str, ...] = ()
 
     @property
@@ -42,37 +72,38 @@ class ModelFacts:
         return bool(self.checkpointing)
 
 
+#: The per-parameter facts, in the order ``agreement`` packs them.
+PARAMETER_FACTS = ("reentrant_parameters", "reused_in_checkpoint", "unused_parameters", "no_grad_region_parameters")
+
+
 def static_facts(module: nn.Module) -> ModelFacts:
-    """Facts readable from the module itself, without running it.
+    """Facts readable from the module itself, without running it: checkpointing flags and changing buffers.
 
     >>> from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper, CheckpointImpl
     >>> model = nn.Sequential(nn.Linear(2, 2), checkpoint_wrapper(nn.Linear(2, 2), checkpoint_impl=CheckpointImpl.REENTRANT))
-    >>> sorted(static_facts(model).checkpointing)
-    ['reentrant']
+    >>> sorted(static_facts(model).checkpointing), static_facts(model).observed
+    (['reentrant'], False)
     """
     kinds: set[str] = set()
     sources: list[str] = []
     for name, sub in module.named_modules():
-        kind = _hf_checkpointing_kind(sub)
+        kind = _flagged_checkpointing_kind(sub)
         if kind is not None:
             kinds.add(kind)
-            sources.append(f"{name or type(sub).__name__}: gradient_checkpointing flag ({kind})")
-        impl = getattr(sub, "checkpoint_impl", None)
-        if type(sub).__name__ == "CheckpointWrapper" and impl is not None:
-            kind = NON_REENTRANT if "NO_REENTRANT" in getattr(impl, "name", str(impl)).upper() else REENTRANT
-            kinds.add(kind)
-            sources.append(f"{name}: CheckpointWrapper ({kind})")
+            sources.append(f"{name or type(sub).__name__}: gradient_checkpointing flag ({kind}, from attributes)")
     return ModelFacts(checkpointing=frozenset(kinds), checkpoint_sources=tuple(sources), mutable_buffers=running_stat_buffers(module))
 
 
-def _hf_checkpointing_kind(module: nn.Module) -> Optional[str]:
-    enabled = getattr(module, "is_gradient_checkpointing", None)
-    if enabled is not True and getattr(module, "gradient_checkpointing", None) is not True:
+def _flagged_checkpointing_kind(module: nn.Module) -> Optional[str]:
+    impl = getattr(module, "checkpoint_impl", None)
+    if type(module).__name__ == "CheckpointWrapper" and impl is not None:
+        return NON_REENTRANT if "NO_REENTRANT" in getattr(impl, "name", str(impl)).upper() else REENTRANT
+    if getattr(module, "gradient_checkpointing", None) is not True:
         return None
-    function = getattr(module, "_gradient_checkpointing_func", None)
-    keywords = getattr(function, "keywords", None) or {}
-    # Hugging Face passes use_reentrant=True unless the user asked otherwise.
-    return REENTRANT if keywords.get("use_reentrant", True) else NON_REENTRANT
+    keywords = getattr(getattr(module, "_gradient_checkpointing_func", None), "keywords", None) or {}
+    if "use_reentrant" not in keywords:
+        return None  # unknown: only a forward tells
+    return REENTRANT if keywords["use_reentrant"] else NON_REENTRANT
 
 
 def running_stat_buffers(module: nn.Module) -> tuple[str, ...]:
@@ -86,120 +117,249 @@ def running_stat_buffers(module: nn.Module) -> tuple[str, ...]:
 
 
 @dataclass
-class ForwardProbe:
-    """Observes one forward: checkpoint calls and their kind, which parameters modules use inside checkpointed
-    regions (and how often), and which buffers change. Use as a context manager around the forward only."""
+class _Region:
+    """One call of reentrant ``torch.utils.checkpoint``."""
 
-    module: nn.Module
-    kinds: set[str] = field(default_factory=set)
-    region_uses: Counter = field(default_factory=Counter)
-    _depth: int = 0
-    _handles: list = field(default_factory=list)
-    _originals: dict = field(default_factory=dict)
-    _buffers_before: dict = field(default_factory=dict)
-    active: bool = False
+    parent: Optional[int]
+    grad_enabled: bool
+    inputs_require_grad: bool
+    parameters: set[int] = field(default_factory=set)
+    node: Any = None  # the region's backward node (its output's grad_fn), when the output requires grad
+    repaired_input: Optional[str] = None  # module whose output fed the repaired input ("" when none is known)
+
+
+@dataclass(frozen=True)
+class InputGradRepair:
+    """A reentrant region whose inputs did not require grad, repaired for the probed forward.
+
+    ``producer`` is the module (a name from ``named_modules()``) whose output was the region's input, or ``None``
+    when the input was not a module's output.
+    """
+
+    producer: Optional[str]
+    parameters: tuple[str, ...]
+
+
+class _ParameterUses(TorchFunctionMode):
+    """Attributes every tensor operation that takes a trainable parameter to the innermost open reentrant region."""
+
+    def __init__(self, probe: ForwardProbe) -> None:
+        super().__init__()
+        self.probe = probe
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        # Reading an attribute (`.dtype`, `.shape`, `.data`) or detaching is not a use that carries a gradient.
+        if getattr(func, "__name__", "") not in ("__get__", "detach", "detach_") and self.probe._stack:
+            region = self.probe._regions[self.probe._stack[-1]]
+            trainable = self.probe._trainable
+            for leaf in tree_leaves((args, kwargs)):
+                if isinstance(leaf, Tensor) and id(leaf) in trainable:
+                    region.parameters.add(id(leaf))
+        return func(*args, **kwargs)
+
+
+class ForwardProbe:
+    """Observes training forwards (``start()`` ... ``stop()``, repeatable) and tells the facts for a loss.
+
+    Args:
+        module: the model whose parameters and buffers are reported (the bare module, not the DDP wrapper).
+        repair_input_grads: when a reentrant region is entered with grad enabled and no input requiring grad, feed it
+            a copy of its first floating-point input that requires grad, so that its parameters do get gradients in
+            this forward (the resolution of rule R5); ``repairs`` says which regions were repaired.
+
+    >>> import torch.utils.checkpoint as cp
+    >>> block, scale = nn.Linear(4, 4), nn.Parameter(torch.ones(4))
+    >>> model = nn.ModuleDict({"block": block}); model.scale = scale
+    >>> with ForwardProbe(model) as probe:
+    ...     h = torch.randn(2, 4, requires_grad=True)
+    ...     loss = cp.checkpoint(lambda t: block(t) * scale, h, use_reentrant=True).sum()
+    >>> facts = probe.facts(loss)
+    >>> facts.unused_parameters, sorted(facts.reentrant_parameters)
+    ((), ['block.bias', 'block.weight', 'scale'])
+    """
+
+    def __init__(self, module: nn.Module, repair_input_grads: bool = False) -> None:
+        self.module = module
+        self.repair_input_grads = repair_input_grads
+        self._names = {id(p): n for n, p in module.named_parameters()}
+        self._trainable = {id(p) for p in module.parameters() if p.requires_grad}
+        self._regions: list[_Region] = []
+        self._stack: list[int] = []
+        self._kinds: set[str] = set()
+        self._buffers_before: Optional[dict[str, Tensor]] = None
+        self._outputs: dict[int, tuple[weakref.ref, str]] = {}
+        self._handles: list = []
+        self._restore: list = []
+        self._mode = _ParameterUses(self)
+        self.active = False
 
     def __enter__(self) -> ForwardProbe:
-        self._buffers_before = {name: b.detach().clone() for name, b in self.module.named_buffers()}
-        probe = self
-        original_forward = torch_checkpoint.CheckpointFunction.forward
-        original_generator = torch_checkpoint._checkpoint_without_reentrant_generator
-
-        def reentrant_forward(ctx: Any, run_function: Any, preserve_rng_state: bool, *args: Any) -> Any:
-            probe._enter(REENTRANT)
-            try:
-                return original_forward(ctx, run_function, preserve_rng_state, *args)
-            finally:
-                probe._exit()
-
-        def non_reentrant_generator(*args: Any, **kwargs: Any) -> Any:
-            inner = original_generator(*args, **kwargs)
-            probe._enter(NON_REENTRANT)
-            try:
-                yield from inner
-            finally:
-                probe._exit()
-
-        self._originals = {"forward": original_forward, "generator": original_generator}
-        torch_checkpoint.CheckpointFunction.forward = staticmethod(reentrant_forward)
-        torch_checkpoint._checkpoint_without_reentrant_generator = non_reentrant_generator
-        self._handles.append(nn.modules.module.register_module_forward_pre_hook(self._on_module_call))
-        self.active = True
+        self.start()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
 
+    def start(self) -> None:
+        """Start observing (idempotent)."""
+        if self.active:
+            return
+        if self._buffers_before is None:
+            self._buffers_before = {name: b.detach().clone() for name, b in self.module.named_buffers()}
+        self._patch_checkpoint()
+        if self.repair_input_grads:
+            for name, sub in self.module.named_modules():
+                self._handles.append(sub.register_forward_hook(self._remember_output(name)))
+        self.active = True
+
     def stop(self) -> None:
-        """Stop observing (idempotent); call it before backward, where reentrant checkpointing re-runs the forward."""
+        """Stop observing and restore everything patched (idempotent); call it before backward, where reentrant
+        checkpointing re-runs the forward."""
         if not self.active:
             return
         self.active = False
-        torch_checkpoint.CheckpointFunction.forward = staticmethod(self._originals["forward"])
-        torch_checkpoint._checkpoint_without_reentrant_generator = self._originals["generator"]
+        while self._restore:
+            self._restore.pop()()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
 
-    def _enter(self, kind: str) -> None:
-        if self.active:
-            self.kinds.add(kind)
-            self._depth += 1
+    def _patch_checkpoint(self) -> None:
+        probe = self
+        function_class = torch_checkpoint.CheckpointFunction
+        original_apply = function_class.apply
+        original_generator = torch_checkpoint._checkpoint_without_reentrant_generator
 
-    def _exit(self) -> None:
-        if self.active:
-            self._depth -= 1
+        def apply(run_function: Any, preserve_rng_state: bool, *args: Any) -> Any:
+            args, region = probe._open_region(args)
+            try:
+                if len(probe._stack) == 1:
+                    with probe._mode:
+                        output = original_apply(run_function, preserve_rng_state, *args)
+                else:
+                    output = original_apply(run_function, preserve_rng_state, *args)
+            finally:
+                probe._stack.pop()
+            region.node = next((t.grad_fn for t in _tensors(output) if t.grad_fn is not None), None)
+            return output
 
-    def _on_module_call(self, module: nn.Module, args: Any) -> None:
-        if self._depth > 0:
-            for param in module.parameters(recurse=False):
-                self.region_uses[id(param)] += 1
+        def non_reentrant_generator(*args: Any, **kwargs: Any) -> Iterator:
+            probe._kinds.add(NON_REENTRANT)
+            yield from original_generator(*args, **kwargs)
 
-    def facts(self, loss: Optional[Tensor]) -> ModelFacts:
-        """The observed facts; ``loss`` (the tensor backward will run on) tells which parameters get a gradient."""
-        names = {id(p): n for n, p in self.module.named_parameters()}
-        static = static_facts(self.module)
-        reused = tuple(names[i] for i, count in self.region_uses.items() if count > 1 and i in names)
-        unused = None
-        if loss is not None:
-            reached = reachable_parameters(loss) | {i for i in self.region_uses}
-            unused = tuple(n for n, p in self.module.named_parameters() if p.requires_grad and id(p) not in reached)
-        changed = tuple(
-            name for name, b in self.module.named_buffers() if name in self._buffers_before and not torch.equal(b, self._buffers_before[name])
+        own_apply = function_class.__dict__.get("apply")
+        function_class.apply = apply
+        self._restore.append(lambda: setattr(function_class, "apply", own_apply) if own_apply else delattr(function_class, "apply"))
+        torch_checkpoint._checkpoint_without_reentrant_generator = non_reentrant_generator
+        self._restore.append(lambda: setattr(torch_checkpoint, "_checkpoint_without_reentrant_generator", original_generator))
+
+    def _open_region(self, args: tuple) -> tuple[tuple, _Region]:
+        self._kinds.add(REENTRANT)
+        tensors = [a for a in args if isinstance(a, Tensor)]
+        region = _Region(
+            parent=self._stack[-1] if self._stack else None,
+            grad_enabled=torch.is_grad_enabled(),
+            inputs_require_grad=any(t.requires_grad for t in tensors),
         )
+        if self.repair_input_grads and region.parent is None and region.grad_enabled and not region.inputs_require_grad:
+            index = next((i for i, a in enumerate(args) if isinstance(a, Tensor) and a.is_floating_point()), None)
+            if index is not None:
+                region.repaired_input = self._producer_of(args[index]) or ""
+                args = (*args[:index], args[index].detach().requires_grad_(True), *args[index + 1 :])
+        self._regions.append(region)
+        self._stack.append(len(self._regions) - 1)
+        return args, region
+
+    def _remember_output(self, name: str) -> Any:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if isinstance(output, Tensor):
+                self._outputs[id(output)] = (weakref.ref(output), name)
+
+        return hook
+
+    def _producer_of(self, tensor: Tensor) -> Optional[str]:
+        entry = self._outputs.get(id(tensor))
+        return entry[1] if entry is not None and entry[0]() is tensor else None
+
+    @property
+    def repairs(self) -> list[InputGradRepair]:
+        """The regions repaired by ``repair_input_grads`` that hold trainable parameters."""
+        return [
+            InputGradRepair(region.repaired_input or None, self._sorted_names(region.parameters))
+            for region in self._regions
+            if region.repaired_input is not None and region.parameters
+        ]
+
+    def _sorted_names(self, ids: Iterable[int]) -> tuple[str, ...]:
+        wanted = set(ids)
+        return tuple(name for name, p in self.module.named_parameters() if id(p) in wanted)
+
+    def facts(self, loss: Any) -> ModelFacts:
+        """The observed facts; ``loss`` (what backward will run on) tells which parameters get a gradient."""
+        self.stop()
+        nodes, graph_parameters = autograd_reach(loss)
+        contexts: dict[int, set] = defaultdict(set)
+        for pid in graph_parameters & self._trainable:
+            contexts[pid].add("graph")
+        reached: list[bool] = []
+        for index, region in enumerate(self._regions):
+            is_reached = reached[region.parent] if region.parent is not None else region.node in nodes
+            reached.append(is_reached)
+            if is_reached:
+                for pid in region.parameters:
+                    contexts[pid].add(index)
+        in_reached_regions = {pid for index, region in enumerate(self._regions) if reached[index] for pid in region.parameters}
+        # Reported whether or not the probe repaired them: the repair lasts one forward, the rule says what must last.
+        no_grad_regions = {
+            pid
+            for region in self._regions
+            if region.parent is None and region.grad_enabled and not region.inputs_require_grad
+            for pid in region.parameters
+        }
+        unused = self._trainable - set(contexts) - no_grad_regions
         return ModelFacts(
-            checkpointing=static.checkpointing | frozenset(self.kinds),
-            checkpoint_sources=static.checkpoint_sources + tuple(f"torch.utils.checkpoint call ({kind})" for kind in sorted(self.kinds)),
-            reused_in_checkpoint=reused,
-            unused_parameters=unused,
-            mutable_buffers=tuple(sorted(set(changed) | set(static.mutable_buffers))),
+            observed=True,
+            checkpointing=frozenset(self._kinds),
+            checkpoint_sources=tuple(f"torch.utils.checkpoint call ({kind})" for kind in sorted(self._kinds)),
+            reentrant_parameters=self._sorted_names(in_reached_regions),
+            reused_in_checkpoint=self._sorted_names(pid for pid, where in contexts.items() if len(where) > 1),
+            unused_parameters=self._sorted_names(unused),
+            no_grad_region_parameters=self._sorted_names(no_grad_regions),
+            mutable_buffers=self._changed_buffers(),
         )
 
+    def _changed_buffers(self) -> tuple[str, ...]:
+        before = self._buffers_before or {}
+        changed = {name for name, b in self.module.named_buffers() if name in before and not torch.equal(b, before[name])}
+        return tuple(sorted(changed | set(running_stat_buffers(self.module))))
 
-def reachable_parameters(output: Any) -> set[int]:
-    """ids of the leaf tensors the autograd graph of ``output`` accumulates gradients into.
 
-    Reentrant checkpointing hides its region's parameters from this graph; the probe adds those it saw used.
+def autograd_reach(output: Any) -> tuple[set, set[int]]:
+    """The backward nodes reachable from ``output``'s tensors, and the ids of the leaf tensors they accumulate into.
+
+    A reentrant checkpointed region appears as one node; the parameters it uses are not behind it.
     """
-    roots = [t.grad_fn for t in _tensors(output) if t.grad_fn is not None]
-    seen: set = set()
-    found: set[int] = set()
-    while roots:
-        node = roots.pop()
-        if node is None or node in seen:
+    pending = [t.grad_fn for t in _tensors(output) if t.grad_fn is not None]
+    nodes: set = set()
+    leaves: set[int] = set()
+    while pending:
+        node = pending.pop()
+        if node is None or node in nodes:
             continue
-        seen.add(node)
+        nodes.add(node)
         variable = getattr(node, "variable", None)
         if variable is not None:
-            found.add(id(variable))
-        roots.extend(next_node for next_node, _ in node.next_functions)
-    return found
+            leaves.add(id(variable))
+        pending.extend(next_node for next_node, _ in node.next_functions)
+    return nodes, leaves
 
 
-def _tensors(output: Any) -> Iterable[Tensor]:
+def _tensors(output: Any) -> Iterator[Tensor]:
+    """Tensors in a step output: a tensor, or nested mappings (Hugging Face ``ModelOutput`` too) and sequences."""
     if isinstance(output, Tensor):
         yield output
-    elif isinstance(output, dict):
+    elif isinstance(output, Mapping):
         for value in output.values():
             yield from _tensors(value)
     elif isinstance(output, (list, tuple)):

@@ -1,9 +1,13 @@
-"""Process plumbing so that a failed or hung rank ends the whole job, and no process is left behind.
+"""Process plumbing: settle Trainer settings before anything launches, end the whole job when a rank fails, and
+bring spawned workers' results back to the caller.
 
 Lightning's popen launcher already kills everything when a *child* rank exits with an error. Two gaps remain:
 when the launching process (rank 0) fails, its children are left waiting in a collective until the timeout; and
-when the launching process is killed, its children never notice. The launcher below kills its children when
+when the launching process is killed, its children never notice. The popen launcher below kills its children when
 rank 0 fails, and children it starts watch their parent and exit when it is gone.
+
+A launcher's ``launch`` is the one point of Lightning's flow that has the Trainer, after all its settings are known
+and before any process is started, in every process of the job: that is where ``before_launch`` runs.
 """
 
 from __future__ import annotations
@@ -14,17 +18,25 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
-from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from typing_extensions import override
 
 PARENT_PID_VARIABLE = "DDP_PLUS_LAUNCHER_PID"
+
+BeforeLaunch = Callable[[Any], None]
 
 
 class KillChildrenOnFailureLauncher(_SubprocessScriptLauncher):
     """Lightning's popen launcher, plus: if rank 0 fails, its child ranks are killed before the error propagates."""
 
+    def __init__(self, *args: Any, before_launch: Optional[BeforeLaunch] = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.before_launch = before_launch
+
     @override
     def launch(self, function: Callable, *args: Any, trainer: Optional[Any] = None, **kwargs: Any) -> Any:
+        if trainer is not None and self.before_launch is not None:
+            self.before_launch(trainer)
         if not self.cluster_environment.creates_processes_externally:
             os.environ[PARENT_PID_VARIABLE] = str(os.getpid())  # inherited by the children it starts
         try:
@@ -32,6 +44,33 @@ class KillChildrenOnFailureLauncher(_SubprocessScriptLauncher):
         except BaseException:
             self.kill(signal.SIGKILL)
             raise
+
+
+class ResultsReturningLauncher(_MultiProcessingLauncher):
+    """Lightning's spawn/fork launcher, plus ``before_launch`` and the strategy's results (findings, counts,
+    resolved settings) carried from rank 0's worker back to the strategy object in the launching process."""
+
+    def __init__(self, *args: Any, before_launch: Optional[BeforeLaunch] = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.before_launch = before_launch
+
+    @override
+    def launch(self, function: Callable, *args: Any, trainer: Optional[Any] = None, **kwargs: Any) -> Any:
+        if trainer is not None and self.before_launch is not None:
+            self.before_launch(trainer)
+        return super().launch(function, *args, trainer=trainer, **kwargs)
+
+    @override
+    def get_extra_results(self, trainer: Any) -> dict[str, Any]:
+        extra = super().get_extra_results(trainer)
+        extra["ddp_plus"] = trainer.strategy.engine.results()
+        return extra
+
+    @override
+    def update_main_process_results(self, trainer: Any, extra: dict[str, Any]) -> None:
+        super().update_main_process_results(trainer, extra)
+        if "ddp_plus" in extra:
+            trainer.strategy.engine.apply_results(extra["ddp_plus"])
 
 
 def watch_parent(poll_seconds: float = 1.0) -> Optional[threading.Thread]:

@@ -1,14 +1,14 @@
 """Conflict rules between DDP settings and model facts, as data, evaluated by one pure function.
 
-The rules follow what torch 2.13's reducer was measured to do (``shared/reference/ddp-behaviour-torch-2.13.md``);
-the test suite re-runs every failing combination with real processes so that a rule that stops being true is
-noticed.
+The rules follow what torch 2.13's reducer was measured to do (``shared/reference/ddp-behaviour-torch-2.13.md`` and
+the project's own matrix of checkpointing patterns); the test suite re-runs every failing combination with real
+processes, on hand-made and on Hugging Face / PEFT models, so that a rule that stops being true is noticed.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Literal, Optional
 
 from lightning_ddp_plus.facts import ModelFacts
@@ -18,12 +18,17 @@ Level = Literal["error", "advice"]
 
 @dataclass(frozen=True)
 class DDPView:
-    """The settings the rules look at (a plain copy, so rules stay pure)."""
+    """The settings the rules look at (a plain copy, so rules stay pure).
+
+    ``repair_input_grads`` is not a DDP argument: it stands for the resolution of R5, making the inputs of reentrant
+    regions require grad (what Hugging Face's ``enable_input_require_grads()`` does).
+    """
 
     find_unused_parameters: bool = False
     static_graph: bool = False
     broadcast_buffers: bool = True
     gradient_accumulation_steps: int = 1
+    repair_input_grads: bool = False
 
 
 @dataclass(frozen=True)
@@ -49,14 +54,15 @@ class Finding:
         return f"[{self.rule.id}] {self.rule.title}: {self.message} Fix: {self.rule.fix}"
 
 
-def _names(names: tuple[str, ...], limit: int = 8) -> str:
+def _names(names: Optional[tuple[str, ...]], limit: int = 8) -> str:
+    names = names or ()
     shown = ", ".join(names[:limit])
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
 def _r4_resolution(view: DDPView, facts: ModelFacts) -> dict[str, object]:
-    # find_unused_parameters=True would trip R1 under reentrant checkpointing; static_graph handles both.
-    return {"static_graph": True} if facts.reentrant else {"find_unused_parameters": True}
+    # find_unused_parameters=True would trip R1 when reentrant regions compute gradients; static_graph handles both.
+    return {"static_graph": True} if facts.reentrant_parameters else {"find_unused_parameters": True}
 
 
 RULES: tuple[Rule, ...] = (
@@ -64,11 +70,12 @@ RULES: tuple[Rule, ...] = (
         id="R1",
         level="error",
         title="reentrant checkpointing with find_unused_parameters=True",
-        applies=lambda v, f: f.reentrant and v.find_unused_parameters and not v.static_graph,
+        applies=lambda v, f: f.observed and bool(f.reentrant_parameters) and v.find_unused_parameters and not v.static_graph,
         problem=lambda v, f: (
-            "the model uses reentrant gradient checkpointing and find_unused_parameters=True with static_graph=False; "
-            "torch's reducer fails in the first backward with 'Expected to mark a variable ready only once' "
-            f"(checkpointing seen: {_names(f.checkpoint_sources)})."
+            f"trainable parameters get their gradient inside reentrant checkpointing ({_names(f.reentrant_parameters)}) "
+            "and find_unused_parameters=True with static_graph=False: DDP's search after the forward cannot see them, "
+            "marks them unused, and torch's reducer fails in the first backward with 'Expected to mark a variable "
+            "ready only once'."
         ),
         fix="set static_graph=True (find_unused_parameters is then not needed), or checkpoint with use_reentrant=False.",
         resolve=lambda v, f: {"static_graph": True, "find_unused_parameters": False},
@@ -76,11 +83,12 @@ RULES: tuple[Rule, ...] = (
     Rule(
         id="R2",
         level="error",
-        title="parameters reused inside a reentrant checkpointed region",
-        applies=lambda v, f: f.reentrant and bool(f.reused_in_checkpoint) and not v.static_graph,
+        title="parameters whose gradient reentrant checkpointing accumulates more than once",
+        applies=lambda v, f: f.observed and bool(f.reused_in_checkpoint) and not v.static_graph,
         problem=lambda v, f: (
-            f"parameters run more than once per forward inside reentrant checkpointing ({_names(f.reused_in_checkpoint)}) "
-            "with static_graph=False; torch's reducer fails in the first backward with 'marked as ready twice'."
+            f"these parameters are used in more than one reentrant checkpointed region, or in one and outside it "
+            f"({_names(f.reused_in_checkpoint)}), so each backward accumulates their gradient in separate passes; with "
+            "static_graph=False torch's reducer fails in the first backward with 'marked as ready twice'."
         ),
         fix="set static_graph=True, or checkpoint with use_reentrant=False.",
         resolve=lambda v, f: {"static_graph": True},
@@ -100,9 +108,9 @@ RULES: tuple[Rule, ...] = (
         id="R4",
         level="error",
         title="parameters that get no gradient",
-        applies=lambda v, f: bool(f.unused_parameters) and not v.find_unused_parameters and not v.static_graph,
+        applies=lambda v, f: f.observed and bool(f.unused_parameters) and not v.find_unused_parameters and not v.static_graph,
         problem=lambda v, f: (
-            f"these parameters receive no gradient: {_names(f.unused_parameters or ())}; with find_unused_parameters=False "
+            f"these parameters receive no gradient: {_names(f.unused_parameters)}; with find_unused_parameters=False "
             "and static_graph=False torch's first optimizer step would use unreduced local gradients (replicas silently "
             "diverge) and the next forward fails with 'Expected to have finished reduction in the prior iteration'."
         ),
@@ -111,10 +119,27 @@ RULES: tuple[Rule, ...] = (
         resolve=_r4_resolution,
     ),
     Rule(
+        id="R5",
+        level="error",
+        title="trainable parameters in a reentrant region that gets no gradient",
+        applies=lambda v, f: f.observed and bool(f.no_grad_region_parameters) and not v.repair_input_grads,
+        problem=lambda v, f: (
+            f"a reentrant checkpointed region holds trainable parameters ({_names(f.no_grad_region_parameters)}) but none "
+            "of its inputs requires grad, so torch never recomputes it in backward and these parameters get no gradient "
+            "at all: they never learn, on every rank alike (torch only warns 'None of the inputs have "
+            "requires_grad=True'). find_unused_parameters or static_graph would hide this, not fix it."
+        ),
+        fix="checkpoint with use_reentrant=False, or make an input of the checkpointed region require grad (Hugging Face "
+        "models: call model.enable_input_require_grads() after enabling gradient checkpointing).",
+        resolve=lambda v, f: {"repair_input_grads": True},
+    ),
+    Rule(
         id="A1",
         level="advice",
         title="find_unused_parameters=True with nothing unused",
-        applies=lambda v, f: v.find_unused_parameters and not v.static_graph and f.unused_parameters == () and not f.reentrant,
+        applies=lambda v, f: (
+            f.observed and v.find_unused_parameters and not v.static_graph and f.unused_parameters == () and not f.reentrant_parameters
+        ),
         problem=lambda v, f: "every parameter gets a gradient, yet DDP searches the autograd graph after every forward.",
         fix="set find_unused_parameters=False to skip that search.",
     ),
@@ -139,14 +164,25 @@ RULES: tuple[Rule, ...] = (
         fix="keep it unless a buffer broadcast per forward costs you time; prefer LayerNorm or SyncBatchNorm inside "
         "checkpointed blocks.",
     ),
+    Rule(
+        id="A4",
+        level="advice",
+        title="reentrant checkpointing flagged, not observed",
+        applies=lambda v, f: not f.observed and f.reentrant and v.find_unused_parameters and not v.static_graph,
+        problem=lambda v, f: (
+            f"no forward could be observed, but attributes say reentrant checkpointing ({_names(f.checkpoint_sources)}); "
+            "if trainable parameters are inside the checkpointed regions, the first backward fails as in R1."
+        ),
+        fix="run the check where training_step can run, or set static_graph=True / checkpoint with use_reentrant=False.",
+    ),
 )
 
 
 def evaluate(view: DDPView, facts: ModelFacts, rules: tuple[Rule, ...] = RULES) -> list[Finding]:
     """Every rule that applies, in table order, with the settings changes that would resolve it.
 
-    >>> from lightning_ddp_plus.facts import ModelFacts
-    >>> [f.rule.id for f in evaluate(DDPView(find_unused_parameters=True), ModelFacts(checkpointing=frozenset({"reentrant"})))]
+    >>> facts = ModelFacts(observed=True, checkpointing=frozenset({"reentrant"}), reentrant_parameters=("w",), unused_parameters=())
+    >>> [f.rule.id for f in evaluate(DDPView(find_unused_parameters=True), facts)]
     ['R1']
     """
     return [
@@ -162,7 +198,7 @@ def resolved_view(view: DDPView, findings: list[Finding]) -> DDPView:
     for finding in findings:
         if finding.rule.level == "error":
             changes.update(finding.changes)
-    return DDPView(**{**view.__dict__, **changes})
+    return replace(view, **changes)
 
 
 # Messages of torch 2.13's reducer and the rule each one means.

@@ -101,19 +101,20 @@ class DDPSettings:
             return self
         return dataclasses.replace(self, broadcast_buffers=has_changing_buffers)
 
-    def to_ddp_kwargs(self) -> dict[str, Any]:
+    def to_ddp_kwargs(self, forward_sync_buffers: bool = True) -> dict[str, Any]:
         """Keyword arguments for ``DistributedDataParallel``.
 
-        ``broadcast_buffers`` goes to torch 2.13's ``forward_sync_buffers`` so that no deprecation warning is printed;
-        the one difference in meaning (the new argument always syncs buffers at wrap time) is undone by the strategy,
-        which restores rank-local buffers after wrapping when ``broadcast_buffers=False``.
+        ``broadcast_buffers`` goes to torch 2.13's ``forward_sync_buffers`` so that no deprecation warning is printed
+        (``forward_sync_buffers=False`` for a torch without it); the one difference in meaning (the new argument always
+        syncs buffers at wrap time) is undone when wrapping, which restores rank-local buffers after wrapping when
+        ``broadcast_buffers=False``.
         """
         if self.broadcast_buffers == "auto":
             raise RuntimeError("broadcast_buffers='auto' must be resolved for the model (DDPSettings.resolve_auto) first.")
         return {
             "find_unused_parameters": self.find_unused_parameters,
             "bucket_cap_mb": self.bucket_cap_mb,
-            "forward_sync_buffers": self.broadcast_buffers,
+            ("forward_sync_buffers" if forward_sync_buffers else "broadcast_buffers"): self.broadcast_buffers,
             "static_graph": self.static_graph,
             "gradient_as_bucket_view": self.gradient_as_bucket_view,
             **self.extra,

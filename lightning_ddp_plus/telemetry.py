@@ -1,95 +1,150 @@
-"""Sync telemetry: per optimizer step, gradient buckets all-reduced, bytes sent (after compression hooks),
-backward passes synced and skipped, and the time spent waiting for the last all-reduce of a backward.
+"""Sync telemetry: per optimizer step, gradient buckets all-reduced, bytes sent (after compression), backward passes
+synced and skipped, and torch's own timings of the forward, the backward's compute and communication and their overlap.
 
-Bytes are counted where they are sent: every ``torch.distributed.all_reduce`` the communication hook issues during
-a backward (torch's own hooks call it through the module attribute), so an fp16 hook reports half the bytes and
-PowerSGD its compressed factors.
+Nothing is patched and no Python code runs per bucket on the default path: bucket sizes and timings come from
+torch's DDP runtime statistics (``DistributedDataParallel._get_ddp_logging_data()``, sampled at a rate set with
+``_set_ddp_runtime_logging_sample_rate``), and bytes from the buckets the communication hook is handed (its
+counter), reduced by what the named hook sends: half for fp16/bf16, PowerSGD's own count of compressed elements.
+torch records an iteration's timings when the next one starts, so a step reports the latest iteration measured.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Generator
-from contextlib import contextmanager
+import weakref
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import lightning.pytorch as pl
-import torch
-import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_ddp_plus.comm_hooks import CommHook, HookAssembly
+
+_NS_PER_MS = 1e6
+_TIMINGS = {
+    "forward_ms": "forward_compute_time",
+    "backward_compute_ms": "backward_compute_time",
+    "backward_comm_ms": "backward_comm_time",
+    "overlap_ms": "backward_compute_comm_overlap_time",
+}
 
 
 @dataclass
 class StepTelemetry:
-    """One optimizer step's communication."""
+    """One optimizer step's communication; timings are those of ``timed_iteration`` (``nan`` when none is new)."""
 
     step: int = 0
     buckets: int = 0
     bytes_sent: int = 0
     synced_backwards: int = 0
     skipped_backwards: int = 0
-    comm_wait_ms: float = 0.0
+    forward_ms: float = float("nan")
+    backward_compute_ms: float = float("nan")
+    backward_comm_ms: float = float("nan")
+    overlap_ms: float = float("nan")
+    timed_iteration: int = -1
 
     def as_metrics(self, prefix: str = "ddp/") -> dict[str, float]:
-        return {f"{prefix}{name}": float(value) for name, value in asdict(self).items() if name != "step"}
+        return {f"{prefix}{name}": float(value) for name, value in asdict(self).items() if name != "step" and value == value}
+
+
+_SUMMED = ("buckets", "bytes_sent", "synced_backwards", "skipped_backwards")
+
+
+def bucket_layout(logging_data: dict[str, Any]) -> list[int]:
+    """Sizes in bytes of the buckets the reducer all-reduces now (rebuilt after the first iteration).
+
+    >>> bucket_layout({"bucket_sizes": "4202496", "rebuilt_bucket_sizes": "1050624, 1050624", "has_rebuilt_buckets": 1})
+    [1050624, 1050624]
+    """
+    text = logging_data.get("rebuilt_bucket_sizes") if logging_data.get("has_rebuilt_buckets") else None
+    text = text or logging_data.get("bucket_sizes") or ""
+    return [int(size) for size in str(text).split(",") if size.strip()]
+
+
+def compressed_bytes(hook: Any, handed_bytes: int, element_size: int, compressed_elements: Optional[int]) -> int:
+    """Bytes the hook really sends for buckets holding ``handed_bytes`` of gradients.
+
+    ``compressed_elements``: PowerSGD's own count of elements sent for these buckets (``None``/0 during its warm-up,
+    when it all-reduces the buckets uncompressed). A custom hook is reported as handed.
+
+    >>> compressed_bytes(CommHook.FP16, 4000, 4, None)
+    2000
+    >>> compressed_bytes(CommHook.POWERSGD, 4000, 4, 50)
+    200
+    """
+    if hook in (CommHook.FP16, CommHook.BF16):
+        return handed_bytes // 2
+    if hook in (CommHook.POWERSGD, CommHook.BATCHED_POWERSGD) and compressed_elements:
+        return compressed_elements * element_size
+    return handed_bytes
 
 
 class SyncTelemetry:
-    """Collects the figures of the current optimizer step; ``end_step`` closes it."""
+    """Collects the figures of the current optimizer step; ``end_step`` closes it.
 
-    def __init__(self) -> None:
+    Args:
+        sample_rate: torch records timings for the first 10 synced iterations, then every ``sample_rate``-th.
+    """
+
+    def __init__(self, sample_rate: int = 1) -> None:
+        self.sample_rate = sample_rate
         self.current = StepTelemetry()
         self.last: Optional[StepTelemetry] = None
         self.totals = StepTelemetry()
-        self._last_launch: Optional[float] = None
+        self._ddp: Optional[weakref.ref] = None
+        self._hooks: Optional[HookAssembly] = None
+        self._layout: Optional[list[int]] = None
+        self._calls = self._handed = self._compressed = 0
+        self._timed_iteration = 0
 
-    def timed_hook(self, hook: Callable) -> Callable:
-        """Wrap a communication hook: count its buckets and time the wait for the backward's last bucket."""
-        telemetry = self
+    def attach(self, ddp: DistributedDataParallel, hooks: HookAssembly) -> None:
+        """Start a new fit on a new wrapper."""
+        self.__init__(self.sample_rate)  # type: ignore[misc]
+        self._ddp, self._hooks = weakref.ref(ddp), hooks
+        self._calls, self._handed = hooks.counter.calls, hooks.counter.bucket_bytes
+        ddp._set_ddp_runtime_logging_sample_rate(self.sample_rate)
 
-        def ddp_plus_timed_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-            telemetry.current.buckets += 1
-            future = hook(state, bucket)
-            if not bucket.is_last():
-                return future
-            launched = time.perf_counter()
+    def _logging_data(self) -> dict[str, Any]:
+        ddp = self._ddp() if self._ddp is not None else None
+        return ddp._get_ddp_logging_data() if ddp is not None else {}
 
-            def finished(done: torch.futures.Future) -> torch.Tensor:
-                telemetry.current.comm_wait_ms += (time.perf_counter() - launched) * 1000
-                return done.value()
-
-            return future.then(finished)
-
-        return ddp_plus_timed_hook
-
-    @contextmanager
-    def counting_bytes(self) -> Generator:
-        """Count the bytes of every all-reduce issued while the body (a backward) runs."""
-        original = dist.all_reduce
-        telemetry = self
-
-        def counting_all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            telemetry.current.bytes_sent += tensor.numel() * tensor.element_size()
-            return original(tensor, *args, **kwargs)
-
-        dist.all_reduce = counting_all_reduce
-        try:
-            yield None
-        finally:
-            dist.all_reduce = original
-
-    def count_backward(self, synced: bool) -> None:
-        if synced:
-            self.current.synced_backwards += 1
-        else:
+    def after_backward(self, synced: bool) -> None:
+        if not synced:
             self.current.skipped_backwards += 1
+            return
+        self.current.synced_backwards += 1
+        hooks = self._hooks
+        if hooks is None or hooks.hook is None:
+            if self._layout is None:
+                data = self._logging_data()
+                layout = bucket_layout(data)
+                if data.get("has_rebuilt_buckets"):
+                    self._layout = layout  # final from here on
+            else:
+                layout = self._layout
+            self.current.buckets += len(layout)
+            self.current.bytes_sent += sum(layout)
+            return
+        counter = hooks.counter
+        calls, handed = counter.calls - self._calls, counter.bucket_bytes - self._handed
+        self._calls, self._handed = counter.calls, counter.bucket_bytes
+        compressed = getattr(hooks.state, "total_numel_after_compression", 0)
+        elements, self._compressed = compressed - self._compressed, compressed
+        self.current.buckets += calls
+        self.current.bytes_sent += compressed_bytes(hooks.hook, handed, counter.element_size, elements)
 
     def end_step(self, step: int) -> StepTelemetry:
         self.current.step = step
+        data = self._logging_data()
+        iteration = int(data.get("iteration", 0))
+        if iteration > self._timed_iteration and "backward_comm_time" in data:
+            self._timed_iteration = iteration
+            self.current.timed_iteration = iteration
+            for name, key in _TIMINGS.items():
+                setattr(self.current, name, data[key] / _NS_PER_MS)
         self.last = self.current
-        for name, value in asdict(self.current).items():
-            if name != "step":
-                setattr(self.totals, name, getattr(self.totals, name) + value)
+        for name in _SUMMED:
+            setattr(self.totals, name, getattr(self.totals, name) + getattr(self.current, name))
         self.current = StepTelemetry()
         return self.last
 

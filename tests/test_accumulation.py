@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lightning_ddp_plus import DDPPlusStrategy
-from lightning_ddp_plus.accumulation import WindowPosition, loss_scale, merge_accumulation_settings, window_position
+from lightning_ddp_plus.accumulation import WindowPosition, gradient_rescale, loss_scale, merge_accumulation_settings, window_position
 from tests.helpers import TinyRegression, reference_parameters, run_case_job
 
 
@@ -17,7 +17,11 @@ def test_windows_of_an_epoch_of_ten_with_k4():
 
 
 def test_unknown_epoch_length_keeps_full_windows():
-    assert window_position(9, 4, float("inf")) == WindowPosition(index=0, length=4)
+    assert window_position(9, 4, float("inf")) == WindowPosition(index=0, length=4, length_known=False)
+    # Lightning knows the last batch one ahead: it closes the window early, and the gradients get k/length
+    last = window_position(10, 4, float("inf"), is_last=True)
+    assert last.closes_window and last.length == 2
+    assert gradient_rescale(last, 4, "mean") == 2.0 and gradient_rescale(last, 4, "lightning") == 1.0
 
 
 @pytest.mark.parametrize(
@@ -39,14 +43,18 @@ def test_merge_settings():
         merge_accumulation_settings(None, {0: 2})
 
 
-def test_mismatch_fails_at_trainer_construction():
+def test_mismatch_fails_when_fit_starts_before_anything_is_launched(tmp_path):
+    strategy = DDPPlusStrategy(gradient_accumulation_steps=4, start_method="spawn")
+    trainer = L.Trainer(strategy=strategy, accumulate_grad_batches=2, accelerator="cpu", devices=2, default_root_dir=tmp_path, logger=False)
     with pytest.raises(ValueError, match=r"gradient_accumulation_steps=4.*accumulate_grad_batches=2"):
-        L.Trainer(strategy=DDPPlusStrategy(gradient_accumulation_steps=4), accumulate_grad_batches=2, accelerator="cpu", devices=2, logger=False)
+        trainer.fit(TinyRegression())
+    assert trainer.strategy.launcher.procs == []
 
 
-def test_matching_settings_are_accepted():
+def test_matching_settings_are_settled_with_the_trainer():
     trainer = L.Trainer(strategy=DDPPlusStrategy(gradient_accumulation_steps=4), accumulate_grad_batches=4, accelerator="cpu", devices=2, logger=False)
-    assert trainer.strategy.gradient_accumulation_steps == 4
+    trainer.strategy._settle_with_trainer(trainer)
+    assert trainer.strategy.gradient_accumulation_steps == 4 and trainer.accumulate_grad_batches == 4
 
 
 @pytest.mark.parametrize("value", [0, -1, 2.5, True, "4"])

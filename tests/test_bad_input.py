@@ -8,7 +8,7 @@ from lightning import Trainer
 from lightning.pytorch.cli import LightningCLI
 
 from lightning_ddp_plus import DDPPlusStrategy
-from tests.helpers import console_script, run_job
+from tests.helpers import TinyRegression, console_script, run_job
 
 # (id, strategy arguments, Trainer arguments, pattern the Python error must match)
 BAD = [
@@ -45,18 +45,29 @@ def test_the_table_is_big_enough():
     assert len(BAD) >= 20
 
 
+# Settled when `fit` starts (the launcher is the first point that has the Trainer's settings), before any launch.
+AT_FIT = {"accumulation-mismatch"}
+
+
 @pytest.mark.parametrize(("name", "strategy", "trainer", "pattern"), BAD, ids=IDS)
-def test_python(name, strategy, trainer, pattern):
+def test_python(tmp_path, name, strategy, trainer, pattern):
     with pytest.raises((ValueError, TypeError), match=pattern):
-        Trainer(strategy=DDPPlusStrategy(**strategy), accelerator="cpu", devices=2, logger=False, **trainer)
+        # spawn: should a fit-time case wrongly pass, workers of an importable model start, not copies of pytest
+        built = Trainer(
+            strategy=DDPPlusStrategy(**{"start_method": "spawn", **strategy}), accelerator="cpu", devices=2, default_root_dir=tmp_path, logger=False, **trainer
+        )
+        if name in AT_FIT:
+            built.fit(TinyRegression())
     assert not dist.is_initialized()
+    if name in AT_FIT:
+        assert built.strategy.launcher.procs == []  # nothing was started
 
 
-def yaml_config(strategy: dict, trainer: dict) -> str:
+def yaml_config(strategy: dict, trainer: dict, root: str) -> str:
     return yaml.safe_dump(
         {
             # devices=1: should a case unexpectedly pass validation, nothing is launched from inside pytest
-            "trainer": {"accelerator": "cpu", "devices": 1, "logger": False, "max_epochs": 1, **trainer, "strategy": {"class_path": "lightning_ddp_plus.DDPPlusStrategy", "init_args": strategy}},
+            "trainer": {"accelerator": "cpu", "devices": 1, "logger": False, "enable_checkpointing": False, "default_root_dir": root, "max_epochs": 1, **trainer, "strategy": {"class_path": "lightning_ddp_plus.DDPPlusStrategy", "init_args": strategy}},
             "model": {"class_path": "tests.helpers.TinyRegression"},
         }
     )
@@ -77,7 +88,7 @@ def no_process_group_left():
 @pytest.mark.parametrize(("name", "strategy", "trainer", "pattern"), YAML_CASES, ids=[c[0] for c in YAML_CASES])
 def test_yaml_file(tmp_path, monkeypatch, capsys, name, strategy, trainer, pattern):
     config = tmp_path / "bad.yaml"
-    config.write_text(yaml_config(strategy, trainer))
+    config.write_text(yaml_config(strategy, trainer, str(tmp_path)))
     monkeypatch.setattr("sys.argv", ["ddp-plus"])
     with pytest.raises((ValueError, TypeError, SystemExit)) as raised:
         LightningCLI(args=["fit", "--config", str(config)], save_config_callback=None)

@@ -14,11 +14,16 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
 from lightning_ddp_plus import DDPPlusStrategy
-from lightning_ddp_plus.facts import ForwardProbe, ModelFacts, static_facts
+from lightning_ddp_plus.conflicts import pack_facts, unpack_facts
+from lightning_ddp_plus.facts import ForwardProbe, InputGradRepair, ModelFacts, static_facts
 from lightning_ddp_plus.rules import RULES, DDPView, evaluate, resolved_view, rule_for_torch_error
 from tests.helpers import CheckpointNet, flat_parameters, reference_parameters, run_case_job
 
 REENTRANT = frozenset({"reentrant"})
+
+
+def observed(**values) -> ModelFacts:
+    return ModelFacts(observed=True, **{"unused_parameters": (), **values})
 
 
 # ---------------------------------------------------------------- rules over data (no processes)
@@ -29,26 +34,35 @@ def ids(view: DDPView, facts: ModelFacts) -> list[str]:
 
 
 def test_rule_table_is_data():
-    assert [rule.id for rule in RULES] == ["R1", "R2", "R3", "R4", "A1", "A2", "A3"]
+    assert [rule.id for rule in RULES] == ["R1", "R2", "R3", "R4", "R5", "A1", "A2", "A3", "A4"]
     assert all(rule.fix and rule.title for rule in RULES)
 
 
 @pytest.mark.parametrize(
     ("view", "facts", "expected"),
     [
-        (DDPView(find_unused_parameters=True), ModelFacts(checkpointing=REENTRANT, unused_parameters=()), ["R1"]),
-        (DDPView(find_unused_parameters=True, static_graph=True), ModelFacts(checkpointing=REENTRANT, unused_parameters=()), []),
-        (DDPView(find_unused_parameters=True), ModelFacts(checkpointing=frozenset({"non_reentrant"}), unused_parameters=("x",)), []),
-        (DDPView(), ModelFacts(checkpointing=REENTRANT, reused_in_checkpoint=("mid.0.weight",), unused_parameters=()), ["R2"]),
-        (DDPView(), ModelFacts(checkpointing=frozenset({"non_reentrant"}), reused_in_checkpoint=("w",), unused_parameters=()), []),
-        (DDPView(static_graph=True, gradient_accumulation_steps=4), ModelFacts(unused_parameters=()), ["R3"]),
-        (DDPView(), ModelFacts(unused_parameters=("spare.weight",)), ["R4"]),
-        (DDPView(static_graph=True), ModelFacts(unused_parameters=("spare.weight",)), []),
-        (DDPView(find_unused_parameters=True), ModelFacts(unused_parameters=()), ["A1"]),
+        # R1 needs trainable parameters inside a reentrant region the loss reaches, not just "reentrant somewhere"
+        (DDPView(find_unused_parameters=True), observed(checkpointing=REENTRANT, reentrant_parameters=("mid.0.weight",)), ["R1"]),
+        (DDPView(find_unused_parameters=True), observed(checkpointing=REENTRANT), ["A1"]),  # frozen region: torch trains it
+        (DDPView(find_unused_parameters=True, static_graph=True), observed(checkpointing=REENTRANT, reentrant_parameters=("w",)), []),
+        (DDPView(find_unused_parameters=True), observed(checkpointing=frozenset({"non_reentrant"}), unused_parameters=("x",)), []),
+        (DDPView(), observed(checkpointing=REENTRANT, reentrant_parameters=("w",), reused_in_checkpoint=("w",)), ["R2"]),
+        (DDPView(find_unused_parameters=True), observed(checkpointing=REENTRANT, reentrant_parameters=("w",), reused_in_checkpoint=("w",)), ["R1", "R2"]),
+        (DDPView(static_graph=True, gradient_accumulation_steps=4), observed(), ["R3"]),
+        (DDPView(), observed(unused_parameters=("spare.weight",)), ["R4"]),
+        (DDPView(static_graph=True), observed(unused_parameters=("spare.weight",)), []),
+        # R5 whatever the settings: find_unused_parameters or static_graph hide it, they do not fix it
+        (DDPView(), observed(checkpointing=REENTRANT, no_grad_region_parameters=("lora.weight",)), ["R5"]),
+        (DDPView(find_unused_parameters=True), observed(checkpointing=REENTRANT, no_grad_region_parameters=("lora.weight",)), ["R5", "A1"]),
+        (DDPView(static_graph=True), observed(checkpointing=REENTRANT, no_grad_region_parameters=("lora.weight",)), ["R5"]),
+        (DDPView(repair_input_grads=True), observed(checkpointing=REENTRANT, no_grad_region_parameters=("lora.weight",)), []),
+        (DDPView(find_unused_parameters=True), observed(), ["A1"]),
         (DDPView(find_unused_parameters=True), ModelFacts(unused_parameters=None), []),
         (DDPView(broadcast_buffers=False), ModelFacts(mutable_buffers=("bn.running_mean",)), ["A2"]),
-        (DDPView(), ModelFacts(checkpointing=REENTRANT, mutable_buffers=("bn.running_mean",), unused_parameters=()), ["A3"]),
-        (DDPView(), ModelFacts(checkpointing=REENTRANT, unused_parameters=()), []),
+        (DDPView(), observed(checkpointing=REENTRANT, mutable_buffers=("bn.running_mean",)), ["A3"]),
+        (DDPView(), observed(checkpointing=REENTRANT, reentrant_parameters=("w",)), []),
+        # attributes alone (no forward observed) never raise: they only advise
+        (DDPView(find_unused_parameters=True), ModelFacts(checkpointing=REENTRANT), ["A4"]),
     ],
 )
 def test_rules(view, facts, expected):
@@ -56,17 +70,24 @@ def test_rules(view, facts, expected):
 
 
 def test_r4_resolution_depends_on_checkpointing():
-    plain = evaluate(DDPView(), ModelFacts(unused_parameters=("spare.weight",)))
-    assert resolved_view(DDPView(), plain).find_unused_parameters is True
-    reentrant = ModelFacts(checkpointing=REENTRANT, unused_parameters=("spare.weight",))
+    plain = observed(unused_parameters=("spare.weight",))
+    assert resolved_view(DDPView(), evaluate(DDPView(), plain)).find_unused_parameters is True
+    reentrant = observed(checkpointing=REENTRANT, reentrant_parameters=("mid.0.weight",), unused_parameters=("spare.weight",))
     resolved = resolved_view(DDPView(), evaluate(DDPView(), reentrant))
     assert resolved.static_graph is True and resolved.find_unused_parameters is False
     assert ids(resolved, reentrant) == []  # the resolution itself trips no rule
 
 
+def test_r5_resolution_repairs_input_grads():
+    facts = observed(checkpointing=REENTRANT, no_grad_region_parameters=("lora.weight",))
+    assert resolved_view(DDPView(), evaluate(DDPView(), facts)).repair_input_grads is True
+
+
 def test_messages_name_parameters_and_fix():
-    finding = evaluate(DDPView(), ModelFacts(unused_parameters=("spare.weight", "spare.bias")))[0]
+    finding = evaluate(DDPView(), observed(unused_parameters=("spare.weight", "spare.bias")))[0]
     assert "spare.weight, spare.bias" in str(finding) and "find_unused_parameters=True" in str(finding)
+    r5 = evaluate(DDPView(), observed(no_grad_region_parameters=("lora_A.weight",)))[0]
+    assert "lora_A.weight" in str(r5) and "enable_input_require_grads()" in str(r5) and "use_reentrant=False" in str(r5)
 
 
 def test_torch_messages_map_to_rules():
@@ -80,6 +101,23 @@ def test_bad_mode():
         DDPPlusStrategy(checkpointing_conflict="strict")
 
 
+def test_facts_survive_agreement_packing():
+    facts = observed(
+        checkpointing=frozenset({"reentrant", "non_reentrant"}),
+        reentrant_parameters=("a",),
+        reused_in_checkpoint=("a",),
+        unused_parameters=("c",),
+        no_grad_region_parameters=("b",),
+        mutable_buffers=("bn.running_mean",),
+    )
+    parameters, buffers = ["a", "b", "c"], ["bn.running_mean", "bn.running_var"]
+    assert unpack_facts(pack_facts(facts, parameters, buffers), parameters, buffers, facts) == facts
+    # OR across ranks: rank 1 saw another unused parameter
+    other = pack_facts(observed(unused_parameters=("a",)), parameters, buffers)
+    merged = unpack_facts([max(x, y) for x, y in zip(pack_facts(facts, parameters, buffers), other)], parameters, buffers, facts)
+    assert merged.unused_parameters == ("a", "c")
+
+
 # ---------------------------------------------------------------- model facts (no processes)
 
 
@@ -89,14 +127,15 @@ class HFStyleModel(nn.Module):
     def __init__(self, use_reentrant=None):
         super().__init__()
         self.layer = nn.Linear(2, 2)
-        self.is_gradient_checkpointing = True
+        self.gradient_checkpointing = True
         keywords = {} if use_reentrant is None else {"use_reentrant": use_reentrant}
         self._gradient_checkpointing_func = functools.partial(torch.utils.checkpoint.checkpoint, **keywords)
 
 
-@pytest.mark.parametrize(("use_reentrant", "kind"), [(None, "reentrant"), (True, "reentrant"), (False, "non_reentrant")])
-def test_hf_style_flags(use_reentrant, kind):
-    assert static_facts(HFStyleModel(use_reentrant)).checkpointing == {kind}
+@pytest.mark.parametrize(("use_reentrant", "kinds"), [(None, set()), (True, {"reentrant"}), (False, {"non_reentrant"})])
+def test_hf_style_flags_are_read_only_when_explicit(use_reentrant, kinds):
+    facts = static_facts(HFStyleModel(use_reentrant))
+    assert facts.checkpointing == kinds and not facts.observed
 
 
 @pytest.mark.parametrize(("impl", "kind"), [(CheckpointImpl.REENTRANT, "reentrant"), (CheckpointImpl.NO_REENTRANT, "non_reentrant")])
@@ -105,31 +144,123 @@ def test_checkpoint_wrapper_modules(impl, kind):
     assert static_facts(model).checkpointing == {kind}
 
 
+def test_what_a_forward_does_wins_over_attributes():
+    model = HFStyleModel(use_reentrant=True)  # the flag says reentrant, the forward checkpoints non-reentrantly
+    with ForwardProbe(model) as probe:
+        loss = torch.utils.checkpoint.checkpoint(model.layer, torch.randn(2, 2), use_reentrant=False).sum()
+    assert probe.facts(loss).checkpointing == {"non_reentrant"}
+
+
 def test_plain_model_has_no_checkpointing_and_batchnorm_buffers_are_found():
     facts = static_facts(CheckpointNet(norm="batch"))
     assert not facts.checkpointed
     assert "norm.running_mean" in facts.mutable_buffers and "mid.1.running_var" in facts.mutable_buffers
 
 
+MID = ("mid.0.weight", "mid.0.bias", "mid.1.weight", "mid.1.bias", "mid.2.weight", "mid.2.bias")
+
+
 @pytest.mark.parametrize(
-    ("model_kwargs", "kinds", "reused", "unused"),
+    ("model_kwargs", "kinds", "reentrant", "reused", "unused"),
     [
-        ({}, set(), (), ()),
-        ({"checkpointing": "reentrant"}, {"reentrant"}, (), ()),
-        ({"checkpointing": "non_reentrant", "unused": True}, {"non_reentrant"}, (), ("spare.weight", "spare.bias")),
-        ({"checkpointing": "reentrant", "reuse": True}, {"reentrant"}, ("mid.0.weight", "mid.0.bias", "mid.1.weight", "mid.1.bias", "mid.2.weight", "mid.2.bias"), ()),
+        ({}, set(), (), (), ()),
+        ({"checkpointing": "reentrant"}, {"reentrant"}, MID, (), ()),
+        ({"checkpointing": "non_reentrant", "unused": True}, {"non_reentrant"}, (), (), ("spare.weight", "spare.bias")),
+        ({"checkpointing": "reentrant", "reuse": True}, {"reentrant"}, MID, MID, ()),
     ],
 )
-def test_probe_observes_a_real_forward(model_kwargs, kinds, reused, unused):
+def test_probe_observes_a_real_forward(model_kwargs, kinds, reentrant, reused, unused):
     model = CheckpointNet(**model_kwargs)
     with ForwardProbe(model) as probe:
         loss = model(torch.randn(4, 8)).pow(2).mean()
     facts = probe.facts(loss)
     assert facts.checkpointing == kinds
+    assert facts.reentrant_parameters == reentrant
     assert facts.reused_in_checkpoint == reused
     assert facts.unused_parameters == unused
-    loss.backward()  # the probe is gone: reentrant recompute is not counted, and backward works
-    assert torch.utils.checkpoint.CheckpointFunction.forward is not None
+    loss.backward()  # the probe is gone: the reentrant recompute is not observed, and backward works
+    assert "apply" not in vars(torch.utils.checkpoint.CheckpointFunction)
+
+
+class Patterns(nn.Module):
+    """Every way a forward can use a parameter inside reentrant checkpointing (torch's verdicts: see the README)."""
+
+    def __init__(self, pattern: str, frozen_input: bool = False):
+        super().__init__()
+        self.pattern = pattern
+        self.inp, self.a, self.b, self.head = nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 1)
+        self.scale = nn.Parameter(torch.ones(8))
+        self.weight = nn.Parameter(torch.eye(8))
+        self.inp.requires_grad_(not frozen_input)
+
+    def forward(self, x):
+        h, ck = self.inp(x), functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=True)
+        if self.pattern == "lambda_with_parameter":
+            h = ck(lambda t: self.a(t) * self.scale, h)
+        elif self.pattern == "functional":
+            h = ck(lambda t: nn.functional.linear(t, self.weight), h)
+        elif self.pattern == "twice_in_one_region":
+            h = ck(lambda t: self.a(self.a(t)), h)
+        elif self.pattern == "two_regions":
+            h = ck(self.a, ck(self.a, h))
+        elif self.pattern == "inside_and_outside":
+            h = self.a(ck(self.a, h))
+        elif self.pattern == "nested":
+            h = ck(lambda t: self.b(ck(self.a, t)), h)
+        elif self.pattern == "nested_shared":
+            h = ck(lambda t: self.a(ck(self.a, t)), h)
+        return self.head(h)
+
+
+A = ("a.weight", "a.bias")
+
+
+@pytest.mark.parametrize(
+    ("pattern", "used", "reentrant", "reused"),
+    [
+        ("lambda_with_parameter", ("scale",) + A, ("scale",) + A, ()),
+        ("functional", ("weight",), ("weight",), ()),
+        ("twice_in_one_region", A, A, ()),  # one backward pass accumulates it once: torch trains this
+        ("two_regions", A, A, A),
+        ("inside_and_outside", A, A, A),
+        ("nested", A + ("b.weight", "b.bias"), A + ("b.weight", "b.bias"), ()),
+        ("nested_shared", A, A, A),
+    ],
+)
+def test_probe_sees_every_use_of_a_parameter(pattern, used, reentrant, reused):
+    model = Patterns(pattern)
+    with ForwardProbe(model) as probe:
+        loss = model(torch.randn(2, 4)).sum()
+    facts = probe.facts(loss)
+    every = {name for name, _ in model.named_parameters()}
+    expected_unused = every - set(used) - {"inp.weight", "inp.bias", "head.weight", "head.bias"}
+    assert set(facts.unused_parameters) == expected_unused, pattern
+    assert set(facts.reentrant_parameters) == set(reentrant)
+    assert set(facts.reused_in_checkpoint) == set(reused)
+
+
+def test_attribute_reads_are_not_uses():
+    model = Patterns("lambda_with_parameter")
+    with ForwardProbe(model) as probe:
+        h = model.inp(torch.randn(2, 4))
+        loss = torch.utils.checkpoint.checkpoint(lambda t: t.to(model.weight.dtype) * model.weight.shape[0], h, use_reentrant=True).sum()
+    assert "weight" in probe.facts(loss).unused_parameters
+
+
+@pytest.mark.parametrize("repair", [False, True])
+def test_region_without_input_grads(repair):
+    model = Patterns("lambda_with_parameter", frozen_input=True)
+    with ForwardProbe(model, repair_input_grads=repair) as probe:
+        loss = model(torch.randn(2, 4)).sum()
+    facts = probe.facts(loss)
+    assert facts.no_grad_region_parameters == ("scale", "a.weight", "a.bias")
+    assert "scale" not in facts.unused_parameters  # R5 explains them; R4 would hide the cause
+    loss.backward()
+    got_grad = model.a.weight.grad is not None
+    assert got_grad is repair
+    if repair:
+        assert probe.repairs == [InputGradRepair(producer="inp", parameters=("scale", "a.weight", "a.bias"))]
+        assert facts.reentrant_parameters == ("scale", "a.weight", "a.bias")
 
 
 def test_probe_sees_changing_buffers():
@@ -137,6 +268,14 @@ def test_probe_sees_changing_buffers():
     with ForwardProbe(model) as probe:
         loss = model(torch.randn(4, 8)).sum()
     assert "norm.running_mean" in probe.facts(loss).mutable_buffers
+
+
+def test_probe_restores_torch_even_when_the_forward_raises():
+    generator = torch.utils.checkpoint._checkpoint_without_reentrant_generator
+    with pytest.raises(ZeroDivisionError), ForwardProbe(CheckpointNet()):
+        torch.utils.checkpoint.checkpoint(lambda t: 1 / 0, torch.randn(2), use_reentrant=True)
+    assert "apply" not in vars(torch.utils.checkpoint.CheckpointFunction)
+    assert torch.utils.checkpoint._checkpoint_without_reentrant_generator is generator
 
 
 # ---------------------------------------------------------------- real 2-rank runs

@@ -1,0 +1,217 @@
+"""The engine both front ends share: one object per strategy that owns the components of a DDP run.
+
+- ``AccumulationWindow``: k, where a micro-batch sits, its loss scale, whether its backward syncs;
+- ``ConflictCheck``: observe the first training forward, decide at the first backward;
+- ``HookAssembly``: the communication hook, its state, wrapper and counter;
+- ``ReplicaGuard``: the periodic replica check;
+- ``SyncTelemetry``: per-step communication figures.
+
+The Trainer strategy (``strategy.py``) and the Fabric strategy (``fabric.py``) translate their framework's hooks into
+the few calls below: ``wrap`` at setup, ``before_backward``/``after_backward`` around each backward,
+``after_optimizer_step``, ``teardown``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor
+from torch.nn import Module
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_ddp_plus.accumulation import AccumulationWindow, SyncStats
+from lightning_ddp_plus.comm_hooks import HookAssembly
+from lightning_ddp_plus.conflicts import ConflictCheck, agree_across_ranks, explain_torch_error, finding_records, findings_from_records
+from lightning_ddp_plus.errors import DDPConflictError
+from lightning_ddp_plus.facts import ModelFacts, running_stat_buffers
+from lightning_ddp_plus.options import DDPPlusOptions
+from lightning_ddp_plus.replicas import ReplicaGuard
+from lightning_ddp_plus.rules import DDPView
+from lightning_ddp_plus.settings import DDPSettings
+from lightning_ddp_plus.telemetry import SyncTelemetry
+from lightning_ddp_plus.timeout import format_timeout
+from lightning_ddp_plus.wrapper import rebuild_reducer, replay_forward, wrap_module
+
+# Messages of collective timeouts (gloo, NCCL, the c10d store), not of other timeouts such as a DataLoader's.
+_COLLECTIVE_TIMEOUT = re.compile(
+    r"Timed out waiting \d+ ?ms for (recv|send)|Watchdog caught collective operation timeout|"
+    r"ran for \d+ milliseconds before timing out|Socket Timeout|wait timeout after \d+ ?ms|"
+    r"(gloo|nccl|c10d|ProcessGroup)\S*.*(timed out|timeout)",
+    re.IGNORECASE,
+)
+
+
+class DDPPlusEngine:
+    """The components of a DDP run and the order in which they act.
+
+    Args:
+        options: the validated strategy arguments.
+        warn: how warnings reach the user (rank 0 only).
+        info: how one-line reports reach the user (rank 0 only).
+    """
+
+    def __init__(self, options: DDPPlusOptions, warn: Callable[[str], None], info: Callable[[str], None]) -> None:
+        self.options = options
+        #: The settings in effect: ``broadcast_buffers="auto"`` decided, and what ``"resolve"`` changed.
+        self.settings: DDPSettings = options.settings.resolve_auto(True) if options.settings.broadcast_buffers == "auto" else options.settings
+        self.window = AccumulationWindow(options.gradient_accumulation_steps, options.short_window)
+        self.conflicts = ConflictCheck(options.checkpointing_conflict, warn=warn, info=info)
+        self.hooks = HookAssembly(options.comm_hook, options.comm_state, options.comm_wrapper)
+        self.guard = ReplicaGuard(options.verify_replicas_every_n_steps)
+        self.telemetry: Optional[SyncTelemetry] = SyncTelemetry() if options.telemetry else None
+        #: Called at the start of every training forward, before its sync state is read (Fabric's window uses it).
+        self.before_training_forward: Optional[Callable[[DistributedDataParallel], None]] = None
+        self._forward_synced = True
+        self._handle: Any = None
+
+    # ------------------------------------------------------------------ setup and teardown
+
+    def wrap(self, module: Module, device_ids: Optional[list[int]]) -> DistributedDataParallel:
+        """Wrap ``module`` in ``DistributedDataParallel`` with the settings, and start a fit on it."""
+        settings = self.options.settings
+        self.settings = settings.resolve_auto(bool(running_stat_buffers(module)))
+        ddp = wrap_module(module, self.settings, device_ids)
+        self.start_fit(ddp, module)
+        return ddp
+
+    def start_fit(self, ddp: DistributedDataParallel, module: Module) -> None:
+        """Attach every component to a new wrapper; counters and cadences restart."""
+        self.teardown()
+        self.window.reset()
+        self.hooks.register(ddp)
+        self._handle = ddp.register_forward_pre_hook(self._training_forward_starts)
+        self.conflicts.attach(ddp, module)
+        self.guard.attach(ddp, module, with_buffers=bool(self.settings.broadcast_buffers))
+        if self.telemetry is not None:
+            self.telemetry.attach(ddp, self.hooks)
+
+    def teardown(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+        self.conflicts.detach()
+        self.guard.detach()
+
+    def _training_forward_starts(self, ddp: DistributedDataParallel, args: Any) -> None:
+        if ddp.training and torch.is_grad_enabled():
+            if self.before_training_forward is not None:
+                self.before_training_forward(ddp)
+            self._forward_synced = ddp.require_backward_grad_sync
+
+    # ------------------------------------------------------------------ per micro-batch
+
+    def view(self) -> DDPView:
+        return DDPView(
+            find_unused_parameters=self.settings.find_unused_parameters,
+            static_graph=self.settings.static_graph,
+            broadcast_buffers=bool(self.settings.broadcast_buffers),
+            gradient_accumulation_steps=self.window.steps,
+        )
+
+    def before_backward(self, ddp: DistributedDataParallel, loss: Tensor, post_forward: bool) -> Tensor:
+        """At the first backward of a fit, the conflict check decides (and may rebuild the reducer with resolved
+        settings); returns the loss to run backward on.
+
+        ``post_forward``: DDP's forward had finished (automatic optimization, Fabric), rather than still running
+        around this backward (Lightning's manual optimization).
+        """
+        if not self.conflicts.pending:
+            return loss
+        view = self.view()
+        module = ddp.module
+        device = next(module.parameters()).device
+        resolved = self.conflicts.decide(loss, view, lambda facts: self._agree(facts, module, device))
+        if (resolved.find_unused_parameters, resolved.static_graph) == (view.find_unused_parameters, view.static_graph):
+            return loss
+        self.settings = dataclasses.replace(self.settings, find_unused_parameters=resolved.find_unused_parameters, static_graph=resolved.static_graph)
+        rebuild_reducer(ddp, resolved.find_unused_parameters, resolved.static_graph)
+        return replay_forward(ddp, loss, self._forward_synced, post_forward)
+
+    @staticmethod
+    def _agree(facts: ModelFacts, module: Module, device: torch.device) -> ModelFacts:
+        return agree_across_ranks(facts, module, device)
+
+    def after_backward(self, synced: bool) -> None:
+        self.window.record_backward(synced)
+        if self.telemetry is not None:
+            self.telemetry.after_backward(synced)
+
+    def after_optimizer_step(self) -> int:
+        step = self.window.record_optimizer_step()
+        if self.telemetry is not None:
+            self.telemetry.end_step(step)
+        self.guard.step_done(step)
+        return step
+
+    def end_of_training(self) -> None:
+        # A check due after the last step: no forward follows, so parameters only (buffers are not broadcast yet).
+        self.guard.check_due(with_buffers=False)
+
+    # ------------------------------------------------------------------ reporting
+
+    @property
+    def sync_stats(self) -> SyncStats:
+        return self.window.stats
+
+    def describe(self, backend: str, world_size: int, start_method: str, buckets: Optional[int]) -> str:
+        """One compact line with the settings in effect, logged by rank 0 at setup."""
+        settings = self.settings
+        options = self.options
+        auto = "auto->" if options.settings.broadcast_buffers == "auto" else ""
+        flags = ", ".join(f"{name}={getattr(settings, name)}" for name in ("find_unused_parameters", "static_graph", "gradient_as_bucket_view"))
+        extra = f", extra={settings.extra}" if settings.extra else ""
+        bucket_text = f" ({buckets} buckets)" if buckets else ""
+        return (
+            f"DDPPlusStrategy: backend={backend}, timeout={format_timeout(options.timeout)}, world_size={world_size}, "
+            f"start_method={start_method}, bucket_cap_mb={settings.bucket_cap_mb:g}{bucket_text}, "
+            f"broadcast_buffers={auto}{settings.broadcast_buffers}, {flags}, comm_hook={self.hooks.name}, "
+            f"accumulation={self.window.steps} (short_window={self.window.short_window}), "
+            f"conflict_check={options.checkpointing_conflict}, verify_replicas_every_n_steps={options.verify_replicas_every_n_steps}, "
+            f"telemetry={self.telemetry is not None}{extra}"
+        )
+
+    def explain(self, exception: BaseException) -> None:
+        """Append to a torch error which rule it is and the fix, or what a collective timeout means."""
+        if isinstance(exception, DDPConflictError) or not exception.args or not isinstance(exception.args[0], str):
+            return
+        message = exception.args[0]
+        if _COLLECTIVE_TIMEOUT.search(message):
+            note: Optional[str] = (
+                f"lightning-ddp-plus: a collective waited longer than the process group's timeout "
+                f"({format_timeout(self.options.timeout)}, set by `DDPPlusStrategy(timeout=...)`): another rank is hung, "
+                "crashed or much slower. Fix: find the rank that stopped (its own error or a stack dump); raise `timeout` "
+                "only if that rank is legitimately slow (e.g. data preparation on rank 0)."
+            )
+        else:
+            note = explain_torch_error(message)
+        if note is not None:
+            exception.args = (f"{message}\n\n{note}", *exception.args[1:])
+
+    # ------------------------------------------------------------------ results across processes
+
+    def results(self) -> dict[str, Any]:
+        """What a worker process found and counted, as plain data for the process that launched it."""
+        return {
+            "findings": finding_records(self.conflicts.findings),
+            "model_fixes": list(self.conflicts.model_fixes),
+            "settings": self.settings,
+            "sync_stats": dataclasses.asdict(self.window.stats),
+            "steps": self.window.steps,
+            "telemetry_totals": dataclasses.asdict(self.telemetry.totals) if self.telemetry is not None else None,
+            "replica_check_seconds": list(self.guard.check_seconds),
+            "hook_calls": self.hooks.counter.calls,
+        }
+
+    def apply_results(self, results: dict[str, Any]) -> None:
+        self.conflicts.findings = findings_from_records(results["findings"])
+        self.conflicts.model_fixes = results["model_fixes"]
+        self.settings = results["settings"]
+        self.window.steps = results["steps"]
+        self.window.stats = SyncStats(**results["sync_stats"])
+        if self.telemetry is not None and results["telemetry_totals"] is not None:
+            self.telemetry.totals = dataclasses.replace(self.telemetry.totals, **results["telemetry_totals"])
+        self.guard.check_seconds = results["replica_check_seconds"]
+        self.hooks.counter.calls = results["hook_calls"]

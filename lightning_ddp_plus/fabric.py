@@ -1,0 +1,295 @@
+"""``DDPPlusFabricStrategy``: the same engine for Lightning Fabric, registered as ``Fabric(strategy="ddp_plus")``.
+
+The same typed knobs and validation as ``DDPPlusStrategy``, named communication hooks on every backend, the conflict
+check on the first training forward of the module set up with ``fabric.setup``, the replica guard, telemetry, and
+accumulation: with ``gradient_accumulation_steps=k`` the strategy runs the forward of every micro-batch that does not
+close its window without gradient sync, scales each loss by 1/window length, and says when to step::
+
+    fabric = Fabric(strategy=DDPPlusFabricStrategy(gradient_accumulation_steps=4), accelerator="cpu", devices=2)
+    fabric.launch()
+    model, optimizer = fabric.setup(model, optimizer)
+    for batch in fabric.strategy.micro_batches(loader):  # knows the loader's last batch, which closes a window
+        loss = model(batch)
+        fabric.backward(loss)
+        if fabric.strategy.sync_gradients:
+            optimizer.step()
+            optimizer.zero_grad()
+
+Fabric's own idiom, ``with fabric.no_backward_sync(model, enabled=...)``, works too (with ``static_graph`` the run's
+first backward is synced, as torch requires).
+"""
+
+from __future__ import annotations
+
+import atexit
+from collections.abc import Iterable, Iterator
+from contextlib import AbstractContextManager, nullcontext
+from datetime import timedelta
+from typing import Any, Callable, Literal, Optional, TypeVar, Union
+
+import torch
+from lightning.fabric.accelerators import Accelerator
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
+from lightning.fabric.strategies import DDPStrategy
+from lightning.fabric.strategies.ddp import _DDPBackwardSyncControl
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.utilities.distributed import _destroy_dist_connection
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import Tensor
+from torch.nn import Module
+from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
+
+from lightning_ddp_plus.accumulation import ShortWindow, SyncStats, WindowPosition, scale_gradients
+from lightning_ddp_plus.backend import resolve_backend_for_device
+from lightning_ddp_plus.comm_hooks import HookCallCounter
+from lightning_ddp_plus.engine import DDPPlusEngine
+from lightning_ddp_plus.options import ConflictMode, DDPPlusOptions, StartMethod
+from lightning_ddp_plus.rules import Finding
+from lightning_ddp_plus.settings import DDPSettings
+from lightning_ddp_plus.strategy import REGISTERED_NAMES
+from lightning_ddp_plus.telemetry import SyncTelemetry
+from lightning_ddp_plus.timeout import DEFAULT_TIMEOUT, TimeoutLike
+
+T = TypeVar("T")
+
+
+class _SyncControl(_DDPBackwardSyncControl):
+    """Fabric's ``no_backward_sync``, except for the run's first backward with a static graph, which torch needs
+    synced (rule R3)."""
+
+    def __init__(self, engine: DDPPlusEngine) -> None:
+        self.engine = engine
+
+    @override
+    def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager:
+        if enabled and self.engine.window.must_sync_first_backward(self.engine.settings.static_graph):
+            return nullcontext()
+        return super().no_backward_sync(module, enabled)
+
+
+class DDPPlusFabricStrategy(DDPStrategy):
+    """Fabric's ``DDPStrategy`` with every DDP knob typed and validated, on the engine ``DDPPlusStrategy`` uses.
+
+    Arguments are those of ``DDPPlusStrategy`` (see there); ``gradient_accumulation_steps`` works as described in this
+    module's docstring.
+
+    Example:
+        >>> from lightning_ddp_plus.fabric import DDPPlusFabricStrategy
+        >>> DDPPlusFabricStrategy(gradient_accumulation_steps=4, timeout="10m").timeout
+        datetime.timedelta(seconds=600)
+    """
+
+    def __init__(
+        self,
+        accelerator: Optional[Accelerator] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[TimeoutLike] = DEFAULT_TIMEOUT,
+        find_unused_parameters: bool = False,
+        bucket_cap_mb: float = 25,
+        broadcast_buffers: Union[bool, Literal["auto"]] = True,
+        static_graph: bool = False,
+        gradient_as_bucket_view: bool = False,
+        ddp_comm_hook: Union[str, Callable, None] = None,
+        ddp_comm_state: Optional[object] = None,
+        ddp_comm_wrapper: Optional[Callable] = None,
+        gradient_accumulation_steps: Optional[int] = None,
+        short_window: ShortWindow = "mean",
+        checkpointing_conflict: ConflictMode = "error",
+        verify_replicas_every_n_steps: Optional[int] = None,
+        telemetry: bool = False,
+        start_method: StartMethod = "popen",
+        **kwargs: Any,
+    ) -> None:
+        options = DDPPlusOptions.create(
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            find_unused_parameters=find_unused_parameters,
+            bucket_cap_mb=bucket_cap_mb,
+            broadcast_buffers=broadcast_buffers,
+            static_graph=static_graph,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            ddp_comm_hook=ddp_comm_hook,
+            ddp_comm_state=ddp_comm_state,
+            ddp_comm_wrapper=ddp_comm_wrapper,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+            short_window=short_window,
+            checkpointing_conflict=checkpointing_conflict,
+            verify_replicas_every_n_steps=verify_replicas_every_n_steps,
+            telemetry=telemetry,
+            start_method=start_method,
+            **kwargs,
+        )
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision=precision,
+            process_group_backend=options.backend,
+            timeout=options.timeout,
+            start_method=start_method,
+        )
+        self.engine = DDPPlusEngine(options, warn=rank_zero_warn, info=rank_zero_info)
+        self.engine.before_training_forward = self._window_before_forward
+        self._backward_sync_control = _SyncControl(self.engine)
+        self._ddp: Optional[DistributedDataParallel] = None
+        self._position: Optional[WindowPosition] = None
+        self._last_position: Optional[WindowPosition] = None
+        self._next_is_last = False
+        self._turned_sync_off = False
+
+    # ------------------------------------------------------------------ read-only views of the engine
+
+    @property
+    def options(self) -> DDPPlusOptions:
+        return self.engine.options
+
+    @property
+    def settings(self) -> DDPSettings:
+        return self.engine.settings
+
+    @property
+    def timeout(self) -> timedelta:
+        return self.options.timeout
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return self.engine.window.steps
+
+    @property
+    def sync_stats(self) -> SyncStats:
+        return self.engine.sync_stats
+
+    @property
+    def findings(self) -> list[Finding]:
+        return self.engine.conflicts.findings
+
+    @property
+    def comm_hook_counter(self) -> HookCallCounter:
+        return self.engine.hooks.counter
+
+    @property
+    def telemetry(self) -> Optional[SyncTelemetry]:
+        return self.engine.telemetry
+
+    @property
+    def sync_gradients(self) -> bool:
+        """After ``fabric.backward``: True when that micro-batch closed its accumulation window (its backward
+        all-reduced), i.e. when to call ``optimizer.step()``."""
+        return self._last_position is None or self._last_position.closes_window or self.gradient_accumulation_steps == 1
+
+    # ------------------------------------------------------------------ launching and process group
+
+    @override
+    def _configure_launcher(self) -> None:
+        # Fabric's connector calls this before anything is launched: judge the backend against the device here.
+        assert self.parallel_devices is not None
+        self._process_group_backend = resolve_backend_for_device(self.options.backend, self.parallel_devices[0].type)
+        super()._configure_launcher()
+
+    @override
+    def _get_process_group_backend(self) -> str:
+        return resolve_backend_for_device(self.options.backend, self.root_device.type)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        atexit.register(_destroy_dist_connection)
+
+    # ------------------------------------------------------------------ the wrapper
+
+    @override
+    def setup_module(self, module: Module) -> DistributedDataParallel:
+        if self._ddp is not None:
+            rank_zero_warn(
+                "DDPPlusFabricStrategy: a second module was set up; the conflict check, accumulation, replica guard and "
+                "telemetry now follow it (one module per strategy is supported)."
+            )
+        device_ids = self._determine_ddp_device_ids()
+        with torch.cuda.stream(torch.cuda.Stream()) if device_ids is not None else nullcontext():
+            self._ddp = self.engine.wrap(module, device_ids)
+        self._position = self._last_position = None
+        rank_zero_info(self.engine.describe(self._process_group_backend or "auto", self.world_size, self.options.start_method, None))
+        return self._ddp
+
+    @override
+    def teardown(self) -> None:
+        self.engine.teardown()
+        super().teardown()
+
+    # ------------------------------------------------------------------ accumulation and backward
+
+    def micro_batches(self, iterable: Iterable[T]) -> Iterator[T]:
+        """Yield the items of ``iterable`` (e.g. the epoch's loader), marking the last one, so that it closes its
+        accumulation window even when the epoch's length is not a multiple of k (or not known)."""
+        iterator = iter(iterable)
+        try:
+            item = next(iterator)
+        except StopIteration:
+            return
+        for following in iterator:
+            self._next_is_last = False
+            yield item
+            item = following
+        self._next_is_last = True
+        try:
+            yield item
+        finally:
+            self._next_is_last = False
+
+    def _window_before_forward(self, ddp: DistributedDataParallel) -> None:
+        window = self.engine.window
+        if window.steps == 1:
+            return
+        self._position = window.peek(is_last=self._next_is_last)
+        if ddp.require_backward_grad_sync and not window.syncs(self._position, self.settings.static_graph):
+            ddp.require_backward_grad_sync = False
+            self._turned_sync_off = True
+
+    @override
+    def backward(self, tensor: Tensor, module: Optional[Module], *args: Any, **kwargs: Any) -> None:
+        ddp = self._ddp
+        if ddp is None:
+            return super().backward(tensor, module, *args, **kwargs)
+        tensor = self.engine.before_backward(ddp, tensor, post_forward=True)
+        window = self.engine.window
+        position = self._position or window.peek(is_last=self._next_is_last)
+        scale = window.loss_scale(position, divided_by_steps=False)
+        if scale != 1.0:
+            tensor = tensor * scale
+        synced = self.engine._forward_synced
+        try:
+            super().backward(tensor, module, *args, **kwargs)
+        finally:
+            if self._turned_sync_off:
+                ddp.require_backward_grad_sync = True
+                self._turned_sync_off = False
+        self.engine.after_backward(synced)
+        if window.steps > 1:
+            window.advance(position)
+        self._last_position, self._position = position, None
+
+    @override
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        if self._last_position is not None:
+            scale_gradients(optimizer, self.engine.window.gradient_rescale(self._last_position))
+        output = super().optimizer_step(optimizer, **kwargs)
+        self.engine.after_optimizer_step()
+        return output
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        for name, start_method in REGISTERED_NAMES:
+            strategy_registry.register(
+                name,
+                cls,
+                description=f"DDP Plus strategy (Fabric) with `start_method` '{start_method}'",
+                override=True,
+                start_method=start_method,
+            )

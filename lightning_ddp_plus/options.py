@@ -1,0 +1,118 @@
+"""Every ``DDPPlusStrategy`` argument other than the Lightning plumbing, validated in one place.
+
+The Trainer strategy and the Fabric strategy take the same arguments and build the same ``DDPPlusOptions``, so a bad
+value gets the same message from both, before any process is started.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable, Literal, Optional, Union, get_args
+
+from lightning_ddp_plus._messages import describe_bad_value
+from lightning_ddp_plus.accumulation import SHORT_WINDOW_MODES, ShortWindow, check_accumulation_steps
+from lightning_ddp_plus.backend import normalize_backend
+from lightning_ddp_plus.comm_hooks import CommHook, HookFunction, parse_comm_hook
+from lightning_ddp_plus.settings import DDPSettings
+from lightning_ddp_plus.timeout import TimeoutLike, parse_timeout
+
+StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
+ConflictMode = Literal["error", "warn", "resolve", "off"]
+CONFLICT_MODES: tuple[str, ...] = get_args(ConflictMode)
+START_METHODS: tuple[str, ...] = get_args(StartMethod)
+
+
+def _positive_int_or_none(argument: str, value: Any, example: str) -> Optional[int]:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(describe_bad_value(argument, value, "expected a positive integer or None.", f"set e.g. `{argument}={example}`."))
+    return value
+
+
+def _one_of(argument: str, value: Any, allowed: tuple[str, ...], fix: str) -> Any:
+    if value not in allowed:
+        raise ValueError(describe_bad_value(argument, value, f"allowed: {', '.join(allowed)}.", fix))
+    return value
+
+
+@dataclass(frozen=True)
+class DDPPlusOptions:
+    """The validated strategy arguments (see ``DDPPlusStrategy`` for their meaning).
+
+    >>> DDPPlusOptions.create(timeout="1h", ddp_comm_hook="fp16").comm_hook
+    <CommHook.FP16: 'fp16'>
+    """
+
+    settings: DDPSettings
+    backend: Optional[str]
+    timeout: timedelta
+    comm_hook: Union[CommHook, HookFunction, None]
+    comm_state: Optional[object]
+    comm_wrapper: Optional[Callable]
+    model_averaging_period: Optional[int]
+    gradient_accumulation_steps: Optional[int]
+    short_window: ShortWindow
+    checkpointing_conflict: ConflictMode
+    verify_replicas_every_n_steps: Optional[int]
+    telemetry: bool
+    start_method: StartMethod
+
+    @classmethod
+    def create(
+        cls,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[TimeoutLike] = None,
+        find_unused_parameters: bool = False,
+        bucket_cap_mb: float = 25,
+        broadcast_buffers: Union[bool, Literal["auto"]] = True,
+        static_graph: bool = False,
+        gradient_as_bucket_view: bool = False,
+        ddp_comm_hook: Union[str, Callable, None] = None,
+        ddp_comm_state: Optional[object] = None,
+        ddp_comm_wrapper: Optional[Callable] = None,
+        model_averaging_period: Optional[int] = None,
+        gradient_accumulation_steps: Optional[int] = None,
+        short_window: ShortWindow = "mean",
+        checkpointing_conflict: ConflictMode = "error",
+        verify_replicas_every_n_steps: Optional[int] = None,
+        telemetry: bool = False,
+        start_method: StartMethod = "popen",
+        **ddp_kwargs: Any,
+    ) -> DDPPlusOptions:
+        """Validate every argument; each bad value raises with the argument, the value, what is allowed and the fix."""
+        settings = DDPSettings(
+            find_unused_parameters=find_unused_parameters,
+            bucket_cap_mb=bucket_cap_mb,
+            broadcast_buffers=broadcast_buffers,
+            static_graph=static_graph,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            extra=dict(ddp_kwargs),
+        )
+        comm_hook = parse_comm_hook(ddp_comm_hook)
+        if ddp_comm_wrapper is not None and comm_hook is None:
+            raise ValueError(
+                describe_bad_value("ddp_comm_wrapper", ddp_comm_wrapper, "a wrapper needs a hook to wrap, and `ddp_comm_hook` is None.", "set `ddp_comm_hook` too, or remove the wrapper.")
+            )
+        if ddp_comm_wrapper is not None and not callable(ddp_comm_wrapper):
+            raise TypeError(describe_bad_value("ddp_comm_wrapper", ddp_comm_wrapper, "expected a callable that wraps a hook.", "pass e.g. torch's `fp16_compress_wrapper`."))
+        if not isinstance(telemetry, bool):
+            raise TypeError(describe_bad_value("telemetry", telemetry, "expected True or False.", "write `telemetry=True`."))
+        return cls(
+            settings=settings,
+            backend=normalize_backend(process_group_backend),
+            timeout=parse_timeout(timeout),
+            comm_hook=comm_hook,
+            comm_state=ddp_comm_state,
+            comm_wrapper=ddp_comm_wrapper,
+            model_averaging_period=_positive_int_or_none("model_averaging_period", model_averaging_period, "4"),
+            gradient_accumulation_steps=check_accumulation_steps(gradient_accumulation_steps),
+            short_window=_one_of(
+                "short_window", short_window, SHORT_WINDOW_MODES, "use 'mean' (average over the micro-batches the window had) or 'lightning' (divide by k)."
+            ),
+            checkpointing_conflict=_one_of("checkpointing_conflict", checkpointing_conflict, CONFLICT_MODES, "use 'error' (default), 'warn', 'resolve' or 'off'."),
+            verify_replicas_every_n_steps=_positive_int_or_none("verify_replicas_every_n_steps", verify_replicas_every_n_steps, "100"),
+            telemetry=telemetry,
+            start_method=_one_of("start_method", start_method, START_METHODS, "use 'popen' for scripts and CLIs, 'spawn' inside notebooks or tests."),
+        )

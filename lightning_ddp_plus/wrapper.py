@@ -1,0 +1,90 @@
+"""Building ``DistributedDataParallel`` and changing its reducer in place: the one module that touches DDP internals.
+
+Rebuilding the reducer in place (rather than wrapping the model again) keeps the wrapper object, so every reference
+that Lightning, Fabric or a callback holds (``trainer.model``, a ``_FabricModule``) stays valid. torch itself rebuilds
+the reducer this way when it unpickles a DDP module (``DistributedDataParallel.__setstate__``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import weakref
+from collections.abc import Generator
+from contextlib import contextmanager
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+from torch.nn import Module
+from torch.nn.parallel.distributed import DistributedDataParallel, _DDPSink, _find_tensors
+
+from lightning_ddp_plus.settings import DDPSettings
+
+#: torch 2.13 added ``forward_sync_buffers`` and deprecated ``broadcast_buffers``; older releases only know the latter.
+HAS_FORWARD_SYNC_BUFFERS = "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+
+
+def ddp_kwargs(settings: DDPSettings) -> dict[str, Any]:
+    """The settings as keyword arguments for the installed torch's ``DistributedDataParallel``."""
+    return settings.to_ddp_kwargs(forward_sync_buffers=HAS_FORWARD_SYNC_BUFFERS)
+
+
+def wrap_module(module: Module, settings: DDPSettings, device_ids: Optional[list[int]]) -> DistributedDataParallel:
+    """Wrap ``module``; parameters (and buffers, when they are broadcast) start from rank 0's values."""
+    with _local_buffers_kept(module, keep=not settings.broadcast_buffers and HAS_FORWARD_SYNC_BUFFERS):
+        return DistributedDataParallel(module=module, device_ids=device_ids, **ddp_kwargs(settings))
+
+
+@contextmanager
+def _local_buffers_kept(module: Module, keep: bool) -> Generator:
+    # `forward_sync_buffers=False` still broadcasts buffers when wrapping; the old `broadcast_buffers=False` kept each
+    # rank's own values, which is what the strategy's `broadcast_buffers=False` promises, so put them back.
+    local = [buffer.detach().clone() for buffer in module.buffers()] if keep else None
+    yield None
+    if local is not None:
+        with torch.no_grad():
+            for buffer, value in zip(module.buffers(), local):
+                buffer.copy_(value)
+
+
+def rebuild_reducer(ddp: DistributedDataParallel, find_unused_parameters: bool, static_graph: bool) -> None:
+    """Give ``ddp`` a new reducer with these settings, before its first backward; no collective is issued.
+
+    The old reducer's autograd hooks are removed, communication hooks registered on the wrapper are registered again,
+    and the buckets will be rebuilt from the first backward's order, as for a new wrapper.
+    """
+    ddp.reducer._remove_autograd_hooks()
+    ddp.find_unused_parameters = find_unused_parameters
+    ddp.static_graph = False
+    parameters, expect_sparse_gradient = ddp._build_params_for_reducer()
+    names = ddp._build_debug_param_to_name_mapping(parameters)
+    ddp._ddp_init_helper(parameters, expect_sparse_gradient, names, static_graph)
+    if static_graph:
+        ddp._set_static_graph()
+    ddp._has_rebuilt_buckets = False
+    hooks, ddp._comm_hooks = list(ddp._comm_hooks), []
+    for hook, state in hooks:
+        ddp.register_comm_hook(state, hook)
+
+
+def replay_forward(ddp: DistributedDataParallel, loss: Tensor, forward_synced: bool, post_forward: bool) -> Tensor:
+    """Do for a rebuilt reducer what DDP's forward did for the old one, and return the loss to run backward on.
+
+    Args:
+        forward_synced: the forward ran with gradient sync on (not under ``no_sync``).
+        post_forward: DDP's forward had finished before this backward (automatic optimization, Fabric); ``False``
+            when the backward runs inside it (Lightning's manual optimization, whose ``pre_backward`` prepares the
+            reducer itself).
+    """
+    if not forward_synced:
+        return loss
+    ddp.logger.set_runtime_stats_and_log()
+    ddp.reducer.prepare_for_forward()
+    if not post_forward:
+        return loss
+    dynamic_unused = ddp.find_unused_parameters and not ddp.static_graph
+    ddp.reducer.prepare_for_backward(list(_find_tensors(loss)) if dynamic_unused else [])
+    if dynamic_unused or ddp.static_graph:
+        # What DDP's forward does with its output: a static graph's first backward queues the delayed all-reduce.
+        loss = _DDPSink.apply(weakref.ref(ddp), loss)[0]
+    return loss
