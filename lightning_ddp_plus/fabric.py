@@ -21,7 +21,6 @@ first backward is synced, as torch requires).
 
 from __future__ import annotations
 
-import atexit
 from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
@@ -33,7 +32,6 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.strategies import DDPStrategy
 from lightning.fabric.strategies.ddp import _DDPBackwardSyncControl
 from lightning.fabric.strategies.registry import _StrategyRegistry
-from lightning.fabric.utilities.distributed import _destroy_dist_connection
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.nn import Module
@@ -44,6 +42,7 @@ from lightning_ddp_plus.accumulation import ShortWindow, SyncStats, WindowPositi
 from lightning_ddp_plus.backend import resolve_backend_for_device
 from lightning_ddp_plus.comm_hooks import HookCallCounter
 from lightning_ddp_plus.engine import DDPPlusEngine
+from lightning_ddp_plus.launcher import register_process_group_shutdown
 from lightning_ddp_plus.options import ConflictMode, DDPPlusOptions, StartMethod
 from lightning_ddp_plus.rules import Finding
 from lightning_ddp_plus.settings import DDPSettings
@@ -199,7 +198,7 @@ class DDPPlusFabricStrategy(DDPStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        atexit.register(_destroy_dist_connection)
+        register_process_group_shutdown()
 
     # ------------------------------------------------------------------ the wrapper
 

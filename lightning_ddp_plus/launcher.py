@@ -12,12 +12,15 @@ and before any process is started, in every process of the job: that is where ``
 
 from __future__ import annotations
 
+import atexit
+import gc
 import os
 import signal
 import threading
 import time
 from typing import Any, Callable, Optional
 
+from lightning.fabric.utilities.distributed import _destroy_dist_connection
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from typing_extensions import override
 
@@ -87,3 +90,27 @@ def watch_parent(poll_seconds: float = 1.0) -> Optional[threading.Thread]:
     thread = threading.Thread(target=run, name="ddp-plus-parent-watch", daemon=True)
     thread.start()
     return thread
+
+
+_shutdown_registered = False
+
+
+def register_process_group_shutdown() -> None:
+    """Destroy the process group at exit, while the interpreter is still fully alive (once per process).
+
+    A gloo group that outlives ``atexit`` is destroyed by the interpreter's final garbage collection (e.g. when a
+    DDP wrapper left in a reference cycle still holds it through its reducer). Its worker threads may then release
+    the last reference to Python-owned tensors of a finished collective; a thread that asks for the GIL during
+    interpreter shutdown is ended by CPython, and the forced unwind through a C++ destructor calls
+    ``std::terminate``: "terminate called without an active exception", a finished run turned into SIGABRT.
+    Collecting cyclic garbage first releases such wrappers, so the group really goes (its threads joined) here.
+    """
+    global _shutdown_registered
+    if not _shutdown_registered:
+        _shutdown_registered = True
+        atexit.register(_shutdown_process_group)
+
+
+def _shutdown_process_group() -> None:
+    gc.collect()
+    _destroy_dist_connection()

@@ -138,7 +138,12 @@ RULES: tuple[Rule, ...] = (
         level="advice",
         title="find_unused_parameters=True with nothing unused",
         applies=lambda v, f: (
-            f.observed and v.find_unused_parameters and not v.static_graph and f.unused_parameters == () and not f.reentrant_parameters
+            f.observed
+            and v.find_unused_parameters
+            and not v.static_graph
+            and f.unused_parameters == ()
+            and not f.reentrant_parameters
+            and not f.no_grad_region_parameters
         ),
         problem=lambda v, f: "every parameter gets a gradient, yet DDP searches the autograd graph after every forward.",
         fix="set find_unused_parameters=False to skip that search.",

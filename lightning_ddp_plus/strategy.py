@@ -13,7 +13,6 @@ communication hooks registered on the wrapper before that are registered again o
 
 from __future__ import annotations
 
-import atexit
 from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -22,7 +21,6 @@ from typing import Any, Callable, Literal, Optional, Union
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.strategies import _StrategyRegistry
-from lightning.fabric.utilities.distributed import _destroy_dist_connection
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -37,7 +35,7 @@ from lightning_ddp_plus.accumulation import ShortWindow, WindowPosition, scale_g
 from lightning_ddp_plus.backend import resolve_backend_for_device
 from lightning_ddp_plus.comm_hooks import CommHook, HookCallCounter, HookFunction
 from lightning_ddp_plus.engine import DDPPlusEngine
-from lightning_ddp_plus.launcher import KillChildrenOnFailureLauncher, ResultsReturningLauncher, watch_parent
+from lightning_ddp_plus.launcher import KillChildrenOnFailureLauncher, ResultsReturningLauncher, register_process_group_shutdown, watch_parent
 from lightning_ddp_plus.options import ConflictMode, DDPPlusOptions, StartMethod
 from lightning_ddp_plus.rules import Finding
 from lightning_ddp_plus.settings import DDPSettings
@@ -263,9 +261,7 @@ class DDPPlusStrategy(DDPStrategy):
     def setup_environment(self) -> None:
         watch_parent()
         super().setup_environment()
-        # Lightning destroys only NCCL process groups at exit; a gloo group left to the interpreter's shutdown can
-        # abort the process ("terminate called without an active exception") and turn a finished run into a failure.
-        atexit.register(_destroy_dist_connection)
+        register_process_group_shutdown()
 
     @override
     def _get_process_group_backend(self) -> str:

@@ -1,0 +1,69 @@
+"""Run the real-model zoo on 2 gloo ranks and write its table: ``python tests/zoo_table.py OUT.md [--only MODEL ...]``.
+
+For every case: what stock ``DDPStrategy`` does, what ``ddp_plus`` defaults do, what ``resolve`` does, and the counts
+(cases, stock failures, refused, trained correctly, missed, false alarms).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tests.helpers import run_case_job  # noqa: E402
+from tests.zoo import outcome, zoo_cases  # noqa: E402
+
+
+def describe(run: dict) -> str:
+    text = outcome(run)
+    rules = [rule for rule in run["findings"] if not rule.startswith("A")]
+    if text == "refused":
+        return f"refused ({', '.join(rules)}), 0 steps"
+    if text == "error":
+        first = (run["message"] or "").split("\n")[0][:60]
+        return f"error: {first}"
+    if text == "wrong":
+        return f"wrong: {len(run['unchanged'])} trainable tensors never learn"
+    return f"correct{' (' + ', '.join(rules) + ')' if rules else ''}"
+
+
+def table(results: list[dict]) -> str:
+    lines = ["| model | setting | stock | ddp_plus defaults | resolve |", "|---|---|---|---|---|"]
+    counts = dict.fromkeys(("cases", "stock failures", "refused", "trained correctly", "missed", "false alarms", "resolve correct"), 0)
+    for case in results:
+        runs = {run["kind"]: run for run in case["results"]}
+        stock, plus, resolve = outcome(runs["stock"]), outcome(runs["ddp_plus"]), outcome(runs["resolve"])
+        setting = case["setting"] + (f", k={case['k']}" if "k" in case else "")
+        lines.append(f"| {case['model']} | {setting} | {stock} | {describe(runs['ddp_plus'])} | {describe(runs['resolve'])} |")
+        counts["cases"] += 1
+        counts["resolve correct"] += resolve == "correct"
+        if stock == "correct":
+            counts["false alarms"] += plus != "correct" or runs["ddp_plus"]["max_diff_to_stock"] != 0.0
+        else:
+            counts["stock failures"] += 1
+            counts["refused"] += plus == "refused"
+            counts["trained correctly"] += plus == "correct"
+            counts["missed"] += plus not in ("refused", "correct")
+    return "\n".join(lines) + "\n\n" + ", ".join(f"{name}: {value}" for name, value in counts.items()) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("out")
+    parser.add_argument("--only", nargs="*", help="model names to run")
+    args = parser.parse_args()
+    cases = [case for case in zoo_cases() if not args.only or case["model"] in args.only]
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as scratch:
+        results = run_case_job("zoo_job.py", cases, Path(scratch) / "zoo.json", timeout=900)
+    text = table(results)
+    Path(args.out).write_text(text)
+    print(text + f"\n{len(cases)} cases in {time.perf_counter() - started:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
