@@ -1,0 +1,89 @@
+"""Lightning Fabric with ``ddp_plus`` on one 2-rank process group: ``fabric_job.py OUT_JSON CASES_JSON``.
+
+Each case trains a small model with a plain Fabric loop over this rank's shard (rows ``rank::2``) of a fixed
+regression data set and records the outcome, the counts, and every rank's final parameters.
+"""
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+from lightning_ddp_plus import DDPPlusFabricStrategy
+from tests.helpers import CheckpointNet, flat_parameters, job_main, regression_data
+
+COUNT = {"calls": 0}
+
+
+def counting_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    COUNT["calls"] += 1
+    return default_hooks.allreduce_hook(state, bucket)
+
+
+def make_model(case: dict) -> nn.Module:
+    torch.manual_seed(1)
+    if case.get("checkpoint_net"):
+        return CheckpointNet(checkpointing="reentrant")
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+
+
+def run_case(case: dict) -> dict:
+    COUNT["calls"] = 0
+    kwargs = dict(case.get("strategy", {}))
+    if case.get("by_name"):
+        strategy = "ddp_plus"
+    else:
+        strategy = DDPPlusFabricStrategy(process_group_backend="gloo", ddp_comm_hook=counting_hook, **kwargs)
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy)
+    fabric.launch()
+    model = make_model(case)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    model, optimizer = fabric.setup(model, optimizer)
+    x, y = regression_data(case.get("num_samples", 40)).tensors
+    rank = fabric.global_rank
+    batches = [(x[rank::2][i : i + 4], y[rank::2][i : i + 4]) for i in range(0, len(x) // 2, 4)]
+    outcome = {"error": None, "message": None, "steps": 0}
+    try:
+        if case.get("idiom") == "no_backward_sync":
+            k = case["k"]
+            for index, (xb, yb) in enumerate(batches):
+                closes = (index + 1) % k == 0 or index == len(batches) - 1
+                with fabric.no_backward_sync(model, enabled=not closes):
+                    fabric.backward(nn.functional.mse_loss(model(xb), yb) / k)
+                if closes:
+                    optimizer.step()
+                    optimizer.zero_grad()
+                    outcome["steps"] += 1
+        else:
+            for xb, yb in fabric.strategy.micro_batches(batches):
+                fabric.backward(nn.functional.mse_loss(model(xb), yb))
+                if fabric.strategy.sync_gradients:
+                    optimizer.step()
+                    optimizer.zero_grad()
+                    outcome["steps"] += 1
+                    if case.get("corrupt_after") == outcome["steps"] and rank == 1:
+                        with torch.no_grad():
+                            next(model.parameters()).add_(1e-3)
+    except Exception as error:  # the outcome is what the test checks
+        outcome.update(error=type(error).__name__, message=str(error)[:1500])
+    flat = flat_parameters(model)
+    gathered = [torch.zeros_like(flat) for _ in range(2)]
+    dist.all_gather(gathered, flat)
+    stats = fabric.strategy.sync_stats
+    return {
+        **case,
+        **outcome,
+        "strategy_type": type(fabric.strategy).__name__,
+        "hook_calls": COUNT["calls"],
+        "synced_backwards": stats.synced_backwards,
+        "skipped_backwards": stats.skipped_backwards,
+        "optimizer_steps": stats.optimizer_steps,
+        "findings": [finding.rule.id for finding in fabric.strategy.findings],
+        "static_graph": fabric.strategy.settings.static_graph,
+        "params": [t.tolist() for t in gathered],
+    }
+
+
+if __name__ == "__main__":
+    job_main(run_case)

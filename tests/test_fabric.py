@@ -1,0 +1,110 @@
+"""``Fabric(strategy="ddp_plus")``: the same engine as the Trainer strategy, in real 2-rank Fabric runs on gloo."""
+
+import pytest
+import torch
+from lightning.fabric import Fabric
+from torch import nn
+
+from lightning_ddp_plus import DDPPlusFabricStrategy
+from tests.helpers import CheckpointNet, flat_parameters, regression_data, run_case_job
+
+CASES = [
+    {"by_name": True},
+    {"strategy": {"gradient_accumulation_steps": 4}, "num_samples": 80},  # 10 micro-batches per rank: windows 4, 4, 2
+    {"strategy": {"gradient_accumulation_steps": 4, "short_window": "lightning"}, "num_samples": 80},
+    {"strategy": {"static_graph": True}, "idiom": "no_backward_sync", "k": 3, "num_samples": 80},  # Fabric's idiom: 3, 3, 3, 1
+    {"checkpoint_net": True, "strategy": {"find_unused_parameters": True}, "num_samples": 24},  # R1
+    {"checkpoint_net": True, "strategy": {"find_unused_parameters": True, "checkpointing_conflict": "resolve"}, "num_samples": 24},
+    {"strategy": {"verify_replicas_every_n_steps": 1}, "corrupt_after": 2},
+]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return run_case_job("fabric_job.py", CASES, tmp_path_factory.mktemp("fabric") / "results.json")
+
+
+def reference(case: dict, k: int = 1, mean_short_window: bool = True, divide_in_loss: bool = True) -> torch.Tensor:
+    """One process: each step's gradient is the mean over both ranks' micro-batches of the window."""
+    torch.manual_seed(1)
+    model = CheckpointNet(checkpointing="reentrant") if case.get("checkpoint_net") else nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    x, y = regression_data(case.get("num_samples", 40)).tensors
+    shards = [(x[r::2], y[r::2]) for r in range(2)]
+    batches = [[(xs[i : i + 4], ys[i : i + 4]) for i in range(0, len(xs), 4)] for xs, ys in shards]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    for start in range(0, len(batches[0]), k):
+        window = range(start, min(start + k, len(batches[0])))
+        divisor = len(window) if mean_short_window else k
+        optimizer.zero_grad()
+        sum(nn.functional.mse_loss(model(rank[b][0]), rank[b][1]) / divisor / 2 for rank in batches for b in window).backward()
+        optimizer.step()
+    return flat_parameters(model)
+
+
+def check_trained(result: dict, expected: torch.Tensor) -> None:
+    assert result["error"] is None, result["message"]
+    params = [torch.tensor(p) for p in result["params"]]
+    assert torch.equal(params[0], params[1]), "replicas differ"
+    assert torch.allclose(params[0], expected, atol=1e-5, rtol=0), (params[0] - expected).abs().max()
+
+
+def test_registered_in_fabrics_registry():
+    import lightning_ddp_plus  # noqa: F401
+
+    fabric = Fabric(strategy="ddp_plus", accelerator="cpu", devices=2)
+    assert isinstance(fabric.strategy, DDPPlusFabricStrategy)
+    assert isinstance(Fabric(strategy="ddp_plus_spawn", accelerator="cpu", devices=2).strategy, DDPPlusFabricStrategy)
+
+
+@pytest.mark.parametrize(("kwargs", "pattern"), [({"process_group_backend": "ncll"}, "did you mean 'nccl'"), ({"bucket_cap_mb": 0}, "bucket_cap_mb"), ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps")])
+def test_same_validation_as_the_trainer_strategy(kwargs, pattern):
+    with pytest.raises((ValueError, TypeError), match=pattern):
+        DDPPlusFabricStrategy(**kwargs)
+
+
+def test_backend_is_judged_before_launch():
+    with pytest.raises(ValueError, match="'nccl' cannot run collectives on 'cpu'"):
+        Fabric(strategy=DDPPlusFabricStrategy(process_group_backend="nccl"), accelerator="cpu", devices=2)
+
+
+@pytest.mark.multiprocess
+def test_by_name_trains_with_identical_replicas(results):
+    result = results[0]
+    assert result["strategy_type"] == "DDPPlusFabricStrategy"
+    check_trained(result, reference(result))
+    assert result["synced_backwards"] == result["optimizer_steps"] == 5
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("index", [1, 2])
+def test_accumulation_one_allreduce_per_optimizer_step(results, index):
+    result = results[index]
+    assert result["optimizer_steps"] == 3 and result["hook_calls"] == 3  # windows 4, 4, 2: one all-reduce each
+    assert result["synced_backwards"] == 3 and result["skipped_backwards"] == 7
+    check_trained(result, reference(result, k=4, mean_short_window=index == 1))
+
+
+@pytest.mark.multiprocess
+def test_fabrics_no_backward_sync_idiom_with_a_static_graph(results):
+    result = results[3]
+    # the run's first micro-batch is synced too (torch needs it with a static graph): one extra all-reduce
+    assert result["optimizer_steps"] == 4 and result["hook_calls"] == 5
+    # the loop divides by k, so the short last window is Lightning-style
+    check_trained(result, reference(result, k=3, mean_short_window=False))
+
+
+@pytest.mark.multiprocess
+def test_conflict_check_on_the_first_forward(results):
+    refused, resolved = results[4], results[5]
+    assert refused["error"] == "DDPConflictError" and "[R1]" in refused["message"] and refused["steps"] == 0
+    torch.manual_seed(1)
+    assert refused["params"][0] == refused["params"][1] == flat_parameters(CheckpointNet(checkpointing="reentrant")).tolist()
+    assert resolved["findings"] == ["R1"] and resolved["static_graph"] is True
+    check_trained(resolved, reference(resolved))
+
+
+@pytest.mark.multiprocess
+def test_replica_guard(results):
+    result = results[6]
+    assert result["error"] == "ReplicaDriftError" and "optimizer step 2" in result["message"]
+    assert result["steps"] == 2
