@@ -9,7 +9,6 @@ Reports per-step time medians, min/max, the ratio ddp_plus / stock and all-reduc
 to benchmarks/results/.
 """
 
-
 import argparse
 import json
 import statistics
@@ -20,15 +19,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import lightning as L  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch import nn  # noqa: E402
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: E402
-from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+import lightning as L
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.utils.data import DataLoader, TensorDataset
 
-from benchmarks.ranks import run_ranks  # noqa: E402
-from lightning_ddp_plus import DDPPlusStrategy  # noqa: E402
+from benchmarks.ranks import run_ranks
+from lightning_ddp_plus import DDPPlusStrategy
 
 K = 4
 
@@ -95,13 +94,23 @@ class StepTimer(L.Callback):
 def run_variant(name: str, args) -> dict:
     timer = StepTimer()
     if name == "stock":
-        strategy, model = L.pytorch.strategies.DDPStrategy(process_group_backend="gloo"), StockRecipe(args.width, args.layers, args.batches)
+        strategy, model = (
+            L.pytorch.strategies.DDPStrategy(process_group_backend="gloo"),
+            StockRecipe(args.width, args.layers, args.batches),
+        )
     else:
         strategy = DDPPlusStrategy(process_group_backend="gloo", gradient_accumulation_steps=K)
         model = PlusRecipe(args.width, args.layers, args.batches)
     trainer = L.Trainer(
-        strategy=strategy, accelerator="cpu", devices=2, max_epochs=1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=[timer],
+        strategy=strategy,
+        accelerator="cpu",
+        devices=2,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[timer],
     )
     trainer.fit(model)
     steps = [b - a for a, b in zip(timer.window_ends, timer.window_ends[1:])]  # the first window is warm-up
@@ -128,13 +137,24 @@ def summarize(results: dict, args) -> dict:
     for name, runs in results.items():
         times = [r["step_seconds"] * 1000 for r in runs]
         summary[name] = {
-            "median_ms_per_step": statistics.median(times), "min_ms": min(times), "max_ms": max(times),
+            "median_ms_per_step": statistics.median(times),
+            "min_ms": min(times),
+            "max_ms": max(times),
             "allreduces_per_step": statistics.median(r["allreduces_per_step"] for r in runs),
             "bucket_allreduces_per_step": statistics.median(r["bucket_allreduces_per_step"] for r in runs),
         }
-    summary["ratio_ddp_plus_over_stock"] = summary["ddp_plus"]["median_ms_per_step"] / summary["stock"]["median_ms_per_step"]
+    summary["ratio_ddp_plus_over_stock"] = (
+        summary["ddp_plus"]["median_ms_per_step"] / summary["stock"]["median_ms_per_step"]
+    )
     params = args.layers * (args.width * args.width + args.width)
-    summary["config"] = {"k": K, "parameters": params, "repeats": args.repeats, "batches_per_rank": args.batches, "world_size": 2, "backend": "gloo"}
+    summary["config"] = {
+        "k": K,
+        "parameters": params,
+        "repeats": args.repeats,
+        "batches_per_rank": args.batches,
+        "world_size": 2,
+        "backend": "gloo",
+    }
     return summary
 
 

@@ -15,11 +15,20 @@ def run_ranks(command: list[str], world: int, timeout: float) -> None:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     base = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
-    logs = [tempfile.TemporaryFile(mode="w+") for _ in range(world)]  # files, not pipes: a full pipe would block a rank
+    logs = [tempfile.TemporaryFile(mode="w+") for _ in range(world)]  # noqa: SIM115 - closed below; files, not pipes: a full pipe would block a rank
     processes = []
     for rank in range(world):
-        env = {**base, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "LOCAL_RANK": str(rank), "NODE_RANK": "0", "WORLD_SIZE": str(world)}
-        processes.append(subprocess.Popen([*command, "--as-rank", str(rank)], env=env, stdout=logs[rank], stderr=subprocess.STDOUT))
+        env = {
+            **base,
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "LOCAL_RANK": str(rank),
+            "NODE_RANK": "0",
+            "WORLD_SIZE": str(world),
+        }
+        processes.append(
+            subprocess.Popen([*command, "--as-rank", str(rank)], env=env, stdout=logs[rank], stderr=subprocess.STDOUT)
+        )
     try:
         codes = [process.wait(timeout=timeout) for process in processes]
     except subprocess.TimeoutExpired:

@@ -24,14 +24,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import lightning as L  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch import nn  # noqa: E402
-from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+import lightning as L
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
-from benchmarks.ranks import run_ranks  # noqa: E402
-from lightning_ddp_plus import DDPPlusStrategy  # noqa: E402
+from benchmarks.ranks import run_ranks
+from lightning_ddp_plus import DDPPlusStrategy
 
 QUIET = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False}
 BENCHMARKS = ("overhead", "hooks", "setup", "scaling", "manual_accumulation")
@@ -49,8 +49,10 @@ class MLP(L.LightningModule):
         return self.net(x).pow(2).mean()
 
     def train_dataloader(self):
-        world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
-        return DataLoader(TensorDataset(torch.randn(self.batches * world * self.batch_size, self.width)), batch_size=self.batch_size)
+        world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+        return DataLoader(
+            TensorDataset(torch.randn(self.batches * world * self.batch_size, self.width)), batch_size=self.batch_size
+        )
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=1e-4)
@@ -88,21 +90,33 @@ def fit(strategy, args, devices: int = 2) -> dict:
 
 
 def variants(name: str):
-    stock = lambda: L.pytorch.strategies.DDPStrategy(process_group_backend="gloo")  # noqa: E731
-    plus = lambda **kw: (lambda: DDPPlusStrategy(process_group_backend="gloo", **kw))  # noqa: E731
+    stock = lambda: L.pytorch.strategies.DDPStrategy(process_group_backend="gloo")
+    plus = lambda **kw: lambda: DDPPlusStrategy(process_group_backend="gloo", **kw)
     if name == "overhead":
-        return {"stock": stock, "ddp_plus": plus(), "ddp_plus_check_off": plus(checkpointing_conflict="off"), "ddp_plus_telemetry": plus(telemetry=True), "ddp_plus_guard_every_step": plus(verify_replicas_every_n_steps=1)}
+        return {
+            "stock": stock,
+            "ddp_plus": plus(),
+            "ddp_plus_check_off": plus(checkpointing_conflict="off"),
+            "ddp_plus_telemetry": plus(telemetry=True),
+            "ddp_plus_guard_every_step": plus(verify_replicas_every_n_steps=1),
+        }
     if name == "hooks":
         return {hook or "none": plus(telemetry=True, ddp_comm_hook=hook) for hook in (None, "fp16", "bf16", "powersgd")}
     if name == "setup":
-        return {"stock": stock, "ddp_plus_validator_on": plus(), "ddp_plus_validator_off": plus(checkpointing_conflict="off")}
+        return {
+            "stock": stock,
+            "ddp_plus_validator_on": plus(),
+            "ddp_plus_validator_off": plus(checkpointing_conflict="off"),
+        }
     raise ValueError(name)
 
 
 def rank_main(args) -> None:
     raw: dict = {}
     if args.bench == "scaling":
-        raw[f"{args.world}_processes"] = [fit(DDPPlusStrategy(process_group_backend="gloo"), args, devices=args.world) for _ in range(args.repeats)]
+        raw[f"{args.world}_processes"] = [
+            fit(DDPPlusStrategy(process_group_backend="gloo"), args, devices=args.world) for _ in range(args.repeats)
+        ]
     else:
         factories = variants(args.bench)
         for _ in range(args.repeats):
@@ -116,7 +130,18 @@ def rank_main(args) -> None:
 
 def launch(args, bench: str, world: int) -> dict:
     raw = Path(args.out) / f".{bench}_{world}.raw.json"  # --out exists (main makes it); results/ may not
-    command = [sys.executable, __file__, "--repeats", str(args.repeats), "--width", str(args.width), "--layers", str(args.layers), "--batches", str(args.batches)]
+    command = [
+        sys.executable,
+        __file__,
+        "--repeats",
+        str(args.repeats),
+        "--width",
+        str(args.width),
+        "--layers",
+        str(args.layers),
+        "--batches",
+        str(args.batches),
+    ]
     run_ranks([*command, "--bench", bench, "--world", str(world), "--raw", str(raw)], world=world, timeout=args.timeout)
     data = json.loads(raw.read_text())
     raw.unlink()
@@ -128,10 +153,13 @@ def stats(values: list[float]) -> dict:
 
 
 def summarize(bench: str, raw: dict, baseline: str, metric: str) -> dict:
-    summary = {label: {k: stats([run[k] for run in runs]) for k in runs[0] if runs[0][k] is not None} for label, runs in raw.items()}
+    summary = {
+        label: {k: stats([run[k] for run in runs]) for k in runs[0] if runs[0][k] is not None}
+        for label, runs in raw.items()
+    }
     base = summary[baseline][metric]["median"]
-    for label in summary:
-        summary[label][f"ratio_to_{baseline}"] = summary[label][metric]["median"] / base
+    for values in summary.values():
+        values[f"ratio_to_{baseline}"] = values[metric]["median"] / base
     return summary
 
 
@@ -156,7 +184,14 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     results: dict = {
         "machine": f"{os.cpu_count()} CPU cores, torch {torch.__version__}, lightning {L.__version__}, gloo",
-        "config": {"width": args.width, "layers": args.layers, "parameters": args.layers * (args.width**2 + args.width), "repeats": args.repeats, "batches_per_rank": args.batches, "batch_size": 32},
+        "config": {
+            "width": args.width,
+            "layers": args.layers,
+            "parameters": args.layers * (args.width**2 + args.width),
+            "repeats": args.repeats,
+            "batches_per_rank": args.batches,
+            "batch_size": 32,
+        },
     }
     for bench in args.only:
         started = time.perf_counter()
@@ -171,7 +206,22 @@ def main() -> None:
             results[bench] = summarize(bench, raw, "1_processes", "samples_per_s")
         elif bench == "manual_accumulation":
             target = out / "manual_accumulation.json"
-            command = [sys.executable, str(ROOT / "benchmarks" / "bench_manual_accumulation.py"), "--repeats", str(args.repeats), "--width", str(args.width), "--layers", str(args.layers), "--batches", str(max(8, args.batches)), "--out", str(target), "--timeout", str(args.timeout)]
+            command = [
+                sys.executable,
+                str(ROOT / "benchmarks" / "bench_manual_accumulation.py"),
+                "--repeats",
+                str(args.repeats),
+                "--width",
+                str(args.width),
+                "--layers",
+                str(args.layers),
+                "--batches",
+                str(max(8, args.batches)),
+                "--out",
+                str(target),
+                "--timeout",
+                str(args.timeout),
+            ]
             subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             results[bench] = json.loads(target.read_text())
         print(f"{bench}: done in {time.perf_counter() - started:.0f} s", flush=True)
@@ -205,7 +255,13 @@ def chart(results: dict, path: Path) -> None:
             values = [data[label][ratio_key] for label in labels]
             axis.set_title(f"{name}\n{ratio_key.replace('_', ' ')}")
         axis.bar(range(len(labels)), values, color="#4a7ab7")
-        axis.set_xticks(range(len(labels)), [label.replace("ddp_plus_", "+").replace("_", " ") for label in labels], rotation=30, ha="right", fontsize=8)
+        axis.set_xticks(
+            range(len(labels)),
+            [label.replace("ddp_plus_", "+").replace("_", " ") for label in labels],
+            rotation=30,
+            ha="right",
+            fontsize=8,
+        )
         axis.axhline(1.0, color="gray", linewidth=0.8)
         for index, value in enumerate(values):
             axis.text(index, value, f"{value:.2f}", ha="center", va="bottom", fontsize=8)

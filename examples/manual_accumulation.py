@@ -44,7 +44,15 @@ class ManualAccumulationClassifier(SpiralClassifier):
 def main() -> None:
     L.seed_everything(7)
     strategy = DDPPlusStrategy(process_group_backend="gloo", timeout="5m", gradient_accumulation_steps=4)
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=4, logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_epochs=4,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+    )
     trainer.fit(ManualAccumulationClassifier(lr=0.01), datamodule=SpiralDataModule(batch_size=32))
     if trainer.is_global_zero:
         print(f"sync stats on rank 0: {strategy.sync_stats}")

@@ -47,7 +47,15 @@ class SpiralDataModule(L.LightningDataModule):
         seed: data seed, the same on every rank.
     """
 
-    def __init__(self, num_train: int = 8192, num_val: int = 2048, num_classes: int = 3, noise: float = 0.04, batch_size: int = 64, seed: int = 0) -> None:
+    def __init__(
+        self,
+        num_train: int = 8192,
+        num_val: int = 2048,
+        num_classes: int = 3,
+        noise: float = 0.04,
+        batch_size: int = 64,
+        seed: int = 0,
+    ) -> None:
         super().__init__()
         self.save_hyperparameters()
 

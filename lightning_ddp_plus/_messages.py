@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Iterable
-from typing import Any, Optional
+from typing import Any
 
 
-def closest_name(value: str, choices: Iterable[str]) -> Optional[str]:
+def closest_name(value: str, choices: Iterable[str]) -> str | None:
     """Return the allowed name closest to a misspelt ``value``, or ``None`` when nothing is close.
 
     >>> closest_name("ncll", ["nccl", "gloo", "mpi"])

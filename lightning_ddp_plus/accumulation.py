@@ -8,7 +8,7 @@ running and apply the answers.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 from lightning_ddp_plus._messages import describe_bad_value
 
@@ -41,7 +41,7 @@ class WindowPosition:
         return self.index == self.length - 1
 
 
-def window_position(batch_number: int, steps: int, num_batches: Optional[float], is_last: bool = False) -> WindowPosition:
+def window_position(batch_number: int, steps: int, num_batches: float | None, is_last: bool = False) -> WindowPosition:
     """Position of the ``batch_number``-th (1-based) micro-batch of an epoch of ``num_batches`` (``inf``/``None``
     when unknown) with windows of ``steps`` micro-batches; the last window of an epoch may be shorter. ``is_last``
     says that this micro-batch is the epoch's last (Lightning knows it one batch ahead, also for iterable loaders).
@@ -94,7 +94,7 @@ def gradient_rescale(position: WindowPosition, steps: int, short_window: ShortWi
     return steps / position.length
 
 
-def check_accumulation_steps(value: Optional[int]) -> Optional[int]:
+def check_accumulation_steps(value: int | None) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -109,7 +109,7 @@ def check_accumulation_steps(value: Optional[int]) -> Optional[int]:
     return value
 
 
-def merge_accumulation_settings(strategy_steps: Optional[int], trainer_steps: object) -> int:
+def merge_accumulation_settings(strategy_steps: int | None, trainer_steps: object) -> int:
     """The one k both settings describe; fails when both are set and differ.
 
     ``Trainer(accumulate_grad_batches=1)`` is Lightning's default and so counts as unset.
@@ -118,9 +118,12 @@ def merge_accumulation_settings(strategy_steps: Optional[int], trainer_steps: ob
     (4, 3, 4)
     """
     if isinstance(trainer_steps, dict):
-        raise ValueError(
+        raise ValueError(  # noqa: TRY004 - a value Lightning accepts and this strategy does not
             describe_bad_value(
-                "accumulate_grad_batches", trainer_steps, "DDPPlusStrategy needs one fixed number of micro-batches per optimizer step; schedules are not supported.", "use one integer."
+                "accumulate_grad_batches",
+                trainer_steps,
+                "DDPPlusStrategy needs one fixed number of micro-batches per optimizer step; schedules are not supported.",
+                "use one integer.",
             )
         )
     trainer_k = int(trainer_steps) if trainer_steps is not None else 1
@@ -171,7 +174,7 @@ class AccumulationWindow:
     (False, True)
     """
 
-    def __init__(self, steps: Optional[int], short_window: ShortWindow) -> None:
+    def __init__(self, steps: int | None, short_window: ShortWindow) -> None:
         self.requested = steps
         self.steps = steps or 1
         self.short_window: ShortWindow = short_window

@@ -5,7 +5,7 @@ Everything here is a plain function over strings so that CUDA, XPU or HPU set-up
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch.distributed
 
@@ -15,7 +15,15 @@ from lightning_ddp_plus._messages import closest_name, describe_bad_value
 KNOWN_BACKENDS = ("nccl", "gloo", "mpi", "ucc", "xccl", "hccl", "cncl")
 
 #: The backend chosen when ``process_group_backend`` is ``None``/``"auto"``, by device type.
-AUTO_BACKEND_BY_DEVICE = {"cuda": "nccl", "cpu": "gloo", "xpu": "xccl", "hpu": "hccl", "npu": "hccl", "mlu": "cncl", "mps": "gloo"}
+AUTO_BACKEND_BY_DEVICE = {
+    "cuda": "nccl",
+    "cpu": "gloo",
+    "xpu": "xccl",
+    "hpu": "hccl",
+    "npu": "hccl",
+    "mlu": "cncl",
+    "mps": "gloo",
+}
 
 #: The device types each backend can move tensors of. A device type missing from every entry is not judged.
 DEVICES_BY_BACKEND = {
@@ -31,7 +39,7 @@ DEVICES_BY_BACKEND = {
 _AUTO = ("auto", "")
 
 
-def normalize_backend(value: Optional[str]) -> Optional[str]:
+def normalize_backend(value: str | None) -> str | None:
     """Validate a backend name given by the user; ``None`` means "choose from the accelerator".
 
     >>> normalize_backend("NCCL")
@@ -44,7 +52,10 @@ def normalize_backend(value: Optional[str]) -> Optional[str]:
     if not isinstance(value, str):
         raise TypeError(
             describe_bad_value(
-                "process_group_backend", value, f"expected a backend name, one of {', '.join(KNOWN_BACKENDS)}, or 'auto'.", "pass the name as a string, e.g. 'gloo'."
+                "process_group_backend",
+                value,
+                f"expected a backend name, one of {', '.join(KNOWN_BACKENDS)}, or 'auto'.",
+                "pass the name as a string, e.g. 'gloo'.",
             )
         )
     name = value.strip().lower()
@@ -53,10 +64,17 @@ def normalize_backend(value: Optional[str]) -> Optional[str]:
     if name in KNOWN_BACKENDS:
         return name
     suggestion = closest_name(name, KNOWN_BACKENDS + ("auto",))
-    hint = f"did you mean {suggestion!r}?" if suggestion else "use one of the names listed, or 'auto' to choose from the accelerator."
+    hint = (
+        f"did you mean {suggestion!r}?"
+        if suggestion
+        else "use one of the names listed, or 'auto' to choose from the accelerator."
+    )
     raise ValueError(
         describe_bad_value(
-            "process_group_backend", value, f"unknown backend; allowed: {', '.join(KNOWN_BACKENDS)}, or 'auto'/None (from the accelerator).", hint
+            "process_group_backend",
+            value,
+            f"unknown backend; allowed: {', '.join(KNOWN_BACKENDS)}, or 'auto'/None (from the accelerator).",
+            hint,
         )
     )
 
@@ -79,7 +97,7 @@ def auto_backend_for_device(device_type: str) -> str:
 
 
 def resolve_backend_for_device(
-    requested: Optional[str],
+    requested: str | None,
     device_type: str,
     is_available: Callable[[str], bool] = torch.distributed.is_backend_available,
 ) -> str:

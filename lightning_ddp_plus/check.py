@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 import warnings
-from typing import Any, Optional
+from typing import Any
 
 import lightning.pytorch as pl
 from torch import Tensor
@@ -22,10 +22,15 @@ from lightning_ddp_plus.rules import DDPView, Finding, evaluate
 
 def settings_view(trainer: pl.Trainer) -> DDPView:
     strategy = trainer.strategy
-    settings = getattr(strategy, "settings", None)
-    if settings is not None:
-        steps = merge_accumulation_settings(getattr(strategy, "_accumulation_setting", None), trainer.accumulate_grad_batches)
-        return DDPView(settings.find_unused_parameters, settings.static_graph, settings.broadcast_buffers, steps)
+    engine = getattr(strategy, "engine", None)
+    if engine is not None:
+        steps = merge_accumulation_settings(engine.window.requested, trainer.accumulate_grad_batches)
+        return DDPView(
+            engine.settings.find_unused_parameters,
+            engine.settings.static_graph,
+            bool(engine.settings.broadcast_buffers),
+            steps,
+        )
     kwargs = getattr(strategy, "_ddp_kwargs", {}) or {}
     return DDPView(
         find_unused_parameters=bool(kwargs.get("find_unused_parameters", False)),
@@ -35,7 +40,7 @@ def settings_view(trainer: pl.Trainer) -> DDPView:
     )
 
 
-def probe_facts(model: pl.LightningModule, datamodule: Optional[pl.LightningDataModule]) -> tuple[ModelFacts, str]:
+def probe_facts(model: pl.LightningModule, datamodule: pl.LightningDataModule | None) -> tuple[ModelFacts, str]:
     """Facts from one ``training_step`` on a training batch; static facts, and why, when that cannot run here."""
     try:
         if datamodule is not None:
@@ -55,7 +60,9 @@ def probe_facts(model: pl.LightningModule, datamodule: Optional[pl.LightningData
             raise ValueError("training_step returned no loss tensor")
         return probe.facts(loss), "one probe forward of training_step on a training batch"
     except Exception as error:  # noqa: BLE001 - any failure means: fall back to what can be read statically
-        return static_facts(model), f"static facts only (the probe forward could not run here: {type(error).__name__}: {error})"
+        return static_facts(
+            model
+        ), f"static facts only (the probe forward could not run here: {type(error).__name__}: {error})"
 
 
 def describe_facts(facts: ModelFacts) -> str:
@@ -71,8 +78,10 @@ def describe_facts(facts: ModelFacts) -> str:
 
 def report(view: DDPView, facts: ModelFacts, source: str, findings: list[Finding]) -> str:
     lines = [
-        f"settings: find_unused_parameters={view.find_unused_parameters}, static_graph={view.static_graph}, "
-        f"broadcast_buffers={view.broadcast_buffers}, accumulation={view.gradient_accumulation_steps}",
+        (
+            f"settings: find_unused_parameters={view.find_unused_parameters}, static_graph={view.static_graph}, "
+            f"broadcast_buffers={view.broadcast_buffers}, accumulation={view.gradient_accumulation_steps}"
+        ),
         f"model facts ({source}): {describe_facts(facts)}",
     ]
     lines += [f"{finding.rule.level.upper()} {finding}" for finding in findings]

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Optional
 
 import lightning_ddp_plus  # noqa: F401  (registers the strategy names)
 
 
-def main(args: Optional[list[str]] = None) -> None:
+def main(args: list[str] | None = None) -> None:
     """Entry point of ``ddp-plus``."""
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())

@@ -4,9 +4,10 @@ Stock Lightning registers hooks only on CUDA; torch runs them on every backend, 
 """
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Callable, Optional, Union
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,7 +34,7 @@ class CommHook(str, Enum):
     def function(self) -> HookFunction:
         return _HOOK_FUNCTIONS[self]
 
-    def default_state(self) -> Optional[object]:
+    def default_state(self) -> object | None:
         """The state the hook gets when the user gives none.
 
         PowerSGD: rank-1 approximation with error feedback and warm start (torch's recommended starting point), and
@@ -54,7 +55,7 @@ _HOOK_FUNCTIONS: dict[CommHook, HookFunction] = {
 _NAMES = tuple(hook.value for hook in CommHook)
 
 
-def parse_comm_hook(value: Union[str, CommHook, HookFunction, None]) -> Union[CommHook, HookFunction, None]:
+def parse_comm_hook(value: str | CommHook | HookFunction | None) -> CommHook | HookFunction | None:
     """Accept a hook name, a dotted import path to a hook function, a callable, or ``None``.
 
     >>> parse_comm_hook("FP16")
@@ -85,7 +86,10 @@ def parse_comm_hook(value: Union[str, CommHook, HookFunction, None]) -> Union[Co
         return value
     raise TypeError(
         describe_bad_value(
-            "ddp_comm_hook", value, f"expected a hook name ({', '.join(_NAMES)}), a callable `hook(state, bucket)`, or None.", "pass e.g. 'fp16'."
+            "ddp_comm_hook",
+            value,
+            f"expected a hook name ({', '.join(_NAMES)}), a callable `hook(state, bucket)`, or None.",
+            "pass e.g. 'fp16'.",
         )
     )
 
@@ -96,10 +100,22 @@ def _import_hook(path: str) -> HookFunction:
         hook = getattr(importlib.import_module(module_name), attribute)
     except (ImportError, AttributeError) as error:
         raise ValueError(
-            describe_bad_value("ddp_comm_hook", path, f"the import path could not be loaded ({error}).", f"check the module and function name, or use one of {', '.join(_NAMES)}.")
+            describe_bad_value(
+                "ddp_comm_hook",
+                path,
+                f"the import path could not be loaded ({error}).",
+                f"check the module and function name, or use one of {', '.join(_NAMES)}.",
+            )
         ) from error
     if not callable(hook):
-        raise TypeError(describe_bad_value("ddp_comm_hook", path, "the import path names something that is not callable.", "point it at a function `hook(state, bucket)`."))
+        raise TypeError(
+            describe_bad_value(
+                "ddp_comm_hook",
+                path,
+                "the import path names something that is not callable.",
+                "point it at a function `hook(state, bucket)`.",
+            )
+        )
     return hook
 
 
@@ -141,14 +157,14 @@ class HookAssembly:
     'fp16'
     """
 
-    def __init__(self, hook: Union[CommHook, HookFunction, None], state: Optional[object], wrapper: Optional[Callable]) -> None:
+    def __init__(self, hook: CommHook | HookFunction | None, state: object | None, wrapper: Callable | None) -> None:
         self.hook = hook
         self.user_state = state
         self.wrapper = wrapper
         #: Calls of the registered hook (one per gradient bucket all-reduced) on this rank.
         self.counter = HookCallCounter()
         #: The state the hook was last registered with (PowerSGD's holds its iteration and error feedback).
-        self.state: Optional[object] = None
+        self.state: object | None = None
 
     @property
     def name(self) -> str:

@@ -8,7 +8,8 @@ forward hook on the wrapper and acts at the first backward, when the loss tells 
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -67,7 +68,12 @@ def agree_across_ranks(facts: ModelFacts, module: Module, device: torch.device) 
 
 
 def _make_output_require_grad(module: Module, args: Any, output: Any) -> None:
-    if isinstance(output, Tensor) and output.is_floating_point() and not output.requires_grad and torch.is_grad_enabled():
+    if (
+        isinstance(output, Tensor)
+        and output.is_floating_point()
+        and not output.requires_grad
+        and torch.is_grad_enabled()
+    ):
         output.requires_grad_(True)
 
 
@@ -87,12 +93,12 @@ class ConflictCheck:
         self.findings: list[Finding] = []
         #: What ``"resolve"`` did to the model itself (fixes for rule R5), in words.
         self.model_fixes: list[str] = []
-        self._probe: Optional[ForwardProbe] = None
+        self._probe: ForwardProbe | None = None
         self._verifying = False
         self._hooks: list = []
         self._fix_handles: list = []
-        self._module: Optional[Module] = None
-        self._last_facts: Optional[ModelFacts] = None
+        self._module: Module | None = None
+        self._last_facts: ModelFacts | None = None
 
     @property
     def pending(self) -> bool:
@@ -156,7 +162,9 @@ class ConflictCheck:
             self._install_input_grad_fixes(probe.repairs, errors, view)
         else:
             self.detach_observers()
-        changes = ", ".join(f"{name}: {getattr(view, name)} -> {getattr(resolved, name)}" for name in _changed(view, resolved))
+        changes = ", ".join(
+            f"{name}: {getattr(view, name)} -> {getattr(resolved, name)}" for name in _changed(view, resolved)
+        )
         reasons = "; ".join(f"[{finding.rule.id}] {finding.rule.title}" for finding in errors)
         fixes = f" and {'; '.join(self.model_fixes)}" if self.model_fixes else ""
         self._info(f"DDPPlusStrategy resolved conflicts ({reasons}) by setting {changes}{fixes}.")
@@ -174,14 +182,22 @@ class ConflictCheck:
         no_grad = self._last_facts.no_grad_region_parameters if self._last_facts is not None else ()
         missed = [name for name in no_grad if name not in repaired]
         if missed:
-            raise conflict_error(r5, view, note=f"'resolve' found no safe fix: the region holding {', '.join(missed[:4])} "
-                                 "has no floating-point tensor input to make require grad. Apply the fix above in your model.")
+            raise conflict_error(
+                r5,
+                view,
+                note=f"'resolve' found no safe fix: the region holding {', '.join(missed[:4])} "
+                "has no floating-point tensor input to make require grad. Apply the fix above in your model.",
+            )
         producers = sorted({repair.producer for repair in repairs if repair.producer is not None})
         for name in producers:
             self._fix_handles.append(self._module.get_submodule(name).register_forward_hook(_make_output_require_grad))
-            self.model_fixes.append(f"made the output of `{name}` require grad (it feeds a reentrant checkpointed region)")
+            self.model_fixes.append(
+                f"made the output of `{name}` require grad (it feeds a reentrant checkpointed region)"
+            )
         if any(repair.producer is None for repair in repairs):
-            hf_model = next((m for m in self._module.modules() if callable(getattr(m, "enable_input_require_grads", None))), None)
+            hf_model = next(
+                (m for m in self._module.modules() if callable(getattr(m, "enable_input_require_grads", None))), None
+            )
             if hf_model is None:
                 unfixable = [repair for repair in repairs if repair.producer is None]
                 raise conflict_error(
@@ -224,7 +240,11 @@ class _Call:
 
 
 def _changed(view: DDPView, resolved: DDPView) -> list[str]:
-    return [name for name in ("find_unused_parameters", "static_graph", "repair_input_grads") if getattr(view, name) != getattr(resolved, name)]
+    return [
+        name
+        for name in ("find_unused_parameters", "static_graph", "repair_input_grads")
+        if getattr(view, name) != getattr(resolved, name)
+    ]
 
 
 def conflict_error(errors: list[Finding], view: DDPView, note: str = "") -> DDPConflictError:
@@ -239,7 +259,7 @@ def conflict_error(errors: list[Finding], view: DDPView, note: str = "") -> DDPC
     )
 
 
-def explain_torch_error(message: str) -> Optional[str]:
+def explain_torch_error(message: str) -> str | None:
     """Text to append to a torch reducer error: which rule it is and the fix (``None`` for other errors)."""
     rule = rule_for_torch_error(message)
     if rule is None:

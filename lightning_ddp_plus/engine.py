@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -24,7 +25,13 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_ddp_plus.accumulation import AccumulationWindow, SyncStats
 from lightning_ddp_plus.comm_hooks import HookAssembly
-from lightning_ddp_plus.conflicts import ConflictCheck, agree_across_ranks, explain_torch_error, finding_records, findings_from_records
+from lightning_ddp_plus.conflicts import (
+    ConflictCheck,
+    agree_across_ranks,
+    explain_torch_error,
+    finding_records,
+    findings_from_records,
+)
 from lightning_ddp_plus.errors import DDPConflictError
 from lightning_ddp_plus.facts import ModelFacts, running_stat_buffers
 from lightning_ddp_plus.options import DDPPlusOptions
@@ -56,20 +63,22 @@ class DDPPlusEngine:
     def __init__(self, options: DDPPlusOptions, warn: Callable[[str], None], info: Callable[[str], None]) -> None:
         self.options = options
         #: The settings in effect: ``broadcast_buffers="auto"`` decided, and what ``"resolve"`` changed.
-        self.settings: DDPSettings = options.settings.resolve_auto(True) if options.settings.broadcast_buffers == "auto" else options.settings
+        self.settings: DDPSettings = (
+            options.settings.resolve_auto(True) if options.settings.broadcast_buffers == "auto" else options.settings
+        )
         self.window = AccumulationWindow(options.gradient_accumulation_steps, options.short_window)
         self.conflicts = ConflictCheck(options.checkpointing_conflict, warn=warn, info=info)
         self.hooks = HookAssembly(options.comm_hook, options.comm_state, options.comm_wrapper)
         self.guard = ReplicaGuard(options.verify_replicas_every_n_steps)
-        self.telemetry: Optional[SyncTelemetry] = SyncTelemetry() if options.telemetry else None
+        self.telemetry: SyncTelemetry | None = SyncTelemetry() if options.telemetry else None
         #: Called at the start of every training forward, before its sync state is read (Fabric's window uses it).
-        self.before_training_forward: Optional[Callable[[DistributedDataParallel], None]] = None
+        self.before_training_forward: Callable[[DistributedDataParallel], None] | None = None
         self._forward_synced = True
         self._handle: Any = None
 
     # ------------------------------------------------------------------ setup and teardown
 
-    def wrap(self, module: Module, device_ids: Optional[list[int]]) -> DistributedDataParallel:
+    def wrap(self, module: Module, device_ids: list[int] | None) -> DistributedDataParallel:
         """Wrap ``module`` in ``DistributedDataParallel`` with the settings, and start a fit on it."""
         settings = self.options.settings
         self.settings = settings.resolve_auto(bool(running_stat_buffers(module)))
@@ -126,7 +135,9 @@ class DDPPlusEngine:
         resolved = self.conflicts.decide(loss, view, lambda facts: self._agree(facts, module, device))
         if (resolved.find_unused_parameters, resolved.static_graph) == (view.find_unused_parameters, view.static_graph):
             return loss
-        self.settings = dataclasses.replace(self.settings, find_unused_parameters=resolved.find_unused_parameters, static_graph=resolved.static_graph)
+        self.settings = dataclasses.replace(
+            self.settings, find_unused_parameters=resolved.find_unused_parameters, static_graph=resolved.static_graph
+        )
         rebuild_reducer(ddp, resolved.find_unused_parameters, resolved.static_graph)
         return replay_forward(ddp, loss, self._forward_synced, post_forward)
 
@@ -156,12 +167,15 @@ class DDPPlusEngine:
     def sync_stats(self) -> SyncStats:
         return self.window.stats
 
-    def describe(self, backend: str, world_size: int, start_method: str, buckets: Optional[int]) -> str:
+    def describe(self, backend: str, world_size: int, start_method: str, buckets: int | None) -> str:
         """One compact line with the settings in effect, logged by rank 0 at setup."""
         settings = self.settings
         options = self.options
         auto = "auto->" if options.settings.broadcast_buffers == "auto" else ""
-        flags = ", ".join(f"{name}={getattr(settings, name)}" for name in ("find_unused_parameters", "static_graph", "gradient_as_bucket_view"))
+        flags = ", ".join(
+            f"{name}={getattr(settings, name)}"
+            for name in ("find_unused_parameters", "static_graph", "gradient_as_bucket_view")
+        )
         extra = f", extra={settings.extra}" if settings.extra else ""
         bucket_text = f" ({buckets} buckets)" if buckets else ""
         return (
@@ -179,7 +193,7 @@ class DDPPlusEngine:
             return
         message = exception.args[0]
         if _COLLECTIVE_TIMEOUT.search(message):
-            note: Optional[str] = (
+            note: str | None = (
                 f"lightning-ddp-plus: a collective waited longer than the process group's timeout "
                 f"({format_timeout(self.options.timeout)}, set by `DDPPlusStrategy(timeout=...)`): another rank is hung, "
                 "crashed or much slower. Fix: find the rank that stopped (its own error or a stack dump); raise `timeout` "

@@ -11,6 +11,6 @@ if TYPE_CHECKING:
 class DDPConflictError(RuntimeError):
     """DDP settings that torch's reducer cannot train this model with, found before any optimizer step."""
 
-    def __init__(self, message: str, findings: list["Finding"]) -> None:
+    def __init__(self, message: str, findings: list[Finding]) -> None:
         super().__init__(message)
         self.findings = findings

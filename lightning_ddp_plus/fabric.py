@@ -21,10 +21,10 @@ first backward is synced, as torch requires).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
-from typing import Any, Callable, Literal, Optional, TypeVar, Union
+from typing import Any, Literal, TypeVar
 
 import torch
 from lightning.fabric.accelerators import Accelerator
@@ -81,25 +81,25 @@ class DDPPlusFabricStrategy(DDPStrategy):
 
     def __init__(
         self,
-        accelerator: Optional[Accelerator] = None,
-        parallel_devices: Optional[list[torch.device]] = None,
-        cluster_environment: Optional[ClusterEnvironment] = None,
-        checkpoint_io: Optional[CheckpointIO] = None,
-        precision: Optional[Precision] = None,
-        process_group_backend: Optional[str] = None,
-        timeout: Optional[TimeoutLike] = DEFAULT_TIMEOUT,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: TimeoutLike | None = DEFAULT_TIMEOUT,
         find_unused_parameters: bool = False,
         bucket_cap_mb: float = 25,
-        broadcast_buffers: Union[bool, Literal["auto"]] = True,
+        broadcast_buffers: bool | Literal["auto"] = True,
         static_graph: bool = False,
         gradient_as_bucket_view: bool = False,
-        ddp_comm_hook: Union[str, Callable, None] = None,
-        ddp_comm_state: Optional[object] = None,
-        ddp_comm_wrapper: Optional[Callable] = None,
-        gradient_accumulation_steps: Optional[int] = None,
+        ddp_comm_hook: str | Callable | None = None,
+        ddp_comm_state: object | None = None,
+        ddp_comm_wrapper: Callable | None = None,
+        gradient_accumulation_steps: int | None = None,
         short_window: ShortWindow = "mean",
         checkpointing_conflict: ConflictMode = "error",
-        verify_replicas_every_n_steps: Optional[int] = None,
+        verify_replicas_every_n_steps: int | None = None,
         telemetry: bool = False,
         start_method: StartMethod = "popen",
         **kwargs: Any,
@@ -136,9 +136,9 @@ class DDPPlusFabricStrategy(DDPStrategy):
         self.engine = DDPPlusEngine(options, warn=rank_zero_warn, info=rank_zero_info)
         self.engine.before_training_forward = self._window_before_forward
         self._backward_sync_control = _SyncControl(self.engine)
-        self._ddp: Optional[DistributedDataParallel] = None
-        self._position: Optional[WindowPosition] = None
-        self._last_position: Optional[WindowPosition] = None
+        self._ddp: DistributedDataParallel | None = None
+        self._position: WindowPosition | None = None
+        self._last_position: WindowPosition | None = None
         self._next_is_last = False
         self._turned_sync_off = False
 
@@ -173,7 +173,7 @@ class DDPPlusFabricStrategy(DDPStrategy):
         return self.engine.hooks.counter
 
     @property
-    def telemetry(self) -> Optional[SyncTelemetry]:
+    def telemetry(self) -> SyncTelemetry | None:
         return self.engine.telemetry
 
     @property
@@ -213,7 +213,11 @@ class DDPPlusFabricStrategy(DDPStrategy):
         with torch.cuda.stream(torch.cuda.Stream()) if device_ids is not None else nullcontext():
             self._ddp = self.engine.wrap(module, device_ids)
         self._position = self._last_position = None
-        rank_zero_info(self.engine.describe(self._process_group_backend or "auto", self.world_size, self.options.start_method, None))
+        rank_zero_info(
+            self.engine.describe(
+                self._process_group_backend or "auto", self.world_size, self.options.start_method, None
+            )
+        )
         return self._ddp
 
     @override
@@ -251,7 +255,7 @@ class DDPPlusFabricStrategy(DDPStrategy):
             self._turned_sync_off = True
 
     @override
-    def backward(self, tensor: Tensor, module: Optional[Module], *args: Any, **kwargs: Any) -> None:
+    def backward(self, tensor: Tensor, module: Module | None, *args: Any, **kwargs: Any) -> None:
         ddp = self._ddp
         if ddp is None:
             return super().backward(tensor, module, *args, **kwargs)

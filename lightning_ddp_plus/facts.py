@@ -25,13 +25,14 @@ import weakref
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
+from typing_extensions import Self
 
 REENTRANT = "reentrant"
 NON_REENTRANT = "non_reentrant"
@@ -59,7 +60,7 @@ class ModelFacts:
     checkpoint_sources: tuple[str, ...] = ()
     reentrant_parameters: tuple[str, ...] = ()
     reused_in_checkpoint: tuple[str, ...] = ()
-    unused_parameters: Optional[tuple[str, ...]] = None
+    unused_parameters: tuple[str, ...] | None = None
     no_grad_region_parameters: tuple[str, ...] = ()
     mutable_buffers: tuple[str, ...] = ()
 
@@ -91,10 +92,12 @@ def static_facts(module: nn.Module) -> ModelFacts:
         if kind is not None:
             kinds.add(kind)
             sources.append(f"{name or type(sub).__name__}: gradient_checkpointing flag ({kind}, from attributes)")
-    return ModelFacts(checkpointing=frozenset(kinds), checkpoint_sources=tuple(sources), mutable_buffers=running_stat_buffers(module))
+    return ModelFacts(
+        checkpointing=frozenset(kinds), checkpoint_sources=tuple(sources), mutable_buffers=running_stat_buffers(module)
+    )
 
 
-def _flagged_checkpointing_kind(module: nn.Module) -> Optional[str]:
+def _flagged_checkpointing_kind(module: nn.Module) -> str | None:
     impl = getattr(module, "checkpoint_impl", None)
     if type(module).__name__ == "CheckpointWrapper" and impl is not None:
         return NON_REENTRANT if "NO_REENTRANT" in getattr(impl, "name", str(impl)).upper() else REENTRANT
@@ -120,12 +123,12 @@ def running_stat_buffers(module: nn.Module) -> tuple[str, ...]:
 class _Region:
     """One call of reentrant ``torch.utils.checkpoint``."""
 
-    parent: Optional[int]
+    parent: int | None
     grad_enabled: bool
     inputs_require_grad: bool
     parameters: set[int] = field(default_factory=set)
     node: Any = None  # the region's backward node (its output's grad_fn), when the output requires grad
-    repaired_input: Optional[str] = None  # module whose output fed the repaired input ("" when none is known)
+    repaired_input: str | None = None  # module whose output fed the repaired input ("" when none is known)
 
 
 @dataclass(frozen=True)
@@ -136,7 +139,7 @@ class InputGradRepair:
     when the input was not a module's output.
     """
 
-    producer: Optional[str]
+    producer: str | None
     parameters: tuple[str, ...]
 
 
@@ -147,7 +150,7 @@ class _ParameterUses(TorchFunctionMode):
         super().__init__()
         self.probe = probe
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         # Reading an attribute (`.dtype`, `.shape`, `.data`) or detaching is not a use that carries a gradient.
         if getattr(func, "__name__", "") not in ("__get__", "detach", "detach_") and self.probe._stack:
@@ -187,18 +190,18 @@ class ForwardProbe:
         self._regions: list[_Region] = []
         self._stack: list[int] = []
         self._kinds: set[str] = set()
-        self._buffers_before: Optional[dict[str, Tensor]] = None
+        self._buffers_before: dict[str, Tensor] | None = None
         self._outputs: dict[int, tuple[weakref.ref, str]] = {}
         self._handles: list = []
         self._restore: list = []
         self._mode = _ParameterUses(self)
         self.active = False
 
-    def __enter__(self) -> ForwardProbe:
+    def __enter__(self) -> Self:
         self.start()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
     def start(self) -> None:
@@ -250,9 +253,13 @@ class ForwardProbe:
 
         own_apply = function_class.__dict__.get("apply")
         function_class.apply = apply
-        self._restore.append(lambda: setattr(function_class, "apply", own_apply) if own_apply else delattr(function_class, "apply"))
+        self._restore.append(
+            lambda: setattr(function_class, "apply", own_apply) if own_apply else delattr(function_class, "apply")
+        )
         torch_checkpoint._checkpoint_without_reentrant_generator = non_reentrant_generator
-        self._restore.append(lambda: setattr(torch_checkpoint, "_checkpoint_without_reentrant_generator", original_generator))
+        self._restore.append(
+            lambda: setattr(torch_checkpoint, "_checkpoint_without_reentrant_generator", original_generator)
+        )
 
     def _open_region(self, args: tuple) -> tuple[tuple, _Region]:
         self._kinds.add(REENTRANT)
@@ -278,7 +285,7 @@ class ForwardProbe:
 
         return hook
 
-    def _producer_of(self, tensor: Tensor) -> Optional[str]:
+    def _producer_of(self, tensor: Tensor) -> str | None:
         entry = self._outputs.get(id(tensor))
         return entry[1] if entry is not None and entry[0]() is tensor else None
 
@@ -309,7 +316,9 @@ class ForwardProbe:
             if is_reached:
                 for pid in region.parameters:
                     contexts[pid].add(index)
-        in_reached_regions = {pid for index, region in enumerate(self._regions) if reached[index] for pid in region.parameters}
+        in_reached_regions = {
+            pid for index, region in enumerate(self._regions) if reached[index] for pid in region.parameters
+        }
         # Reported whether or not the probe repaired them: the repair lasts one forward, the rule says what must last.
         no_grad_regions = {
             pid
@@ -331,7 +340,9 @@ class ForwardProbe:
 
     def _changed_buffers(self) -> tuple[str, ...]:
         before = self._buffers_before or {}
-        changed = {name for name, b in self.module.named_buffers() if name in before and not torch.equal(b, before[name])}
+        changed = {
+            name for name, b in self.module.named_buffers() if name in before and not torch.equal(b, before[name])
+        }
         return tuple(sorted(changed | set(running_stat_buffers(self.module))))
 
 

@@ -18,7 +18,8 @@ import os
 import signal
 import threading
 import time
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 from lightning.fabric.utilities.distributed import _destroy_dist_connection
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
@@ -32,12 +33,12 @@ BeforeLaunch = Callable[[Any], None]
 class KillChildrenOnFailureLauncher(_SubprocessScriptLauncher):
     """Lightning's popen launcher, plus: if rank 0 fails, its child ranks are killed before the error propagates."""
 
-    def __init__(self, *args: Any, before_launch: Optional[BeforeLaunch] = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, before_launch: BeforeLaunch | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.before_launch = before_launch
 
     @override
-    def launch(self, function: Callable, *args: Any, trainer: Optional[Any] = None, **kwargs: Any) -> Any:
+    def launch(self, function: Callable, *args: Any, trainer: Any | None = None, **kwargs: Any) -> Any:
         if trainer is not None and self.before_launch is not None:
             self.before_launch(trainer)
         if not self.cluster_environment.creates_processes_externally:
@@ -53,12 +54,12 @@ class ResultsReturningLauncher(_MultiProcessingLauncher):
     """Lightning's spawn/fork launcher, plus ``before_launch`` and the strategy's results (findings, counts,
     resolved settings) carried from rank 0's worker back to the strategy object in the launching process."""
 
-    def __init__(self, *args: Any, before_launch: Optional[BeforeLaunch] = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, before_launch: BeforeLaunch | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.before_launch = before_launch
 
     @override
-    def launch(self, function: Callable, *args: Any, trainer: Optional[Any] = None, **kwargs: Any) -> Any:
+    def launch(self, function: Callable, *args: Any, trainer: Any | None = None, **kwargs: Any) -> Any:
         if trainer is not None and self.before_launch is not None:
             self.before_launch(trainer)
         return super().launch(function, *args, trainer=trainer, **kwargs)
@@ -76,7 +77,7 @@ class ResultsReturningLauncher(_MultiProcessingLauncher):
             trainer.strategy.engine.apply_results(extra["ddp_plus"])
 
 
-def watch_parent(poll_seconds: float = 1.0) -> Optional[threading.Thread]:
+def watch_parent(poll_seconds: float = 1.0) -> threading.Thread | None:
     """In a child rank started by ``KillChildrenOnFailureLauncher``: exit as soon as the launching process is gone."""
     expected = os.environ.get(PARENT_PID_VARIABLE)
     if expected is None or int(expected) != os.getppid() or int(expected) == os.getpid():

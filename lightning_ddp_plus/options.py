@@ -6,9 +6,10 @@ value gets the same message from both, before any process is started.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Literal, Optional, Union, get_args
+from typing import Any, Literal, get_args
 
 from lightning_ddp_plus._messages import describe_bad_value
 from lightning_ddp_plus.accumulation import SHORT_WINDOW_MODES, ShortWindow, check_accumulation_steps
@@ -23,11 +24,15 @@ CONFLICT_MODES: tuple[str, ...] = get_args(ConflictMode)
 START_METHODS: tuple[str, ...] = get_args(StartMethod)
 
 
-def _positive_int_or_none(argument: str, value: Any, example: str) -> Optional[int]:
+def _positive_int_or_none(argument: str, value: Any, example: str) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(describe_bad_value(argument, value, "expected a positive integer or None.", f"set e.g. `{argument}={example}`."))
+        raise ValueError(
+            describe_bad_value(
+                argument, value, "expected a positive integer or None.", f"set e.g. `{argument}={example}`."
+            )
+        )
     return value
 
 
@@ -46,37 +51,37 @@ class DDPPlusOptions:
     """
 
     settings: DDPSettings
-    backend: Optional[str]
+    backend: str | None
     timeout: timedelta
-    comm_hook: Union[CommHook, HookFunction, None]
-    comm_state: Optional[object]
-    comm_wrapper: Optional[Callable]
-    model_averaging_period: Optional[int]
-    gradient_accumulation_steps: Optional[int]
+    comm_hook: CommHook | HookFunction | None
+    comm_state: object | None
+    comm_wrapper: Callable | None
+    model_averaging_period: int | None
+    gradient_accumulation_steps: int | None
     short_window: ShortWindow
     checkpointing_conflict: ConflictMode
-    verify_replicas_every_n_steps: Optional[int]
+    verify_replicas_every_n_steps: int | None
     telemetry: bool
     start_method: StartMethod
 
     @classmethod
     def create(
         cls,
-        process_group_backend: Optional[str] = None,
-        timeout: Optional[TimeoutLike] = None,
+        process_group_backend: str | None = None,
+        timeout: TimeoutLike | None = None,
         find_unused_parameters: bool = False,
         bucket_cap_mb: float = 25,
-        broadcast_buffers: Union[bool, Literal["auto"]] = True,
+        broadcast_buffers: bool | Literal["auto"] = True,
         static_graph: bool = False,
         gradient_as_bucket_view: bool = False,
-        ddp_comm_hook: Union[str, Callable, None] = None,
-        ddp_comm_state: Optional[object] = None,
-        ddp_comm_wrapper: Optional[Callable] = None,
-        model_averaging_period: Optional[int] = None,
-        gradient_accumulation_steps: Optional[int] = None,
+        ddp_comm_hook: str | Callable | None = None,
+        ddp_comm_state: object | None = None,
+        ddp_comm_wrapper: Callable | None = None,
+        model_averaging_period: int | None = None,
+        gradient_accumulation_steps: int | None = None,
         short_window: ShortWindow = "mean",
         checkpointing_conflict: ConflictMode = "error",
-        verify_replicas_every_n_steps: Optional[int] = None,
+        verify_replicas_every_n_steps: int | None = None,
         telemetry: bool = False,
         start_method: StartMethod = "popen",
         **ddp_kwargs: Any,
@@ -93,12 +98,26 @@ class DDPPlusOptions:
         comm_hook = parse_comm_hook(ddp_comm_hook)
         if ddp_comm_wrapper is not None and comm_hook is None:
             raise ValueError(
-                describe_bad_value("ddp_comm_wrapper", ddp_comm_wrapper, "a wrapper needs a hook to wrap, and `ddp_comm_hook` is None.", "set `ddp_comm_hook` too, or remove the wrapper.")
+                describe_bad_value(
+                    "ddp_comm_wrapper",
+                    ddp_comm_wrapper,
+                    "a wrapper needs a hook to wrap, and `ddp_comm_hook` is None.",
+                    "set `ddp_comm_hook` too, or remove the wrapper.",
+                )
             )
         if ddp_comm_wrapper is not None and not callable(ddp_comm_wrapper):
-            raise TypeError(describe_bad_value("ddp_comm_wrapper", ddp_comm_wrapper, "expected a callable that wraps a hook.", "pass e.g. torch's `fp16_compress_wrapper`."))
+            raise TypeError(
+                describe_bad_value(
+                    "ddp_comm_wrapper",
+                    ddp_comm_wrapper,
+                    "expected a callable that wraps a hook.",
+                    "pass e.g. torch's `fp16_compress_wrapper`.",
+                )
+            )
         if not isinstance(telemetry, bool):
-            raise TypeError(describe_bad_value("telemetry", telemetry, "expected True or False.", "write `telemetry=True`."))
+            raise TypeError(
+                describe_bad_value("telemetry", telemetry, "expected True or False.", "write `telemetry=True`.")
+            )
         return cls(
             settings=settings,
             backend=normalize_backend(process_group_backend),
@@ -109,10 +128,25 @@ class DDPPlusOptions:
             model_averaging_period=_positive_int_or_none("model_averaging_period", model_averaging_period, "4"),
             gradient_accumulation_steps=check_accumulation_steps(gradient_accumulation_steps),
             short_window=_one_of(
-                "short_window", short_window, SHORT_WINDOW_MODES, "use 'mean' (average over the micro-batches the window had) or 'lightning' (divide by k)."
+                "short_window",
+                short_window,
+                SHORT_WINDOW_MODES,
+                "use 'mean' (average over the micro-batches the window had) or 'lightning' (divide by k).",
             ),
-            checkpointing_conflict=_one_of("checkpointing_conflict", checkpointing_conflict, CONFLICT_MODES, "use 'error' (default), 'warn', 'resolve' or 'off'."),
-            verify_replicas_every_n_steps=_positive_int_or_none("verify_replicas_every_n_steps", verify_replicas_every_n_steps, "100"),
+            checkpointing_conflict=_one_of(
+                "checkpointing_conflict",
+                checkpointing_conflict,
+                CONFLICT_MODES,
+                "use 'error' (default), 'warn', 'resolve' or 'off'.",
+            ),
+            verify_replicas_every_n_steps=_positive_int_or_none(
+                "verify_replicas_every_n_steps", verify_replicas_every_n_steps, "100"
+            ),
             telemetry=telemetry,
-            start_method=_one_of("start_method", start_method, START_METHODS, "use 'popen' for scripts and CLIs, 'spawn' inside notebooks or tests."),
+            start_method=_one_of(
+                "start_method",
+                start_method,
+                START_METHODS,
+                "use 'popen' for scripts and CLIs, 'spawn' inside notebooks or tests.",
+            ),
         )

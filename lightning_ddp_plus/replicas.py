@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -43,7 +43,7 @@ def fingerprints(tensors: Iterable[Tensor]) -> Tensor:
     return torch.stack([fingerprint(t) for t in tensors])
 
 
-def first_mismatch(gathered: Tensor, names: list[str]) -> Optional[tuple[str, list[int]]]:
+def first_mismatch(gathered: Tensor, names: list[str]) -> tuple[str, list[int]] | None:
     """The first tensor whose fingerprint differs between ranks, and the ranks that differ from rank 0.
 
     ``gathered`` has shape (world_size, tensors, 2).
@@ -86,13 +86,13 @@ class ReplicaGuard:
     """Schedules the checks: after every N-th optimizer step, at the start of the next training forward (parameters
     as the step left them, buffers just broadcast), or at the end of training (parameters only)."""
 
-    def __init__(self, every_n_steps: Optional[int]) -> None:
+    def __init__(self, every_n_steps: int | None) -> None:
         self.every_n_steps = every_n_steps
         #: Seconds each check took on this rank.
         self.check_seconds: list[float] = []
-        self._module: Optional[Module] = None
+        self._module: Module | None = None
         self._with_buffers = False
-        self._due_step: Optional[int] = None
+        self._due_step: int | None = None
         self._handle: Any = None
 
     def attach(self, ddp: Module, module: Module, with_buffers: bool) -> None:

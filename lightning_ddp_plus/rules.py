@@ -8,8 +8,9 @@ processes, on hand-made and on Hugging Face / PEFT models, so that a rule that s
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Callable, Literal, Optional
+from typing import Literal
 
 from lightning_ddp_plus.facts import ModelFacts
 
@@ -41,7 +42,7 @@ class Rule:
     applies: Callable[[DDPView, ModelFacts], bool]
     problem: Callable[[DDPView, ModelFacts], str]
     fix: str
-    resolve: Optional[Callable[[DDPView, ModelFacts], dict[str, object]]] = None
+    resolve: Callable[[DDPView, ModelFacts], dict[str, object]] | None = None
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,7 @@ class Finding:
         return f"[{self.rule.id}] {self.rule.title}: {self.message} Fix: {self.rule.fix}"
 
 
-def _names(names: Optional[tuple[str, ...]], limit: int = 8) -> str:
+def _names(names: tuple[str, ...] | None, limit: int = 8) -> str:
     names = names or ()
     shown = ", ".join(names[:limit])
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
@@ -70,7 +71,9 @@ RULES: tuple[Rule, ...] = (
         id="R1",
         level="error",
         title="reentrant checkpointing with find_unused_parameters=True",
-        applies=lambda v, f: f.observed and bool(f.reentrant_parameters) and v.find_unused_parameters and not v.static_graph,
+        applies=lambda v, f: (
+            f.observed and bool(f.reentrant_parameters) and v.find_unused_parameters and not v.static_graph
+        ),
         problem=lambda v, f: (
             f"trainable parameters get their gradient inside reentrant checkpointing ({_names(f.reentrant_parameters)}) "
             "and find_unused_parameters=True with static_graph=False: DDP's search after the forward cannot see them, "
@@ -108,7 +111,9 @@ RULES: tuple[Rule, ...] = (
         id="R4",
         level="error",
         title="parameters that get no gradient",
-        applies=lambda v, f: f.observed and bool(f.unused_parameters) and not v.find_unused_parameters and not v.static_graph,
+        applies=lambda v, f: (
+            f.observed and bool(f.unused_parameters) and not v.find_unused_parameters and not v.static_graph
+        ),
         problem=lambda v, f: (
             f"these parameters receive no gradient: {_names(f.unused_parameters)}; with find_unused_parameters=False "
             "and static_graph=False torch's first optimizer step would use unreduced local gradients (replicas silently "
@@ -145,7 +150,9 @@ RULES: tuple[Rule, ...] = (
             and not f.reentrant_parameters
             and not f.no_grad_region_parameters
         ),
-        problem=lambda v, f: "every parameter gets a gradient, yet DDP searches the autograd graph after every forward.",
+        problem=lambda v, f: (
+            "every parameter gets a gradient, yet DDP searches the autograd graph after every forward."
+        ),
         fix="set find_unused_parameters=False to skip that search.",
     ),
     Rule(
@@ -153,7 +160,9 @@ RULES: tuple[Rule, ...] = (
         level="advice",
         title="broadcast_buffers=False with running statistics",
         applies=lambda v, f: not v.broadcast_buffers and bool(f.mutable_buffers),
-        problem=lambda v, f: f"buffers that training changes ({_names(f.mutable_buffers)}) will differ across ranks, silently.",
+        problem=lambda v, f: (
+            f"buffers that training changes ({_names(f.mutable_buffers)}) will differ across ranks, silently."
+        ),
         fix="set broadcast_buffers=True, or convert BatchNorm to SyncBatchNorm (Trainer(sync_batchnorm=True)).",
     ),
     Rule(
@@ -214,7 +223,7 @@ _TORCH_ERROR_PATTERNS = (
 )
 
 
-def rule_for_torch_error(message: str) -> Optional[Rule]:
+def rule_for_torch_error(message: str) -> Rule | None:
     """The rule a torch reducer error message corresponds to (R1 stands for R1/R2: torch says the same for both).
 
     >>> rule_for_torch_error("Expected to have finished reduction in the prior iteration before starting a new one").id

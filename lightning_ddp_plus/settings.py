@@ -6,7 +6,7 @@ import dataclasses
 import inspect
 import math
 from dataclasses import dataclass, field
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 from torch.nn.parallel import DistributedDataParallel
 
@@ -21,22 +21,46 @@ _MANAGED_BY_STRATEGY = {
     "forward_sync_buffers": "use the `broadcast_buffers` argument, which maps onto it",
     "check_reduction": "it is deprecated in torch and has no effect",
 }
-_EXPLICIT_KNOBS = ("find_unused_parameters", "bucket_cap_mb", "broadcast_buffers", "static_graph", "gradient_as_bucket_view")
+_EXPLICIT_KNOBS = (
+    "find_unused_parameters",
+    "bucket_cap_mb",
+    "broadcast_buffers",
+    "static_graph",
+    "gradient_as_bucket_view",
+)
 _DDP_PARAMETERS = tuple(inspect.signature(DistributedDataParallel.__init__).parameters)[1:]
 
 
 def require_bool(argument: str, value: Any) -> bool:
     """Reject truthy stand-ins ("false", 0) that would silently mean something else."""
     if not isinstance(value, bool):
-        raise TypeError(describe_bad_value(argument, value, f"expected True or False, got {type(value).__name__}.", f"write `{argument}=True` or `{argument}=False`."))
+        raise TypeError(
+            describe_bad_value(
+                argument,
+                value,
+                f"expected True or False, got {type(value).__name__}.",
+                f"write `{argument}=True` or `{argument}=False`.",
+            )
+        )
     return value
 
 
 def require_positive_number(argument: str, value: Any, example: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(describe_bad_value(argument, value, f"expected a positive number, got {type(value).__name__}.", f"write e.g. `{argument}={example}`."))
+        raise TypeError(
+            describe_bad_value(
+                argument,
+                value,
+                f"expected a positive number, got {type(value).__name__}.",
+                f"write e.g. `{argument}={example}`.",
+            )
+        )
     if not math.isfinite(value) or value <= 0:
-        raise ValueError(describe_bad_value(argument, value, "it must be a finite number greater than zero.", f"write e.g. `{argument}={example}`."))
+        raise ValueError(
+            describe_bad_value(
+                argument, value, "it must be a finite number greater than zero.", f"write e.g. `{argument}={example}`."
+            )
+        )
     return value
 
 
@@ -65,7 +89,7 @@ class DDPSettings:
 
     find_unused_parameters: bool = False
     bucket_cap_mb: float = 25
-    broadcast_buffers: Union[bool, Literal["auto"]] = True
+    broadcast_buffers: bool | Literal["auto"] = True
     static_graph: bool = False
     gradient_as_bucket_view: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
@@ -82,16 +106,27 @@ class DDPSettings:
     @staticmethod
     def _check_extra_argument(name: str) -> None:
         if name in _MANAGED_BY_STRATEGY:
-            raise ValueError(describe_bad_value(name, "...", f"this DistributedDataParallel argument cannot be passed to DDPPlusStrategy: {_MANAGED_BY_STRATEGY[name]}.", "remove it."))
+            raise ValueError(
+                describe_bad_value(
+                    name,
+                    "...",
+                    f"this DistributedDataParallel argument cannot be passed to DDPPlusStrategy: {_MANAGED_BY_STRATEGY[name]}.",
+                    "remove it.",
+                )
+            )
         if name not in _DDP_PARAMETERS:
             suggestion = closest_name(name, _EXPLICIT_KNOBS + _DDP_PARAMETERS)
             raise TypeError(
                 f"DDPPlusStrategy got an unexpected keyword argument `{name}`: it is neither a strategy argument nor an "
                 f"argument of torch's DistributedDataParallel. Fix: "
-                + (f"did you mean `{suggestion}`?" if suggestion else "check the spelling against the strategy's documented arguments.")
+                + (
+                    f"did you mean `{suggestion}`?"
+                    if suggestion
+                    else "check the spelling against the strategy's documented arguments."
+                )
             )
 
-    def resolve_auto(self, has_changing_buffers: bool) -> "DDPSettings":
+    def resolve_auto(self, has_changing_buffers: bool) -> DDPSettings:
         """``broadcast_buffers="auto"`` decided for a model: on when training changes some of its buffers.
 
         >>> DDPSettings(broadcast_buffers="auto").resolve_auto(has_changing_buffers=False).broadcast_buffers
@@ -110,7 +145,9 @@ class DDPSettings:
         ``broadcast_buffers=False``.
         """
         if self.broadcast_buffers == "auto":
-            raise RuntimeError("broadcast_buffers='auto' must be resolved for the model (DDPSettings.resolve_auto) first.")
+            raise RuntimeError(
+                "broadcast_buffers='auto' must be resolved for the model (DDPSettings.resolve_auto) first."
+            )
         return {
             "find_unused_parameters": self.find_unused_parameters,
             "bucket_cap_mb": self.bucket_cap_mb,

@@ -13,11 +13,12 @@ communication hooks registered on the wrapper before that are registered again o
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
-from typing import Any, Callable, Literal, Optional, Union
+from typing import Any, Literal
 
+import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.strategies import _StrategyRegistry
@@ -30,12 +31,16 @@ from torch.nn.parallel.distributed import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-import lightning.pytorch as pl
 from lightning_ddp_plus.accumulation import ShortWindow, WindowPosition, scale_gradients, window_position
 from lightning_ddp_plus.backend import resolve_backend_for_device
 from lightning_ddp_plus.comm_hooks import CommHook, HookCallCounter, HookFunction
 from lightning_ddp_plus.engine import DDPPlusEngine
-from lightning_ddp_plus.launcher import KillChildrenOnFailureLauncher, ResultsReturningLauncher, register_process_group_shutdown, watch_parent
+from lightning_ddp_plus.launcher import (
+    KillChildrenOnFailureLauncher,
+    ResultsReturningLauncher,
+    register_process_group_shutdown,
+    watch_parent,
+)
 from lightning_ddp_plus.options import ConflictMode, DDPPlusOptions, StartMethod
 from lightning_ddp_plus.rules import Finding
 from lightning_ddp_plus.settings import DDPSettings
@@ -112,26 +117,26 @@ class DDPPlusStrategy(DDPStrategy):
 
     def __init__(
         self,
-        accelerator: Optional["pl.accelerators.Accelerator"] = None,
-        parallel_devices: Optional[list[torch.device]] = None,
-        cluster_environment: Optional[ClusterEnvironment] = None,
-        checkpoint_io: Optional[CheckpointIO] = None,
-        precision_plugin: Optional[Precision] = None,
-        process_group_backend: Optional[str] = None,
-        timeout: Optional[TimeoutLike] = DEFAULT_TIMEOUT,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: TimeoutLike | None = DEFAULT_TIMEOUT,
         find_unused_parameters: bool = False,
         bucket_cap_mb: float = 25,
-        broadcast_buffers: Union[bool, Literal["auto"]] = True,
+        broadcast_buffers: bool | Literal["auto"] = True,
         static_graph: bool = False,
         gradient_as_bucket_view: bool = False,
-        ddp_comm_hook: Union[str, Callable, None] = None,
-        ddp_comm_state: Optional[object] = None,
-        ddp_comm_wrapper: Optional[Callable] = None,
-        model_averaging_period: Optional[int] = None,
-        gradient_accumulation_steps: Optional[int] = None,
+        ddp_comm_hook: str | Callable | None = None,
+        ddp_comm_state: object | None = None,
+        ddp_comm_wrapper: Callable | None = None,
+        model_averaging_period: int | None = None,
+        gradient_accumulation_steps: int | None = None,
         short_window: ShortWindow = "mean",
         checkpointing_conflict: ConflictMode = "error",
-        verify_replicas_every_n_steps: Optional[int] = None,
+        verify_replicas_every_n_steps: int | None = None,
         telemetry: bool = False,
         start_method: StartMethod = "popen",
         **kwargs: Any,
@@ -191,7 +196,7 @@ class DDPPlusStrategy(DDPStrategy):
         return self.options.timeout
 
     @property
-    def comm_hook(self) -> Union[CommHook, HookFunction, None]:
+    def comm_hook(self) -> CommHook | HookFunction | None:
         return self.options.comm_hook
 
     @property
@@ -219,7 +224,7 @@ class DDPPlusStrategy(DDPStrategy):
         return self.engine.hooks.counter
 
     @property
-    def telemetry(self) -> Optional[SyncTelemetry]:
+    def telemetry(self) -> SyncTelemetry | None:
         """Per-step communication figures when ``telemetry=True``, else ``None``."""
         return self.engine.telemetry
 
@@ -246,9 +251,11 @@ class DDPPlusStrategy(DDPStrategy):
                 self.cluster_environment, self.num_processes, self.num_nodes, before_launch=self._settle_with_trainer
             )
         else:
-            self._launcher = ResultsReturningLauncher(self, start_method=self._start_method, before_launch=self._settle_with_trainer)
+            self._launcher = ResultsReturningLauncher(
+                self, start_method=self._start_method, before_launch=self._settle_with_trainer
+            )
 
-    def _settle_with_trainer(self, trainer: "pl.Trainer") -> None:
+    def _settle_with_trainer(self, trainer: pl.Trainer) -> None:
         """The launcher's ``launch`` calls this in every process before anything starts: k is settled once with the
         Trainer's ``accumulate_grad_batches``, which then says what Lightning's loop must do (k in automatic
         optimization, where the loop accumulates; 1 in manual, where Lightning refuses it and the engine accumulates)."""
@@ -270,7 +277,7 @@ class DDPPlusStrategy(DDPStrategy):
     # ------------------------------------------------------------------ the wrapper
 
     @override
-    def setup(self, trainer: "pl.Trainer") -> None:
+    def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
         if self.telemetry is not None and not any(isinstance(c, DDPTelemetry) for c in trainer.callbacks):
             trainer.callbacks.append(DDPTelemetry())
@@ -313,7 +320,12 @@ class DDPPlusStrategy(DDPStrategy):
         assert self.lightning_module is not None
         trainer = self.lightning_module.trainer
         progress = trainer.fit_loop.epoch_loop.batch_progress
-        return window_position(max(1, progress.current.ready), self.gradient_accumulation_steps, trainer.num_training_batches, progress.is_last_batch)
+        return window_position(
+            max(1, progress.current.ready),
+            self.gradient_accumulation_steps,
+            trainer.num_training_batches,
+            progress.is_last_batch,
+        )
 
     @property
     def sync_gradients(self) -> bool:
@@ -333,7 +345,7 @@ class DDPPlusStrategy(DDPStrategy):
             yield None
 
     @override
-    def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         ddp = self.model
         if not isinstance(ddp, DistributedDataParallel):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
@@ -366,7 +378,13 @@ class DDPPlusStrategy(DDPStrategy):
             super().post_backward(closure_loss)
 
     @override
-    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Optional[Union["pl.LightningModule", Module]] = None, **kwargs: Any) -> Any:
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: pl.LightningModule | Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
         lightning_module = self.lightning_module
         if lightning_module is not None and self.gradient_accumulation_steps > 1:
             if not lightning_module.automatic_optimization and not self.sync_gradients:
@@ -394,7 +412,7 @@ class DDPPlusStrategy(DDPStrategy):
 
         return closure_then_rescale
 
-    def _log_sync_stats(self, trainer: "pl.Trainer") -> None:
+    def _log_sync_stats(self, trainer: pl.Trainer) -> None:
         for logger in trainer.loggers:
             logger.log_metrics(self.sync_stats.as_metrics(), step=trainer.global_step)
 
@@ -424,7 +442,7 @@ class DDPPlusStrategy(DDPStrategy):
             )
 
 
-def _remove_leftover_forward_redirection(module: Optional[Module]) -> None:
+def _remove_leftover_forward_redirection(module: Module | None) -> None:
     """Undo the ``forward`` patch Lightning's forward redirection leaves behind when DDP's forward raises before the
     redirected step runs (e.g. torch's "Expected to have finished reduction" in ``_pre_forward``).
 

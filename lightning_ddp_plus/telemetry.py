@@ -10,9 +10,10 @@ torch records an iteration's timings when the next one starts, so a step reports
 
 from __future__ import annotations
 
+import math
 import weakref
 from dataclasses import asdict, dataclass
-from typing import Any, Optional
+from typing import Any
 
 import lightning.pytorch as pl
 from torch.nn.parallel import DistributedDataParallel
@@ -44,7 +45,11 @@ class StepTelemetry:
     timed_iteration: int = -1
 
     def as_metrics(self, prefix: str = "ddp/") -> dict[str, float]:
-        return {f"{prefix}{name}": float(value) for name, value in asdict(self).items() if name != "step" and value == value}
+        return {
+            f"{prefix}{name}": float(value)
+            for name, value in asdict(self).items()
+            if name != "step" and not math.isnan(value)
+        }
 
 
 _SUMMED = ("buckets", "bytes_sent", "synced_backwards", "skipped_backwards")
@@ -61,7 +66,7 @@ def bucket_layout(logging_data: dict[str, Any]) -> list[int]:
     return [int(size) for size in str(text).split(",") if size.strip()]
 
 
-def compressed_bytes(hook: Any, handed_bytes: int, element_size: int, compressed_elements: Optional[int]) -> int:
+def compressed_bytes(hook: Any, handed_bytes: int, element_size: int, compressed_elements: int | None) -> int:
     """Bytes the hook really sends for buckets holding ``handed_bytes`` of gradients.
 
     ``compressed_elements``: PowerSGD's own count of elements sent for these buckets (``None``/0 during its warm-up,
@@ -89,11 +94,11 @@ class SyncTelemetry:
     def __init__(self, sample_rate: int = 1) -> None:
         self.sample_rate = sample_rate
         self.current = StepTelemetry()
-        self.last: Optional[StepTelemetry] = None
+        self.last: StepTelemetry | None = None
         self.totals = StepTelemetry()
-        self._ddp: Optional[weakref.ref] = None
-        self._hooks: Optional[HookAssembly] = None
-        self._layout: Optional[list[int]] = None
+        self._ddp: weakref.ref | None = None
+        self._hooks: HookAssembly | None = None
+        self._layout: list[int] | None = None
         self._calls = self._handed = self._compressed = 0
         self._timed_iteration = 0
 
@@ -158,8 +163,10 @@ class DDPTelemetry(pl.Callback):
     def __init__(self) -> None:
         self._logged_step = -1
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
-        telemetry: Optional[SyncTelemetry] = getattr(trainer.strategy, "telemetry", None)
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        telemetry: SyncTelemetry | None = getattr(trainer.strategy, "telemetry", None)
         if telemetry is None or telemetry.last is None or telemetry.last.step == self._logged_step:
             return
         self._logged_step = telemetry.last.step

@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 import re
 from datetime import timedelta
-from typing import Union
 
 from lightning_ddp_plus._messages import describe_bad_value
 
@@ -13,7 +12,7 @@ from lightning_ddp_plus._messages import describe_bad_value
 DEFAULT_TIMEOUT = timedelta(seconds=1800)
 
 #: What ``DDPPlusStrategy(timeout=...)`` accepts. ``int`` is covered by ``float`` for type checkers and jsonargparse.
-TimeoutLike = Union[timedelta, float, str]
+TimeoutLike = timedelta | float | str
 
 _UNIT_SECONDS = {"d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0}
 _UNIT_TERM = re.compile(r"(\d+(?:\.\d+)?)\s*([dhms])", re.IGNORECASE)
@@ -28,7 +27,7 @@ _ALLOWED = (
 )
 
 
-def parse_timeout(value: Union[TimeoutLike, None], argument: str = "timeout") -> timedelta:
+def parse_timeout(value: TimeoutLike | None, argument: str = "timeout") -> timedelta:
     """Turn any accepted timeout form into a positive ``timedelta``; ``None`` means the default of 30 minutes.
 
     An unquoted ``1:00:00`` in a YAML file reaches us as the integer 3600 (YAML 1.1 reads it in base 60), which is
@@ -44,7 +43,11 @@ def parse_timeout(value: Union[TimeoutLike, None], argument: str = "timeout") ->
     if value is None:
         return DEFAULT_TIMEOUT
     if isinstance(value, bool):
-        raise TypeError(describe_bad_value(argument, value, f"a boolean is not a duration; expected {_ALLOWED}", "give a duration such as '30m'."))
+        raise TypeError(
+            describe_bad_value(
+                argument, value, f"a boolean is not a duration; expected {_ALLOWED}", "give a duration such as '30m'."
+            )
+        )
     if isinstance(value, timedelta):
         seconds = value.total_seconds()
     elif isinstance(value, (int, float)):
@@ -52,7 +55,14 @@ def parse_timeout(value: Union[TimeoutLike, None], argument: str = "timeout") ->
     elif isinstance(value, str):
         seconds = _parse_timeout_string(value, argument)
     else:
-        raise TypeError(describe_bad_value(argument, value, f"type {type(value).__name__} is not accepted; expected {_ALLOWED}", "give a duration such as '30m'."))
+        raise TypeError(
+            describe_bad_value(
+                argument,
+                value,
+                f"type {type(value).__name__} is not accepted; expected {_ALLOWED}",
+                "give a duration such as '30m'.",
+            )
+        )
     if not math.isfinite(seconds) or seconds <= 0:
         raise ValueError(
             describe_bad_value(
@@ -76,7 +86,14 @@ def _parse_timeout_string(text: str, argument: str) -> float:
     if clock:
         days, hours, minutes, seconds = clock.groups()
         return int(days or 0) * 86400.0 + int(hours) * 3600.0 + int(minutes) * 60.0 + float(seconds)
-    raise ValueError(describe_bad_value(argument, text, f"the string could not be read as a duration; expected {_ALLOWED}", "write it as e.g. '30m', '1h30m' or '0:30:00'."))
+    raise ValueError(
+        describe_bad_value(
+            argument,
+            text,
+            f"the string could not be read as a duration; expected {_ALLOWED}",
+            "write it as e.g. '30m', '1h30m' or '0:30:00'.",
+        )
+    )
 
 
 def format_timeout(value: timedelta) -> str:

@@ -11,7 +11,7 @@ import inspect
 import weakref
 from collections.abc import Generator
 from contextlib import contextmanager
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -29,7 +29,7 @@ def ddp_kwargs(settings: DDPSettings) -> dict[str, Any]:
     return settings.to_ddp_kwargs(forward_sync_buffers=HAS_FORWARD_SYNC_BUFFERS)
 
 
-def wrap_module(module: Module, settings: DDPSettings, device_ids: Optional[list[int]]) -> DistributedDataParallel:
+def wrap_module(module: Module, settings: DDPSettings, device_ids: list[int] | None) -> DistributedDataParallel:
     """Wrap ``module``; parameters (and buffers, when they are broadcast) start from rank 0's values."""
     with _local_buffers_kept(module, keep=not settings.broadcast_buffers and HAS_FORWARD_SYNC_BUFFERS):
         return DistributedDataParallel(module=module, device_ids=device_ids, **ddp_kwargs(settings))

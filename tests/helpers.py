@@ -9,7 +9,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import lightning as L
 import torch
@@ -20,7 +20,12 @@ from torch.utils.data import DataLoader, TensorDataset
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 #: Trainer arguments that keep test runs free of files and console noise.
-QUIET_TRAINER = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False}
+QUIET_TRAINER = {
+    "logger": False,
+    "enable_checkpointing": False,
+    "enable_progress_bar": False,
+    "enable_model_summary": False,
+}
 
 
 def regression_data(num_samples: int, features: int = 8, seed: int = 0) -> TensorDataset:
@@ -33,7 +38,9 @@ def regression_data(num_samples: int, features: int = 8, seed: int = 0) -> Tenso
 class TinyRegression(L.LightningModule):
     """Linear -> ReLU -> Linear regression trained with plain SGD (so results are easy to reproduce exactly)."""
 
-    def __init__(self, num_samples: int = 64, batch_size: int = 4, lr: float = 0.05, features: int = 8, momentum: float = 0.0) -> None:
+    def __init__(
+        self, num_samples: int = 64, batch_size: int = 4, lr: float = 0.05, features: int = 8, momentum: float = 0.0
+    ) -> None:
         super().__init__()
         self.save_hyperparameters()
         torch.manual_seed(1)
@@ -47,7 +54,9 @@ class TinyRegression(L.LightningModule):
         return nn.functional.mse_loss(self(x), y)
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(regression_data(self.hparams.num_samples, self.hparams.features), batch_size=self.hparams.batch_size)
+        return DataLoader(
+            regression_data(self.hparams.num_samples, self.hparams.features), batch_size=self.hparams.batch_size
+        )
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=self.hparams.momentum)
@@ -57,9 +66,9 @@ class ProcessGroupProbe(L.Callback):
     """Records what the process group really got: its backend and its timeout."""
 
     def __init__(self) -> None:
-        self.backend: Optional[str] = None
-        self.timeout_seconds: Optional[float] = None
-        self.world_size: Optional[int] = None
+        self.backend: str | None = None
+        self.timeout_seconds: float | None = None
+        self.world_size: int | None = None
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.backend = dist.get_backend()
@@ -116,18 +125,35 @@ def free_port() -> int:
 
 # Set in this (pytest) process by earlier in-process Lightning runs; a child that inherits them would believe it is
 # already one rank of a launched job and wait for peers that never come.
-_LAUNCH_VARIABLES = ("LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+_LAUNCH_VARIABLES = (
+    "LOCAL_RANK",
+    "NODE_RANK",
+    "GROUP_RANK",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
 
 
 def clean_environment() -> dict[str, str]:
     return {key: value for key, value in os.environ.items() if key not in _LAUNCH_VARIABLES}
 
 
-def run_job(args: list[str], timeout: float = 180, env: Optional[dict[str, str]] = None, cwd: Optional[Path] = None) -> subprocess.CompletedProcess:
+def run_job(
+    args: list[str], timeout: float = 180, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> subprocess.CompletedProcess:
     """Run a command in its own session; on time-out kill its whole process group (launched ranks included)."""
     full_env = {**clean_environment(), "MASTER_PORT": str(free_port()), "PYTHONPATH": str(REPO_ROOT), **(env or {})}
     process = subprocess.Popen(
-        args, cwd=cwd or REPO_ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        args,
+        cwd=cwd or REPO_ROOT,
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
     )
     try:
         output, _ = process.communicate(timeout=timeout)
@@ -170,7 +196,9 @@ class TinyRegressionManual(TinyRegression):
         return loss
 
 
-def start_ranks(args: list[str], world_size: int = 2, timeout: float = 300, env: Optional[dict[str, str]] = None) -> list[subprocess.CompletedProcess]:
+def start_ranks(
+    args: list[str], world_size: int = 2, timeout: float = 300, env: dict[str, str] | None = None
+) -> list[subprocess.CompletedProcess]:
     """Start ``world_size`` processes of one job ourselves (as torchrun would), so one pair of processes can run
     several ``Trainer.fit`` calls on one process group. Every process is killed at the time limit."""
     port = str(free_port())
@@ -187,7 +215,15 @@ def start_ranks(args: list[str], world_size: int = 2, timeout: float = 300, env:
             **(env or {}),
         }
         processes.append(
-            subprocess.Popen(args, cwd=REPO_ROOT, env=rank_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+            subprocess.Popen(
+                args,
+                cwd=REPO_ROOT,
+                env=rank_env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            )
         )
     results = []
     try:
@@ -255,7 +291,9 @@ def flat_parameters(module: nn.Module) -> Tensor:
     return torch.cat([p.detach().flatten() for p in module.parameters()])
 
 
-def reference_parameters(model: L.LightningModule, k: int = 1, short_window: str = "mean", world_size: int = 2) -> Tensor:
+def reference_parameters(
+    model: L.LightningModule, k: int = 1, short_window: str = "mean", world_size: int = 2
+) -> Tensor:
     """Single-process reference for a 2-rank run of one epoch: the same model sees every rank's micro-batches
     (Lightning gives each rank a shuffling ``DistributedSampler``, seed 0, epoch 0, for training) and steps SGD once
     per window of k micro-batches with the window's mean gradient (or Lightning's sum / k)."""
@@ -276,7 +314,9 @@ def reference_parameters(model: L.LightningModule, k: int = 1, short_window: str
         divisor = len(window) if short_window == "mean" else k
         optimizer.zero_grad()
         total = sum(
-            nn.functional.mse_loss(model(xs[size * b : size * (b + 1)]), ys[size * b : size * (b + 1)]) / divisor / world_size
+            nn.functional.mse_loss(model(xs[size * b : size * (b + 1)]), ys[size * b : size * (b + 1)])
+            / divisor
+            / world_size
             for b in window
             for xs, ys in shards
         )

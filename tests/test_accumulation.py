@@ -1,12 +1,17 @@
 """Accumulation-aware sync: the window rules (pure), the settings check, and real 2-rank runs on gloo."""
 
-
 import lightning as L
 import pytest
 import torch
 
 from lightning_ddp_plus import DDPPlusStrategy
-from lightning_ddp_plus.accumulation import WindowPosition, gradient_rescale, loss_scale, merge_accumulation_settings, window_position
+from lightning_ddp_plus.accumulation import (
+    WindowPosition,
+    gradient_rescale,
+    loss_scale,
+    merge_accumulation_settings,
+    window_position,
+)
 from tests.helpers import TinyRegression, reference_parameters, run_case_job
 
 
@@ -26,7 +31,14 @@ def test_unknown_epoch_length_keeps_full_windows():
 
 @pytest.mark.parametrize(
     ("length", "mode", "automatic", "expected"),
-    [(4, "mean", True, 1.0), (2, "mean", True, 2.0), (2, "lightning", True, 1.0), (4, "mean", False, 0.25), (2, "mean", False, 0.5), (2, "lightning", False, 0.25)],
+    [
+        (4, "mean", True, 1.0),
+        (2, "mean", True, 2.0),
+        (2, "lightning", True, 1.0),
+        (4, "mean", False, 0.25),
+        (2, "mean", False, 0.5),
+        (2, "lightning", False, 0.25),
+    ],
 )
 def test_loss_scale(length, mode, automatic, expected):
     assert loss_scale(WindowPosition(0, length), 4, mode, automatic) == expected
@@ -45,14 +57,27 @@ def test_merge_settings():
 
 def test_mismatch_fails_when_fit_starts_before_anything_is_launched(tmp_path):
     strategy = DDPPlusStrategy(gradient_accumulation_steps=4, start_method="spawn")
-    trainer = L.Trainer(strategy=strategy, accumulate_grad_batches=2, accelerator="cpu", devices=2, default_root_dir=tmp_path, logger=False)
+    trainer = L.Trainer(
+        strategy=strategy,
+        accumulate_grad_batches=2,
+        accelerator="cpu",
+        devices=2,
+        default_root_dir=tmp_path,
+        logger=False,
+    )
     with pytest.raises(ValueError, match=r"gradient_accumulation_steps=4.*accumulate_grad_batches=2"):
         trainer.fit(TinyRegression())
     assert trainer.strategy.launcher.procs == []
 
 
 def test_matching_settings_are_settled_with_the_trainer():
-    trainer = L.Trainer(strategy=DDPPlusStrategy(gradient_accumulation_steps=4), accumulate_grad_batches=4, accelerator="cpu", devices=2, logger=False)
+    trainer = L.Trainer(
+        strategy=DDPPlusStrategy(gradient_accumulation_steps=4),
+        accumulate_grad_batches=4,
+        accelerator="cpu",
+        devices=2,
+        logger=False,
+    )
     trainer.strategy._settle_with_trainer(trainer)
     assert trainer.strategy.gradient_accumulation_steps == 4 and trainer.accumulate_grad_batches == 4
 
@@ -122,7 +147,6 @@ def test_sync_stats_reach_the_trainer_logger(tmp_path, monkeypatch):
     import csv
 
     import torch.distributed as dist
-
     from lightning.pytorch.loggers import CSVLogger
 
     from tests.helpers import TinyRegressionManual, free_port
@@ -143,7 +167,8 @@ def test_sync_stats_reach_the_trainer_logger(tmp_path, monkeypatch):
         trainer.fit(TinyRegressionManual(num_samples=40, batch_size=4))
     finally:
         dist.destroy_process_group()
-    rows = list(csv.DictReader(open(next(tmp_path.rglob("metrics.csv")))))
+    with open(next(tmp_path.rglob("metrics.csv"))) as file:
+        rows = list(csv.DictReader(file))
     last = [row for row in rows if row.get("ddp/optimizer_steps")][-1]
     assert float(last["ddp/optimizer_steps"]) == 4  # windows 3, 3, 3, 1
     assert float(last["ddp/synced_backwards"]) == 4

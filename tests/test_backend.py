@@ -24,7 +24,9 @@ def test_auto(value):
 
 @pytest.mark.parametrize(("typo", "suggestion"), [("ncll", "nccl"), ("glo", "gloo"), ("xcl", "xccl"), ("hcll", "hccl")])
 def test_unknown_backend_suggests_closest(typo, suggestion):
-    with pytest.raises(ValueError, match=rf"process_group_backend='{typo}'.*unknown backend.*did you mean '{suggestion}'"):
+    with pytest.raises(
+        ValueError, match=rf"process_group_backend='{typo}'.*unknown backend.*did you mean '{suggestion}'"
+    ):
         normalize_backend(typo)
 
 
@@ -41,10 +43,13 @@ def test_auto_follows_the_accelerator(device, expected):
 
 
 @pytest.mark.parametrize(
-    ("backend", "device"), [("nccl", "cpu"), ("xccl", "cpu"), ("xccl", "cuda"), ("hccl", "cuda"), ("cncl", "cpu"), ("nccl", "xpu")]
+    ("backend", "device"),
+    [("nccl", "cpu"), ("xccl", "cpu"), ("xccl", "cuda"), ("hccl", "cuda"), ("cncl", "cpu"), ("nccl", "xpu")],
 )
 def test_backend_that_does_not_fit_the_device(backend, device):
-    with pytest.raises(ValueError, match=rf"'{backend}' cannot run collectives on '{device}' devices.*Fix: set `process_group_backend`"):
+    with pytest.raises(
+        ValueError, match=rf"'{backend}' cannot run collectives on '{device}' devices.*Fix: set `process_group_backend`"
+    ):
         resolve_backend_for_device(backend, device, is_available=always)
 
 

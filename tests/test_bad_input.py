@@ -28,14 +28,24 @@ BAD = [
     ("hook-typo", {"ddp_comm_hook": "fp61"}, {}, r"ddp_comm_hook='fp61'.*did you mean 'fp16'"),
     ("hook-bad-path", {"ddp_comm_hook": "no_such_module.hook"}, {}, r"could not be loaded"),
     ("accumulation-zero", {"gradient_accumulation_steps": 0}, {}, r"gradient_accumulation_steps=0.*positive integer"),
-    ("accumulation-mismatch", {"gradient_accumulation_steps": 4}, {"accumulate_grad_batches": 2}, r"gradient_accumulation_steps=4.*accumulate_grad_batches=2.*set only one"),
+    (
+        "accumulation-mismatch",
+        {"gradient_accumulation_steps": 4},
+        {"accumulate_grad_batches": 2},
+        r"gradient_accumulation_steps=4.*accumulate_grad_batches=2.*set only one",
+    ),
     ("short-window", {"short_window": "avg"}, {}, r"short_window='avg'"),
     ("start-method", {"start_method": "thread"}, {}, r"start_method='thread'"),
     ("conflict-mode", {"checkpointing_conflict": "strict"}, {}, r"checkpointing_conflict='strict'"),
     ("guard-negative", {"verify_replicas_every_n_steps": -1}, {}, r"verify_replicas_every_n_steps=-1"),
     ("telemetry-string", {"telemetry": "yes"}, {}, r"telemetry='yes'"),
     ("averaging-zero", {"model_averaging_period": 0}, {}, r"model_averaging_period=0"),
-    ("unknown-argument", {"find_unused_parameter": True}, {}, r"unexpected keyword argument `find_unused_parameter`.*did you mean `find_unused_parameters`"),
+    (
+        "unknown-argument",
+        {"find_unused_parameter": True},
+        {},
+        r"unexpected keyword argument `find_unused_parameter`.*did you mean `find_unused_parameters`",
+    ),
     ("managed-argument", {"device_ids": [0]}, {}, r"device_ids.*cannot be passed"),
 ]
 IDS = [case[0] for case in BAD]
@@ -54,7 +64,12 @@ def test_python(tmp_path, name, strategy, trainer, pattern):
     with pytest.raises((ValueError, TypeError), match=pattern):
         # spawn: should a fit-time case wrongly pass, workers of an importable model start, not copies of pytest
         built = Trainer(
-            strategy=DDPPlusStrategy(**{"start_method": "spawn", **strategy}), accelerator="cpu", devices=2, default_root_dir=tmp_path, logger=False, **trainer
+            strategy=DDPPlusStrategy(**{"start_method": "spawn", **strategy}),
+            accelerator="cpu",
+            devices=2,
+            default_root_dir=tmp_path,
+            logger=False,
+            **trainer,
         )
         if name in AT_FIT:
             built.fit(TinyRegression())
@@ -67,7 +82,16 @@ def yaml_config(strategy: dict, trainer: dict, root: str) -> str:
     return yaml.safe_dump(
         {
             # devices=1: should a case unexpectedly pass validation, nothing is launched from inside pytest
-            "trainer": {"accelerator": "cpu", "devices": 1, "logger": False, "enable_checkpointing": False, "default_root_dir": root, "max_epochs": 1, **trainer, "strategy": {"class_path": "lightning_ddp_plus.DDPPlusStrategy", "init_args": strategy}},
+            "trainer": {
+                "accelerator": "cpu",
+                "devices": 1,
+                "logger": False,
+                "enable_checkpointing": False,
+                "default_root_dir": root,
+                "max_epochs": 1,
+                **trainer,
+                "strategy": {"class_path": "lightning_ddp_plus.DDPPlusStrategy", "init_args": strategy},
+            },
             "model": {"class_path": "tests.helpers.TinyRegression"},
         }
     )
@@ -75,7 +99,9 @@ def yaml_config(strategy: dict, trainer: dict, root: str) -> str:
 
 # Arguments a YAML file can express; jsonargparse's own type check may answer first, naming the key. A quoted
 # 'false' or 'yes' is read by jsonargparse as the boolean it spells, which is what a YAML author means.
-YAML_CASES = [case for case in BAD if case[0] not in ("managed-argument", "unknown-argument", "flag-string", "telemetry-string")]
+YAML_CASES = [
+    case for case in BAD if case[0] not in ("managed-argument", "unknown-argument", "flag-string", "telemetry-string")
+]
 
 
 @pytest.fixture(autouse=True)

@@ -13,7 +13,25 @@ pytestmark = pytest.mark.multiprocess
 def test_manual_accumulation_benchmark_runs(tmp_path):
     out = tmp_path / "bench.json"
     script = str(REPO_ROOT / "benchmarks" / "bench_manual_accumulation.py")
-    result = run_job([sys.executable, script, "--repeats", "1", "--width", "32", "--layers", "1", "--batches", "8", "--out", str(out), "--timeout", "240"], timeout=300)
+    result = run_job(
+        [
+            sys.executable,
+            script,
+            "--repeats",
+            "1",
+            "--width",
+            "32",
+            "--layers",
+            "1",
+            "--batches",
+            "8",
+            "--out",
+            str(out),
+            "--timeout",
+            "240",
+        ],
+        timeout=300,
+    )
     assert result.returncode == 0, result.stdout[-3000:]
     summary = json.loads(out.read_text())
     # counts, not times: the stock recipe all-reduces on each of the k backwards, ddp_plus once per step
@@ -24,7 +42,20 @@ def test_manual_accumulation_benchmark_runs(tmp_path):
 
 def test_suite_runs_every_benchmark_at_a_tiny_size(tmp_path):
     script = str(REPO_ROOT / "benchmarks" / "suite.py")
-    args = ["--repeats", "1", "--width", "32", "--layers", "1", "--batches", "6", "--out", str(tmp_path), "--timeout", "240"]
+    args = [
+        "--repeats",
+        "1",
+        "--width",
+        "32",
+        "--layers",
+        "1",
+        "--batches",
+        "6",
+        "--out",
+        str(tmp_path),
+        "--timeout",
+        "240",
+    ]
     result = run_job([sys.executable, script, *args], timeout=600)
     assert result.returncode == 0, result.stdout[-3000:]
     summary = json.loads((tmp_path / "suite.json").read_text())

@@ -55,8 +55,9 @@ def test_shipped_cpu_config_is_clean():
 
 def test_invalid_config_exits_1(tmp_path):
     config = tmp_path / "bad.yaml"
-    config.write_text("trainer:\n  strategy:\n    class_path: lightning_ddp_plus.DDPPlusStrategy\n    init_args: {process_group_backend: ncll}\nmodel:\n  class_path: tests.helpers.CheckpointNet\n")
+    config.write_text(
+        "trainer:\n  strategy:\n    class_path: lightning_ddp_plus.DDPPlusStrategy\n    init_args: {process_group_backend: ncll}\nmodel:\n  class_path: tests.helpers.CheckpointNet\n"
+    )
     result = run_job([console_script("ddp-plus"), "check", "--config", str(config)], timeout=120)
     assert result.returncode == 1
     assert "did you mean 'nccl'" in result.stdout
-

@@ -117,9 +117,13 @@ def test_console_script_prints_every_strategy_argument(config):
 
     from tests.helpers import console_script, run_job
 
-    result = run_job([console_script("ddp-plus"), "fit", "--config", f"configs/{config}", "--print_config"], timeout=120)
+    result = run_job(
+        [console_script("ddp-plus"), "fit", "--config", f"configs/{config}", "--print_config"], timeout=120
+    )
     assert result.returncode == 0, result.stdout[-3000:]
-    printed = yaml.safe_load(result.stdout[result.stdout.index("# lightning.pytorch") if "# lightning.pytorch" in result.stdout else 0 :])
+    printed = yaml.safe_load(
+        result.stdout[result.stdout.index("# lightning.pytorch") if "# lightning.pytorch" in result.stdout else 0 :]
+    )
     strategy = printed["trainer"]["strategy"]
     assert strategy["class_path"] == "lightning_ddp_plus.DDPPlusStrategy"
     for name in STRATEGY_ARGUMENTS:
@@ -129,10 +133,13 @@ def test_console_script_prints_every_strategy_argument(config):
 def test_console_script_help_shows_types_and_defaults():
     from tests.helpers import console_script, run_job
 
-    result = run_job([console_script("ddp-plus"), "fit", "--trainer.strategy.help", "lightning_ddp_plus.DDPPlusStrategy"], timeout=120)
+    result = run_job(
+        [console_script("ddp-plus"), "fit", "--trainer.strategy.help", "lightning_ddp_plus.DDPPlusStrategy"],
+        timeout=120,
+    )
     assert result.returncode == 0, result.stdout[-3000:]
     text = " ".join(result.stdout.split())
     for name in STRATEGY_ARGUMENTS:
         assert f"--trainer.strategy.{name}" in text
-    assert "type: Optional[str], default: null" in text  # process_group_backend
+    assert "type: str | null, default: null" in text  # process_group_backend
     assert "default: 25" in text  # bucket_cap_mb

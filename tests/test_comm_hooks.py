@@ -31,7 +31,10 @@ def test_none_and_callables_pass_through():
 
 
 def test_dotted_path_is_imported():
-    assert parse_comm_hook("torch.distributed.algorithms.ddp_comm_hooks.default_hooks.fp16_compress_hook") is default_hooks.fp16_compress_hook
+    assert (
+        parse_comm_hook("torch.distributed.algorithms.ddp_comm_hooks.default_hooks.fp16_compress_hook")
+        is default_hooks.fp16_compress_hook
+    )
 
 
 def test_unknown_name_suggests_closest():

@@ -42,20 +42,56 @@ def test_rule_table_is_data():
     ("view", "facts", "expected"),
     [
         # R1 needs trainable parameters inside a reentrant region the loss reaches, not just "reentrant somewhere"
-        (DDPView(find_unused_parameters=True), observed(checkpointing=REENTRANT, reentrant_parameters=("mid.0.weight",)), ["R1"]),
-        (DDPView(find_unused_parameters=True), observed(checkpointing=REENTRANT), ["A1"]),  # frozen region: torch trains it
-        (DDPView(find_unused_parameters=True, static_graph=True), observed(checkpointing=REENTRANT, reentrant_parameters=("w",)), []),
-        (DDPView(find_unused_parameters=True), observed(checkpointing=frozenset({"non_reentrant"}), unused_parameters=("x",)), []),
-        (DDPView(), observed(checkpointing=REENTRANT, reentrant_parameters=("w",), reused_in_checkpoint=("w",)), ["R2"]),
-        (DDPView(find_unused_parameters=True), observed(checkpointing=REENTRANT, reentrant_parameters=("w",), reused_in_checkpoint=("w",)), ["R1", "R2"]),
+        (
+            DDPView(find_unused_parameters=True),
+            observed(checkpointing=REENTRANT, reentrant_parameters=("mid.0.weight",)),
+            ["R1"],
+        ),
+        (
+            DDPView(find_unused_parameters=True),
+            observed(checkpointing=REENTRANT),
+            ["A1"],
+        ),  # frozen region: torch trains it
+        (
+            DDPView(find_unused_parameters=True, static_graph=True),
+            observed(checkpointing=REENTRANT, reentrant_parameters=("w",)),
+            [],
+        ),
+        (
+            DDPView(find_unused_parameters=True),
+            observed(checkpointing=frozenset({"non_reentrant"}), unused_parameters=("x",)),
+            [],
+        ),
+        (
+            DDPView(),
+            observed(checkpointing=REENTRANT, reentrant_parameters=("w",), reused_in_checkpoint=("w",)),
+            ["R2"],
+        ),
+        (
+            DDPView(find_unused_parameters=True),
+            observed(checkpointing=REENTRANT, reentrant_parameters=("w",), reused_in_checkpoint=("w",)),
+            ["R1", "R2"],
+        ),
         (DDPView(static_graph=True, gradient_accumulation_steps=4), observed(), ["R3"]),
         (DDPView(), observed(unused_parameters=("spare.weight",)), ["R4"]),
         (DDPView(static_graph=True), observed(unused_parameters=("spare.weight",)), []),
         # R5 whatever the settings: find_unused_parameters or static_graph hide it, they do not fix it
         (DDPView(), observed(checkpointing=REENTRANT, no_grad_region_parameters=("lora.weight",)), ["R5"]),
-        (DDPView(find_unused_parameters=True), observed(checkpointing=REENTRANT, no_grad_region_parameters=("lora.weight",)), ["R5"]),
-        (DDPView(static_graph=True), observed(checkpointing=REENTRANT, no_grad_region_parameters=("lora.weight",)), ["R5"]),
-        (DDPView(repair_input_grads=True), observed(checkpointing=REENTRANT, no_grad_region_parameters=("lora.weight",)), []),
+        (
+            DDPView(find_unused_parameters=True),
+            observed(checkpointing=REENTRANT, no_grad_region_parameters=("lora.weight",)),
+            ["R5"],
+        ),
+        (
+            DDPView(static_graph=True),
+            observed(checkpointing=REENTRANT, no_grad_region_parameters=("lora.weight",)),
+            ["R5"],
+        ),
+        (
+            DDPView(repair_input_grads=True),
+            observed(checkpointing=REENTRANT, no_grad_region_parameters=("lora.weight",)),
+            [],
+        ),
         (DDPView(find_unused_parameters=True), observed(), ["A1"]),
         (DDPView(find_unused_parameters=True), ModelFacts(unused_parameters=None), []),
         (DDPView(broadcast_buffers=False), ModelFacts(mutable_buffers=("bn.running_mean",)), ["A2"]),
@@ -72,7 +108,9 @@ def test_rules(view, facts, expected):
 def test_r4_resolution_depends_on_checkpointing():
     plain = observed(unused_parameters=("spare.weight",))
     assert resolved_view(DDPView(), evaluate(DDPView(), plain)).find_unused_parameters is True
-    reentrant = observed(checkpointing=REENTRANT, reentrant_parameters=("mid.0.weight",), unused_parameters=("spare.weight",))
+    reentrant = observed(
+        checkpointing=REENTRANT, reentrant_parameters=("mid.0.weight",), unused_parameters=("spare.weight",)
+    )
     resolved = resolved_view(DDPView(), evaluate(DDPView(), reentrant))
     assert resolved.static_graph is True and resolved.find_unused_parameters is False
     assert ids(resolved, reentrant) == []  # the resolution itself trips no rule
@@ -114,7 +152,9 @@ def test_facts_survive_agreement_packing():
     assert unpack_facts(pack_facts(facts, parameters, buffers), parameters, buffers, facts) == facts
     # OR across ranks: rank 1 saw another unused parameter
     other = pack_facts(observed(unused_parameters=("a",)), parameters, buffers)
-    merged = unpack_facts([max(x, y) for x, y in zip(pack_facts(facts, parameters, buffers), other)], parameters, buffers, facts)
+    merged = unpack_facts(
+        [max(x, y) for x, y in zip(pack_facts(facts, parameters, buffers), other)], parameters, buffers, facts
+    )
     assert merged.unused_parameters == ("a", "c")
 
 
@@ -138,7 +178,9 @@ def test_hf_style_flags_are_read_only_when_explicit(use_reentrant, kinds):
     assert facts.checkpointing == kinds and not facts.observed
 
 
-@pytest.mark.parametrize(("impl", "kind"), [(CheckpointImpl.REENTRANT, "reentrant"), (CheckpointImpl.NO_REENTRANT, "non_reentrant")])
+@pytest.mark.parametrize(
+    ("impl", "kind"), [(CheckpointImpl.REENTRANT, "reentrant"), (CheckpointImpl.NO_REENTRANT, "non_reentrant")]
+)
 def test_checkpoint_wrapper_modules(impl, kind):
     model = nn.Sequential(nn.Linear(2, 2), checkpoint_wrapper(nn.Linear(2, 2), checkpoint_impl=impl))
     assert static_facts(model).checkpointing == {kind}
@@ -243,7 +285,9 @@ def test_attribute_reads_are_not_uses():
     model = Patterns("lambda_with_parameter")
     with ForwardProbe(model) as probe:
         h = model.inp(torch.randn(2, 4))
-        loss = torch.utils.checkpoint.checkpoint(lambda t: t.to(model.weight.dtype) * model.weight.shape[0], h, use_reentrant=True).sum()
+        loss = torch.utils.checkpoint.checkpoint(
+            lambda t: t.to(model.weight.dtype) * model.weight.shape[0], h, use_reentrant=True
+        ).sum()
     assert "weight" in probe.facts(loss).unused_parameters
 
 
@@ -286,10 +330,30 @@ def run_cases(tmp_path, cases, name):
 
 
 TORCH_FAILURES = {
-    "R1": ({"strategy": {"checkpointing_conflict": "off", "find_unused_parameters": True}, "model": {"checkpointing": "reentrant"}, "gather": False}, r"ready only once|ready twice"),
-    "R2": ({"strategy": {"checkpointing_conflict": "off"}, "model": {"checkpointing": "reentrant", "reuse": True}, "gather": False}, r"ready only once|ready twice"),
-    "R3": ({"stock": True, "strategy": {"static_graph": True, "accumulate_grad_batches": 2}, "model": {}, "gather": False}, r"expect_autograd_hooks_"),
-    "R4": ({"strategy": {"checkpointing_conflict": "off"}, "model": {"unused": True}}, r"Expected to have finished reduction"),
+    "R1": (
+        {
+            "strategy": {"checkpointing_conflict": "off", "find_unused_parameters": True},
+            "model": {"checkpointing": "reentrant"},
+            "gather": False,
+        },
+        r"ready only once|ready twice",
+    ),
+    "R2": (
+        {
+            "strategy": {"checkpointing_conflict": "off"},
+            "model": {"checkpointing": "reentrant", "reuse": True},
+            "gather": False,
+        },
+        r"ready only once|ready twice",
+    ),
+    "R3": (
+        {"stock": True, "strategy": {"static_graph": True, "accumulate_grad_batches": 2}, "model": {}, "gather": False},
+        r"expect_autograd_hooks_",
+    ),
+    "R4": (
+        {"strategy": {"checkpointing_conflict": "off"}, "model": {"unused": True}},
+        r"Expected to have finished reduction",
+    ),
 }
 
 
@@ -309,7 +373,12 @@ def test_torch_really_fails_without_the_validator(tmp_path, rule):
 
 
 ERROR_CASES = [
-    ({"find_unused_parameters": True}, {"checkpointing": "reentrant"}, "R1", ["find_unused_parameters=True", "static_graph=False"]),
+    (
+        {"find_unused_parameters": True},
+        {"checkpointing": "reentrant"},
+        "R1",
+        ["find_unused_parameters=True", "static_graph=False"],
+    ),
     ({}, {"checkpointing": "reentrant", "reuse": True}, "R2", ["mid.0.weight", "static_graph=True"]),
     ({}, {"unused": True}, "R4", ["spare.weight", "spare.bias", "find_unused_parameters=True"]),
 ]
@@ -331,19 +400,69 @@ def test_error_mode_reports_before_any_optimizer_step(tmp_path):
 
 RESOLVE_CASES = [
     # (strategy, model, expected findings, expected settings after resolution)
-    ({"checkpointing_conflict": "resolve", "find_unused_parameters": True}, {"checkpointing": "reentrant"}, ["R1"], {"static_graph": True, "find_unused_parameters": False}),
-    ({"checkpointing_conflict": "resolve"}, {"checkpointing": "reentrant", "reuse": True}, ["R2"], {"static_graph": True, "find_unused_parameters": False}),
-    ({"checkpointing_conflict": "resolve"}, {"unused": True}, ["R4"], {"static_graph": False, "find_unused_parameters": True}),
-    ({"checkpointing_conflict": "resolve"}, {"unused": True, "checkpointing": "reentrant"}, ["R4"], {"static_graph": True, "find_unused_parameters": False}),
-    ({"checkpointing_conflict": "resolve"}, {"unused": True, "checkpointing": "non_reentrant", "reuse": True}, ["R4"], {"static_graph": False, "find_unused_parameters": True}),
+    (
+        {"checkpointing_conflict": "resolve", "find_unused_parameters": True},
+        {"checkpointing": "reentrant"},
+        ["R1"],
+        {"static_graph": True, "find_unused_parameters": False},
+    ),
+    (
+        {"checkpointing_conflict": "resolve"},
+        {"checkpointing": "reentrant", "reuse": True},
+        ["R2"],
+        {"static_graph": True, "find_unused_parameters": False},
+    ),
+    (
+        {"checkpointing_conflict": "resolve"},
+        {"unused": True},
+        ["R4"],
+        {"static_graph": False, "find_unused_parameters": True},
+    ),
+    (
+        {"checkpointing_conflict": "resolve"},
+        {"unused": True, "checkpointing": "reentrant"},
+        ["R4"],
+        {"static_graph": True, "find_unused_parameters": False},
+    ),
+    (
+        {"checkpointing_conflict": "resolve"},
+        {"unused": True, "checkpointing": "non_reentrant", "reuse": True},
+        ["R4"],
+        {"static_graph": False, "find_unused_parameters": True},
+    ),
     # working combinations: nothing to report, nothing changed
     ({}, {}, [], {"static_graph": False, "find_unused_parameters": False}),
-    ({"find_unused_parameters": True}, {"checkpointing": "non_reentrant", "reuse": True, "unused": True}, [], {"static_graph": False, "find_unused_parameters": True}),
-    ({"static_graph": True}, {"checkpointing": "non_reentrant", "reuse": True}, [], {"static_graph": True, "find_unused_parameters": False}),
-    ({"static_graph": True}, {"checkpointing": "reentrant", "reuse": True, "unused": True}, [], {"static_graph": True, "find_unused_parameters": False}),
+    (
+        {"find_unused_parameters": True},
+        {"checkpointing": "non_reentrant", "reuse": True, "unused": True},
+        [],
+        {"static_graph": False, "find_unused_parameters": True},
+    ),
+    (
+        {"static_graph": True},
+        {"checkpointing": "non_reentrant", "reuse": True},
+        [],
+        {"static_graph": True, "find_unused_parameters": False},
+    ),
+    (
+        {"static_graph": True},
+        {"checkpointing": "reentrant", "reuse": True, "unused": True},
+        [],
+        {"static_graph": True, "find_unused_parameters": False},
+    ),
     ({}, {"checkpointing": "reentrant"}, [], {"static_graph": False, "find_unused_parameters": False}),
-    ({}, {"checkpointing": "non_reentrant", "reuse": True}, [], {"static_graph": False, "find_unused_parameters": False}),
-    ({"static_graph": True, "gradient_accumulation_steps": 2}, {"checkpointing": "reentrant", "reuse": True}, ["R3"], {"static_graph": True, "find_unused_parameters": False}),
+    (
+        {},
+        {"checkpointing": "non_reentrant", "reuse": True},
+        [],
+        {"static_graph": False, "find_unused_parameters": False},
+    ),
+    (
+        {"static_graph": True, "gradient_accumulation_steps": 2},
+        {"checkpointing": "reentrant", "reuse": True},
+        ["R3"],
+        {"static_graph": True, "find_unused_parameters": False},
+    ),
 ]
 
 

@@ -39,7 +39,14 @@ def test_ddp_plus_popen_trains_with_identical_replicas(tmp_path):
 
 def test_ddp_plus_popen_with_typed_knobs(tmp_path):
     report, output = run_popen_job(
-        tmp_path, {"process_group_backend": "gloo", "timeout": "90s", "bucket_cap_mb": 1, "gradient_as_bucket_view": True, "static_graph": True}
+        tmp_path,
+        {
+            "process_group_backend": "gloo",
+            "timeout": "90s",
+            "bucket_cap_mb": 1,
+            "gradient_as_bucket_view": True,
+            "static_graph": True,
+        },
     )
     assert report["timeout_seconds"] == 90
     assert_identical_replicas(report)
@@ -62,7 +69,9 @@ def test_ddp_plus_spawn_trains_with_identical_replicas(tmp_path):
     assert report["global_step"] == [8, 8]
     assert_identical_replicas(report)
     # spawn returns rank 0's weights to the main process
-    assert torch.allclose(torch.cat([p.detach().flatten() for p in model.parameters()]), torch.tensor(report["params"][0]))
+    assert torch.allclose(
+        torch.cat([p.detach().flatten() for p in model.parameters()]), torch.tensor(report["params"][0])
+    )
 
 
 @pytest.mark.parametrize("hook", ["fp16", "bf16"])
@@ -85,6 +94,6 @@ def test_without_hook_gradients_are_not_fp16_rounded(tmp_path):
 
 
 def test_powersgd_with_default_state_trains(tmp_path):
-    report, output = run_popen_job(tmp_path, {"ddp_comm_hook": "powersgd"}, {"max_epochs": 1})
+    report, _output = run_popen_job(tmp_path, {"ddp_comm_hook": "powersgd"}, {"max_epochs": 1})
     assert report["hook_calls"] == [8, 8]
     assert_identical_replicas(report)

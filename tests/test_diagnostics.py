@@ -1,11 +1,10 @@
 """Diagnostics: replica-drift guard, sync telemetry and broadcast_buffers="auto", with real 2-rank gloo runs."""
 
-
 import pytest
 import torch
 
 from lightning_ddp_plus import DDPPlusStrategy, DDPSettings
-from lightning_ddp_plus.replicas import first_mismatch, fingerprints
+from lightning_ddp_plus.replicas import fingerprints, first_mismatch
 from tests.helpers import TinyRegression, run_case_job
 
 
@@ -25,7 +24,14 @@ def test_auto_buffers_setting():
         DDPSettings(broadcast_buffers="auto").to_ddp_kwargs()
 
 
-@pytest.mark.parametrize(("kwargs", "pattern"), [({"verify_replicas_every_n_steps": 0}, "verify_replicas_every_n_steps"), ({"telemetry": "yes"}, "telemetry"), ({"broadcast_buffers": "sometimes"}, "broadcast_buffers")])
+@pytest.mark.parametrize(
+    ("kwargs", "pattern"),
+    [
+        ({"verify_replicas_every_n_steps": 0}, "verify_replicas_every_n_steps"),
+        ({"telemetry": "yes"}, "telemetry"),
+        ({"broadcast_buffers": "sometimes"}, "broadcast_buffers"),
+    ],
+)
 def test_bad_diagnostics_arguments(kwargs, pattern):
     with pytest.raises((ValueError, TypeError), match=pattern):
         DDPPlusStrategy(**kwargs)
@@ -33,7 +39,11 @@ def test_bad_diagnostics_arguments(kwargs, pattern):
 
 CASES = [
     # 0: a replica corrupted on rank 1 after step 3 is caught at the check after step 4
-    {"strategy": {"verify_replicas_every_n_steps": 2}, "corrupt": {"step": 3, "parameter": "net.0.weight"}, "epochs": 2},
+    {
+        "strategy": {"verify_replicas_every_n_steps": 2},
+        "corrupt": {"step": 3, "parameter": "net.0.weight"},
+        "epochs": 2,
+    },
     # 1: a clean run with the guard on
     {"strategy": {"verify_replicas_every_n_steps": 2}, "epochs": 2},
     # 2: telemetry with accumulation, against an independent counting hook
@@ -83,8 +93,15 @@ def test_telemetry_equals_independent_counts_with_accumulation(results):
     timed = result["telemetry_last"]
     assert timed["timed_iteration"] >= 1 and timed["backward_comm_ms"] > 0 and timed["forward_ms"] > 0
     assert set(result["logged"]) >= {
-        "ddp/buckets", "ddp/bytes_sent", "ddp/synced_backwards", "ddp/skipped_backwards", "ddp/forward_ms",
-        "ddp/backward_compute_ms", "ddp/backward_comm_ms", "ddp/overlap_ms", "ddp_MB",
+        "ddp/buckets",
+        "ddp/bytes_sent",
+        "ddp/synced_backwards",
+        "ddp/skipped_backwards",
+        "ddp/forward_ms",
+        "ddp/backward_compute_ms",
+        "ddp/backward_comm_ms",
+        "ddp/overlap_ms",
+        "ddp_MB",
     }
 
 

@@ -12,9 +12,18 @@ CASES = [
     {"by_name": True},
     {"strategy": {"gradient_accumulation_steps": 4}, "num_samples": 80},  # 10 micro-batches per rank: windows 4, 4, 2
     {"strategy": {"gradient_accumulation_steps": 4, "short_window": "lightning"}, "num_samples": 80},
-    {"strategy": {"static_graph": True}, "idiom": "no_backward_sync", "k": 3, "num_samples": 80},  # Fabric's idiom: 3, 3, 3, 1
+    {
+        "strategy": {"static_graph": True},
+        "idiom": "no_backward_sync",
+        "k": 3,
+        "num_samples": 80,
+    },  # Fabric's idiom: 3, 3, 3, 1
     {"checkpoint_net": True, "strategy": {"find_unused_parameters": True}, "num_samples": 24},  # R1
-    {"checkpoint_net": True, "strategy": {"find_unused_parameters": True, "checkpointing_conflict": "resolve"}, "num_samples": 24},
+    {
+        "checkpoint_net": True,
+        "strategy": {"find_unused_parameters": True, "checkpointing_conflict": "resolve"},
+        "num_samples": 24,
+    },
     {"strategy": {"verify_replicas_every_n_steps": 1}, "corrupt_after": 2},
 ]
 
@@ -27,7 +36,11 @@ def results(tmp_path_factory):
 def reference(case: dict, k: int = 1, mean_short_window: bool = True, divide_in_loss: bool = True) -> torch.Tensor:
     """One process: each step's gradient is the mean over both ranks' micro-batches of the window."""
     torch.manual_seed(1)
-    model = CheckpointNet(checkpointing="reentrant") if case.get("checkpoint_net") else nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    model = (
+        CheckpointNet(checkpointing="reentrant")
+        if case.get("checkpoint_net")
+        else nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    )
     x, y = regression_data(case.get("num_samples", 40)).tensors
     shards = [(x[r::2], y[r::2]) for r in range(2)]
     batches = [[(xs[i : i + 4], ys[i : i + 4]) for i in range(0, len(xs), 4)] for xs, ys in shards]
@@ -36,7 +49,9 @@ def reference(case: dict, k: int = 1, mean_short_window: bool = True, divide_in_
         window = range(start, min(start + k, len(batches[0])))
         divisor = len(window) if mean_short_window else k
         optimizer.zero_grad()
-        sum(nn.functional.mse_loss(model(rank[b][0]), rank[b][1]) / divisor / 2 for rank in batches for b in window).backward()
+        sum(
+            nn.functional.mse_loss(model(rank[b][0]), rank[b][1]) / divisor / 2 for rank in batches for b in window
+        ).backward()
         optimizer.step()
     return flat_parameters(model)
 
@@ -56,7 +71,14 @@ def test_registered_in_fabrics_registry():
     assert isinstance(Fabric(strategy="ddp_plus_spawn", accelerator="cpu", devices=2).strategy, DDPPlusFabricStrategy)
 
 
-@pytest.mark.parametrize(("kwargs", "pattern"), [({"process_group_backend": "ncll"}, "did you mean 'nccl'"), ({"bucket_cap_mb": 0}, "bucket_cap_mb"), ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps")])
+@pytest.mark.parametrize(
+    ("kwargs", "pattern"),
+    [
+        ({"process_group_backend": "ncll"}, "did you mean 'nccl'"),
+        ({"bucket_cap_mb": 0}, "bucket_cap_mb"),
+        ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps"),
+    ],
+)
 def test_same_validation_as_the_trainer_strategy(kwargs, pattern):
     with pytest.raises((ValueError, TypeError), match=pattern):
         DDPPlusFabricStrategy(**kwargs)
@@ -98,7 +120,11 @@ def test_conflict_check_on_the_first_forward(results):
     refused, resolved = results[4], results[5]
     assert refused["error"] == "DDPConflictError" and "[R1]" in refused["message"] and refused["steps"] == 0
     torch.manual_seed(1)
-    assert refused["params"][0] == refused["params"][1] == flat_parameters(CheckpointNet(checkpointing="reentrant")).tolist()
+    assert (
+        refused["params"][0]
+        == refused["params"][1]
+        == flat_parameters(CheckpointNet(checkpointing="reentrant")).tolist()
+    )
     assert resolved["findings"] == ["R1"] and resolved["static_graph"] is True
     check_trained(resolved, reference(resolved))
 
@@ -108,3 +134,14 @@ def test_replica_guard(results):
     result = results[6]
     assert result["error"] == "ReplicaDriftError" and "optimizer step 2" in result["message"]
     assert result["steps"] == 2
+
+
+@pytest.mark.multiprocess
+def test_fabric_example_runs_with_fabrics_own_launcher():
+    import sys
+
+    from tests.helpers import REPO_ROOT, run_job
+
+    result = run_job([sys.executable, str(REPO_ROOT / "examples" / "fabric_spirals.py")], timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "rank 0: 192 optimizer steps, 192 synced / 192 skipped backwards" in result.stdout

@@ -33,11 +33,21 @@ def processes_with(tag: str) -> list[str]:
 
 def run_failing_job(mode: str, rank: int, step: int, limit: float = 90) -> tuple[int, str, float, str]:
     tag = f"tag-{uuid.uuid4().hex}"
-    args = [sys.executable, str(REPO_ROOT / "tests" / "scripts" / "failure_job.py"), mode, str(rank), str(step), f"{TIMEOUT_S}s", tag]
+    args = [
+        sys.executable,
+        str(REPO_ROOT / "tests" / "scripts" / "failure_job.py"),
+        mode,
+        str(rank),
+        str(step),
+        f"{TIMEOUT_S}s",
+        tag,
+    ]
     env = {**clean_environment(), "PYTHONPATH": str(REPO_ROOT), "MASTER_PORT": str(free_port())}
     started = time.perf_counter()
     # Not in a new session: the job must clean up after itself, the test only kills survivors at the very end.
-    process = subprocess.Popen(args, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen(
+        args, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     try:
         output, _ = process.communicate(timeout=limit)
     except subprocess.TimeoutExpired:

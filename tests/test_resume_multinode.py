@@ -42,8 +42,16 @@ def multinode_config(tmp_path: Path, out: Path) -> Path:
     """configs/multinode.yaml as shipped, made small and given a replica report."""
     config = yaml.safe_load((REPO_ROOT / "configs" / "multinode.yaml").read_text())
     assert config["trainer"]["num_nodes"] == 2 and config["trainer"]["devices"] == 1
-    config["trainer"].update(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False, default_root_dir=str(tmp_path))
-    config["trainer"]["callbacks"] = [{"class_path": "tests.helpers.ReplicaReport", "init_args": {"out_path": str(out)}}]
+    config["trainer"].update(
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        default_root_dir=str(tmp_path),
+    )
+    config["trainer"]["callbacks"] = [
+        {"class_path": "tests.helpers.ReplicaReport", "init_args": {"out_path": str(out)}}
+    ]
     config["data"]["init_args"].update(num_train=512, num_val=256)
     path = tmp_path / "multinode.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -52,7 +60,15 @@ def multinode_config(tmp_path: Path, out: Path) -> Path:
 
 def run_nodes(commands: list[list[str]], envs: list[dict], timeout: float = 240) -> list[str]:
     processes = [
-        subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        subprocess.Popen(
+            command,
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
         for command, env in zip(commands, envs)
     ]
     outputs = []
@@ -92,8 +108,26 @@ def test_two_nodes_started_by_torchrun(tmp_path):
     port = str(free_port())
     env = {**clean_environment(), "PYTHONPATH": str(REPO_ROOT)}
     commands = [
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node),
-         "--master-addr", "127.0.0.1", "--master-port", port, "-m", "lightning_ddp_plus", "fit", "--config", str(config)]
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "2",
+            "--nproc-per-node",
+            "1",
+            "--node-rank",
+            str(node),
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            port,
+            "-m",
+            "lightning_ddp_plus",
+            "fit",
+            "--config",
+            str(config),
+        ]
         for node in (0, 1)
     ]
     run_nodes(commands, [env, env])

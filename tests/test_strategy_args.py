@@ -10,7 +10,7 @@ from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 
 import lightning_ddp_plus
-from lightning_ddp_plus import DDPPlusStrategy, REGISTERED_NAMES
+from lightning_ddp_plus import REGISTERED_NAMES, DDPPlusStrategy
 from lightning_ddp_plus.comm_hooks import CommHook
 
 
@@ -29,7 +29,12 @@ def test_is_a_lightning_ddp_strategy_with_documented_defaults():
 
 def test_every_knob_reaches_the_ddp_kwargs():
     strategy = DDPPlusStrategy(
-        find_unused_parameters=True, bucket_cap_mb=50, broadcast_buffers=False, static_graph=True, gradient_as_bucket_view=True, batched_grad_copy=True
+        find_unused_parameters=True,
+        bucket_cap_mb=50,
+        broadcast_buffers=False,
+        static_graph=True,
+        gradient_as_bucket_view=True,
+        batched_grad_copy=True,
     )
     assert strategy._ddp_kwargs == {
         "find_unused_parameters": True,
@@ -77,7 +82,12 @@ def test_bad_values_fail_at_construction(kwargs, error, pattern):
 
 
 def test_registered_names_resolve_to_the_strategy_with_their_launcher():
-    assert {name for name, _ in REGISTERED_NAMES} == {"ddp_plus", "ddp_plus_spawn", "ddp_plus_fork", "ddp_plus_notebook"}
+    assert {name for name, _ in REGISTERED_NAMES} == {
+        "ddp_plus",
+        "ddp_plus_spawn",
+        "ddp_plus_fork",
+        "ddp_plus_notebook",
+    }
     for name, start_method in REGISTERED_NAMES:
         strategy = StrategyRegistry.get(name)
         assert type(strategy) is DDPPlusStrategy
@@ -95,7 +105,9 @@ def test_registration_is_idempotent():
 
 
 def trainer(strategy, accelerator="cpu", devices=2):
-    return L.Trainer(strategy=strategy, accelerator=accelerator, devices=devices, logger=False, enable_progress_bar=False)
+    return L.Trainer(
+        strategy=strategy, accelerator=accelerator, devices=devices, logger=False, enable_progress_bar=False
+    )
 
 
 def test_trainer_string_gets_auto_backend_for_cpu():
@@ -103,7 +115,9 @@ def test_trainer_string_gets_auto_backend_for_cpu():
 
 
 def test_nccl_on_cpu_fails_at_trainer_construction():
-    with pytest.raises(ValueError, match=r"'nccl' cannot run collectives on 'cpu' devices.*set `process_group_backend` to 'gloo'"):
+    with pytest.raises(
+        ValueError, match=r"'nccl' cannot run collectives on 'cpu' devices.*set `process_group_backend` to 'gloo'"
+    ):
         trainer(DDPPlusStrategy(process_group_backend="nccl"))
 
 

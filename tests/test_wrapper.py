@@ -11,7 +11,11 @@ CASES = [
     {"stock": False},
     {"stock": False, "strategy": {"checkpointing_conflict": "off"}},
     # R1 resolved: static_graph switched on at the first backward, after the callback registered its hook
-    {"stock": False, "strategy": {"checkpointing_conflict": "resolve", "find_unused_parameters": True}, "model": {"checkpointing": "reentrant"}},
+    {
+        "stock": False,
+        "strategy": {"checkpointing_conflict": "resolve", "find_unused_parameters": True},
+        "model": {"checkpointing": "reentrant"},
+    },
 ]
 
 

@@ -46,21 +46,54 @@ def build(name: str) -> torch.nn.Module:
     if family == "gpt2":
         from transformers import GPT2Config, GPT2LMHeadModel
 
-        config = GPT2Config(n_layer=2, n_embd=WIDTH, n_head=2, vocab_size=VOCAB, n_positions=SEQ, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+        config = GPT2Config(
+            n_layer=2,
+            n_embd=WIDTH,
+            n_head=2,
+            vocab_size=VOCAB,
+            n_positions=SEQ,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
         model = GPT2LMHeadModel(config)
     elif family == "bert":
         from transformers import BertConfig, BertModel
 
-        config = BertConfig(num_hidden_layers=2, hidden_size=WIDTH, num_attention_heads=2, intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=SEQ, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        config = BertConfig(
+            num_hidden_layers=2,
+            hidden_size=WIDTH,
+            num_attention_heads=2,
+            intermediate_size=64,
+            vocab_size=VOCAB,
+            max_position_embeddings=SEQ,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )
         return BertModel(config)
     elif family == "llama":
         from peft import LoraConfig, get_peft_model
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        config = LlamaConfig(num_hidden_layers=2, hidden_size=WIDTH, num_attention_heads=2, num_key_value_heads=2, intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+        config = LlamaConfig(
+            num_hidden_layers=2,
+            hidden_size=WIDTH,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            intermediate_size=64,
+            vocab_size=VOCAB,
+            max_position_embeddings=SEQ,
+            bos_token_id=0,
+            eos_token_id=0,
+            pad_token_id=0,
+        )
         base = LlamaForCausalLM(config)
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
-        model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "lm_head"], lora_dropout=0.0))
+        model = get_peft_model(
+            base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "lm_head"], lora_dropout=0.0)
+        )
         if variant.endswith("no_input_grads"):
             # transformers and PEFT both hook the embedding to make its output require grad; without that, the
             # checkpointed layers' inputs need no grad (as in code that checkpoints layers of a frozen base itself)
@@ -69,7 +102,18 @@ def build(name: str) -> torch.nn.Module:
     elif family == "vit":
         from transformers import ViTConfig, ViTForImageClassification
 
-        config = ViTConfig(image_size=8, patch_size=4, num_channels=3, hidden_size=WIDTH, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        config = ViTConfig(
+            image_size=8,
+            patch_size=4,
+            num_channels=3,
+            hidden_size=WIDTH,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=64,
+            num_labels=3,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )
         model = ViTForImageClassification(config)
     else:
         raise ValueError(name)
@@ -110,7 +154,10 @@ class ZooModule(L.LightningModule):
         return self.model(input_ids=inputs, labels=targets).loss
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(TensorDataset(*batch_inputs(self.hparams.name, self.hparams.num_samples)), batch_size=self.hparams.batch_size)
+        return DataLoader(
+            TensorDataset(*batch_inputs(self.hparams.name, self.hparams.num_samples)),
+            batch_size=self.hparams.batch_size,
+        )
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=self.hparams.lr)
@@ -143,8 +190,22 @@ def zoo_cases() -> list[dict]:
     ]
     cases += [
         # R3: Lightning runs the first micro-batch under no_sync and torch asserts (Lightning #19354)
-        {"model": "gpt2_reentrant", "setting": "static", "static_graph": True, "k": 2, "num_samples": 16, "truth": "error"},
-        {"model": "llama_lora_non_reentrant", "setting": "find_unused", "find_unused_parameters": True, "k": 2, "num_samples": 16, "truth": "correct"},
+        {
+            "model": "gpt2_reentrant",
+            "setting": "static",
+            "static_graph": True,
+            "k": 2,
+            "num_samples": 16,
+            "truth": "error",
+        },
+        {
+            "model": "llama_lora_non_reentrant",
+            "setting": "find_unused",
+            "find_unused_parameters": True,
+            "k": 2,
+            "num_samples": 16,
+            "truth": "correct",
+        },
         {"model": "vit_reentrant", "setting": "default", "k": 2, "num_samples": 16, "truth": "correct"},
     ]
     return [{**case, "runs": ["stock", "ddp_plus", "resolve"]} for case in cases]

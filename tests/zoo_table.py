@@ -14,8 +14,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.helpers import run_case_job  # noqa: E402
-from tests.zoo import outcome, zoo_cases  # noqa: E402
+from tests.helpers import run_case_job
+from tests.zoo import outcome, zoo_cases
 
 
 def describe(run: dict) -> str:
@@ -33,12 +33,16 @@ def describe(run: dict) -> str:
 
 def table(results: list[dict]) -> str:
     lines = ["| model | setting | stock | ddp_plus defaults | resolve |", "|---|---|---|---|---|"]
-    counts = dict.fromkeys(("cases", "stock failures", "refused", "trained correctly", "missed", "false alarms", "resolve correct"), 0)
+    counts = dict.fromkeys(
+        ("cases", "stock failures", "refused", "trained correctly", "missed", "false alarms", "resolve correct"), 0
+    )
     for case in results:
         runs = {run["kind"]: run for run in case["results"]}
         stock, plus, resolve = outcome(runs["stock"]), outcome(runs["ddp_plus"]), outcome(runs["resolve"])
         setting = case["setting"] + (f", k={case['k']}" if "k" in case else "")
-        lines.append(f"| {case['model']} | {setting} | {stock} | {describe(runs['ddp_plus'])} | {describe(runs['resolve'])} |")
+        lines.append(
+            f"| {case['model']} | {setting} | {stock} | {describe(runs['ddp_plus'])} | {describe(runs['resolve'])} |"
+        )
         counts["cases"] += 1
         counts["resolve correct"] += resolve == "correct"
         if stock == "correct":

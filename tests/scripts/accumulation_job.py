@@ -5,13 +5,12 @@ epoch of 10 micro-batches per rank; a counting hook (torch's plain all-reduce, r
 counts the real all-reduces.
 """
 
-
 import lightning as L
 import torch
 import torch.distributed as dist
 
 from lightning_ddp_plus import DDPPlusStrategy
-from tests.helpers import job_main, QUIET_TRAINER, TinyRegression, TinyRegressionManual
+from tests.helpers import QUIET_TRAINER, TinyRegression, TinyRegressionManual, job_main
 
 ALLREDUCE_HOOK = "torch.distributed.algorithms.ddp_comm_hooks.default_hooks.allreduce_hook"
 

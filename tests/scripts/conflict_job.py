@@ -6,13 +6,12 @@ it) and every rank's parameters are recorded; rank 0 writes them as JSON. A case
 Lightning's stock ``DDPStrategy`` instead.
 """
 
-
 import lightning as L
 import torch
 import torch.distributed as dist
 
 from lightning_ddp_plus import DDPPlusStrategy
-from tests.helpers import job_main, QUIET_TRAINER, CheckpointNet, flat_parameters
+from tests.helpers import QUIET_TRAINER, CheckpointNet, flat_parameters, job_main
 
 
 def run_case(case: dict) -> dict:
@@ -22,12 +21,19 @@ def run_case(case: dict) -> dict:
         strategy = L.pytorch.strategies.DDPStrategy(process_group_backend="gloo", **strategy_kwargs)
     else:
         strategy = DDPPlusStrategy(process_group_backend="gloo", **strategy_kwargs)
-    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_epochs=1, accumulate_grad_batches=accumulate, **QUIET_TRAINER)
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=2,
+        max_epochs=1,
+        accumulate_grad_batches=accumulate,
+        **QUIET_TRAINER,
+    )
     model = CheckpointNet(**case.get("model", {}))
     outcome = {"error": None, "message": None}
     try:
         trainer.fit(model)
-    except Exception as error:  # the outcome is what the test checks
+    except Exception as error:  # noqa: BLE001 - the outcome is what the test checks
         outcome = {"error": type(error).__name__, "message": str(error)}
     params = None
     if case.get("gather", True):
@@ -42,7 +48,10 @@ def run_case(case: dict) -> dict:
         "params": params,
         "optimizer_steps": stats.optimizer_steps if stats else trainer.global_step,
         "findings": [finding.rule.id for finding in getattr(strategy, "findings", [])],
-        "settings": {"static_graph": strategy.settings.static_graph, "find_unused_parameters": strategy.settings.find_unused_parameters}
+        "settings": {
+            "static_graph": strategy.settings.static_graph,
+            "find_unused_parameters": strategy.settings.find_unused_parameters,
+        }
         if hasattr(strategy, "settings")
         else None,
     }

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from lightning_ddp_plus import DDPPlusStrategy
-from tests.helpers import job_main, QUIET_TRAINER, CheckpointNet, TinyRegression
+from tests.helpers import QUIET_TRAINER, CheckpointNet, TinyRegression, job_main
 
 INDEPENDENT = {"calls": 0, "bytes": 0}
 
@@ -63,13 +63,22 @@ def run_case(case: dict) -> dict:
         callbacks.append(CorruptRank1(**case["corrupt"]))
     snapshot = BufferSnapshot()
     callbacks.append(snapshot)
-    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_epochs=case.get("epochs", 1), callbacks=callbacks, **QUIET_TRAINER)
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=2,
+        max_epochs=case.get("epochs", 1),
+        callbacks=callbacks,
+        **QUIET_TRAINER,
+    )
     model_kwargs = case.get("model", {})
-    model = CheckpointNet(**model_kwargs) if model_kwargs.pop("checkpoint_net", False) else TinyRegression(**model_kwargs)
+    model = (
+        CheckpointNet(**model_kwargs) if model_kwargs.pop("checkpoint_net", False) else TinyRegression(**model_kwargs)
+    )
     result = {**case, "error": None, "message": None}
     try:
         trainer.fit(model)
-    except Exception as error:  # the outcome is what the test checks
+    except Exception as error:  # noqa: BLE001 - the outcome is what the test checks
         result.update(error=type(error).__name__, message=str(error))
     if snapshot.snapshot is not None and snapshot.snapshot.numel():
         gathered = [torch.zeros_like(snapshot.snapshot) for _ in range(2)]
@@ -81,7 +90,9 @@ def run_case(case: dict) -> dict:
         synced_backwards=strategy.sync_stats.synced_backwards,
         skipped_backwards=strategy.sync_stats.skipped_backwards,
         replica_checks=len(strategy.replica_check_seconds),
-        replica_check_ms=statistics.median(strategy.replica_check_seconds) * 1000 if strategy.replica_check_seconds else None,
+        replica_check_ms=statistics.median(strategy.replica_check_seconds) * 1000
+        if strategy.replica_check_seconds
+        else None,
         broadcast_buffers=strategy.settings.broadcast_buffers,
         independent=dict(INDEPENDENT),
         telemetry_totals=telemetry.totals.__dict__ if telemetry else None,

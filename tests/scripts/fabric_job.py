@@ -65,7 +65,7 @@ def run_case(case: dict) -> dict:
                     if case.get("corrupt_after") == outcome["steps"] and rank == 1:
                         with torch.no_grad():
                             next(model.parameters()).add_(1e-3)
-    except Exception as error:  # the outcome is what the test checks
+    except Exception as error:  # noqa: BLE001 - the outcome is what the test checks
         outcome.update(error=type(error).__name__, message=str(error)[:1500])
     flat = flat_parameters(model)
     gathered = [torch.zeros_like(flat) for _ in range(2)]

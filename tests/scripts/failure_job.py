@@ -31,7 +31,9 @@ class Misbehaving(TinyRegression):
 
 def main() -> None:
     mode, rank, step, timeout = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-    trainer = L.Trainer(strategy=DDPPlusStrategy(timeout=timeout), accelerator="cpu", devices=2, max_epochs=1, **QUIET_TRAINER)
+    trainer = L.Trainer(
+        strategy=DDPPlusStrategy(timeout=timeout), accelerator="cpu", devices=2, max_epochs=1, **QUIET_TRAINER
+    )
     trainer.fit(Misbehaving(mode, rank, step))
 
 

@@ -29,7 +29,9 @@ class CountingCheckpointIO(TorchCheckpointIO):
 def main() -> None:
     out_path, mode, ckpt, writes_log = sys.argv[1:5]
     strategy = DDPPlusStrategy(gradient_accumulation_steps=3, checkpoint_io=CountingCheckpointIO(writes_log))
-    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_epochs=1 if mode == "first" else 2, **QUIET_TRAINER)
+    trainer = L.Trainer(
+        strategy=strategy, accelerator="cpu", devices=2, max_epochs=1 if mode == "first" else 2, **QUIET_TRAINER
+    )
     model = TinyRegression(num_samples=64, batch_size=4, momentum=0.9)
     trainer.fit(model, ckpt_path=ckpt if mode == "resume" else None)
     if mode == "first":

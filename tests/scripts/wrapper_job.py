@@ -53,7 +53,9 @@ def run_case(case: dict) -> dict:
     else:
         strategy = DDPPlusStrategy(process_group_backend="gloo", **case.get("strategy", {}))
     witness = WrapperWitness()
-    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_epochs=1, callbacks=[witness], **QUIET_TRAINER)
+    trainer = L.Trainer(
+        strategy=strategy, accelerator="cpu", devices=2, max_epochs=1, callbacks=[witness], **QUIET_TRAINER
+    )
     model = CheckpointNet(**case.get("model", {}))
     trainer.fit(model)
     flat = flat_parameters(model)

@@ -12,10 +12,9 @@ import warnings
 import lightning as L
 import torch
 import torch.distributed as dist
-
-from lightning_ddp_plus import DDPPlusStrategy
 from torch.utils.data import DistributedSampler
 
+from lightning_ddp_plus import DDPPlusStrategy
 from tests.helpers import QUIET_TRAINER, job_main
 from tests.zoo import ZooModule, disable_checkpointing
 
@@ -41,24 +40,47 @@ def reference(case: dict) -> torch.Tensor:
     disable_checkpointing(module.model)
     dataset = module.train_dataloader().dataset
     size, k, world = module.hparams.batch_size, case.get("k", 1), 2
-    shards = [[dataset[i] for i in DistributedSampler(dataset, num_replicas=world, rank=r, shuffle=True, seed=0)] for r in range(world)]
-    batches = [[torch.utils.data.default_collate(shard[b : b + size]) for b in range(0, len(shard), size)] for shard in shards]
+    shards = [
+        [dataset[i] for i in DistributedSampler(dataset, num_replicas=world, rank=r, shuffle=True, seed=0)]
+        for r in range(world)
+    ]
+    batches = [
+        [torch.utils.data.default_collate(shard[b : b + size]) for b in range(0, len(shard), size)] for shard in shards
+    ]
     optimizer = module.configure_optimizers()
     for start in range(0, len(batches[0]), k):
         optimizer.zero_grad()
-        sum(module.training_step(rank_batches[b], b) / k / world for rank_batches in batches for b in range(start, min(start + k, len(batches[0])))).backward()
+        sum(
+            module.training_step(rank_batches[b], b) / k / world
+            for rank_batches in batches
+            for b in range(start, min(start + k, len(batches[0])))
+        ).backward()
         optimizer.step()
     return torch.cat([p.detach().flatten() for _, p in trainable(module)])
 
 
 def run(case: dict, kind: str) -> tuple[dict, torch.Tensor]:
-    settings = {"find_unused_parameters": case.get("find_unused_parameters", False), "static_graph": case.get("static_graph", False)}
+    settings = {
+        "find_unused_parameters": case.get("find_unused_parameters", False),
+        "static_graph": case.get("static_graph", False),
+    }
     if kind == "stock":
-        strategy = L.pytorch.strategies.DDPStrategy(process_group_backend="gloo", timeout=L.fabric.plugins.collectives.torch_collective.default_pg_timeout, **settings)
+        strategy = L.pytorch.strategies.DDPStrategy(
+            process_group_backend="gloo",
+            timeout=L.fabric.plugins.collectives.torch_collective.default_pg_timeout,
+            **settings,
+        )
     else:
         mode = {"ddp_plus": "error", "resolve": "resolve", "warn": "warn"}[kind]
         strategy = DDPPlusStrategy(process_group_backend="gloo", timeout="2m", checkpointing_conflict=mode, **settings)
-    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_epochs=1, accumulate_grad_batches=case.get("k", 1), **QUIET_TRAINER)
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=2,
+        max_epochs=1,
+        accumulate_grad_batches=case.get("k", 1),
+        **QUIET_TRAINER,
+    )
     model = ZooModule(case["model"], num_samples=case.get("num_samples", 12))
     initial = trainable(model)
     outcome = {"kind": kind, "error": None, "message": None}
@@ -68,7 +90,7 @@ def run(case: dict, kind: str) -> tuple[dict, torch.Tensor]:
         warnings.simplefilter("always")
         try:
             trainer.fit(model)
-        except Exception as error:  # the outcome is what the test checks
+        except Exception as error:  # noqa: BLE001 - the outcome is what the test checks
             outcome.update(error=type(error).__name__, message=str(error)[:1500])
     logging.getLogger("lightning.pytorch.utilities.rank_zero").removeHandler(lines)
     final = trainable(model)
@@ -82,12 +104,21 @@ def run(case: dict, kind: str) -> tuple[dict, torch.Tensor]:
         trainable=len(final),
         findings=[finding.rule.id for finding in getattr(strategy, "findings", [])],
         settings=(
-            {"find_unused_parameters": strategy.settings.find_unused_parameters, "static_graph": strategy.settings.static_graph}
+            {
+                "find_unused_parameters": strategy.settings.find_unused_parameters,
+                "static_graph": strategy.settings.static_graph,
+            }
             if isinstance(strategy, DDPPlusStrategy)
             else None
         ),
         resolve_lines=[line for line in lines.lines if "resolved conflicts" in line],
-        rule_warnings=sorted({str(w.message).split("[")[1].split("]")[0] for w in caught if str(w.message).startswith("DDPPlusStrategy: [")}),
+        rule_warnings=sorted(
+            {
+                str(w.message).split("[")[1].split("]")[0]
+                for w in caught
+                if str(w.message).startswith("DDPPlusStrategy: [")
+            }
+        ),
         rule_warning_count=sum(str(w.message).startswith("DDPPlusStrategy: [") for w in caught),
     )
     return outcome, flat
