@@ -66,13 +66,20 @@ def probe_facts(model: pl.LightningModule, datamodule: pl.LightningDataModule | 
 
 
 def describe_facts(facts: ModelFacts) -> str:
-    def names(values: Any) -> str:
-        return ", ".join(values) if values else "none"
+    def names(values: Any, limit: int = 6) -> str:
+        values = list(values or ())
+        return (
+            ", ".join(values[:limit]) + (f" and {len(values) - limit} more" if len(values) > limit else "")
+            if values
+            else "none"
+        )
 
     unused = "not observed" if facts.unused_parameters is None else names(facts.unused_parameters)
     return (
-        f"checkpointing: {names(sorted(facts.checkpointing))}; reused inside checkpointing: {names(facts.reused_in_checkpoint)}; "
-        f"parameters without gradient: {unused}; buffers training changes: {names(facts.mutable_buffers)}"
+        f"checkpointing: {names(sorted(facts.checkpointing))}; trained inside reentrant regions: "
+        f"{names(facts.reentrant_parameters)}; accumulated more than once: {names(facts.reused_in_checkpoint)}; "
+        f"in regions without input grads: {names(facts.no_grad_region_parameters)}; parameters without gradient: "
+        f"{unused}; buffers training changes: {names(facts.mutable_buffers)}"
     )
 
 

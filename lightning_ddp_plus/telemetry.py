@@ -155,9 +155,12 @@ class SyncTelemetry:
 
 
 class DDPTelemetry(pl.Callback):
-    """Logs the strategy's per-step sync telemetry under ``ddp/`` and a compact ``ddp_MB`` in the progress bar.
+    """Sends the strategy's per-step sync telemetry to the Trainer's loggers under ``ddp/`` (every
+    ``log_every_n_steps`` optimizer steps, as Lightning logs), and ``ddp_MB`` to the progress bar when there is one.
 
-    ``DDPPlusStrategy(telemetry=True)`` adds it by itself; add it yourself to choose where it sits in the list.
+    The figures go to the loggers directly rather than through ``LightningModule.log``, whose result collection
+    costs more per call (about 0.3 ms here) than measuring them. ``DDPPlusStrategy(telemetry=True)`` adds this
+    callback by itself; add it yourself to choose where it sits in the list.
     """
 
     def __init__(self) -> None:
@@ -170,5 +173,10 @@ class DDPTelemetry(pl.Callback):
         if telemetry is None or telemetry.last is None or telemetry.last.step == self._logged_step:
             return
         self._logged_step = telemetry.last.step
-        pl_module.log_dict(telemetry.last.as_metrics(), on_step=True, on_epoch=False, sync_dist=False)
-        pl_module.log("ddp_MB", telemetry.last.bytes_sent / 2**20, on_step=True, on_epoch=False, prog_bar=True)
+        if telemetry.last.step % max(1, trainer.log_every_n_steps) == 0:
+            for logger in trainer.loggers:
+                logger.log_metrics(telemetry.last.as_metrics(), step=trainer.global_step)
+        if trainer.progress_bar_callback is not None:
+            pl_module.log(
+                "ddp_MB", telemetry.last.bytes_sent / 2**20, on_step=True, on_epoch=False, prog_bar=True, logger=False
+            )

@@ -15,7 +15,7 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -341,3 +341,32 @@ def run_case_job(script: str, cases: list, out: Path, timeout: float = 400) -> l
     for result in start_ranks(python_script(script) + [str(out), json.dumps(cases)], timeout=timeout):
         assert result.returncode == 0, result.stdout[-4000:]
     return json.loads(out.read_text())
+
+
+class RankShard(IterableDataset):
+    """Rows ``rank::world`` of a data set, as an iterable of unknown length (Lightning shards no iterable itself)."""
+
+    def __init__(self, dataset: TensorDataset, rank: int, world: int) -> None:
+        self.dataset, self.rank, self.world = dataset, rank, world
+
+    def __iter__(self) -> Any:
+        return (self.dataset[i] for i in range(self.rank, len(self.dataset), self.world))
+
+
+class IterableDataMixin:
+    """Train on ``RankShard``: the epoch's length is unknown to Lightning (``num_training_batches`` is inf)."""
+
+    def train_dataloader(self) -> DataLoader:
+        trainer = self.trainer
+        shard = RankShard(
+            regression_data(self.hparams.num_samples, self.hparams.features), trainer.global_rank, trainer.world_size
+        )
+        return DataLoader(shard, batch_size=self.hparams.batch_size)
+
+
+class TinyRegressionIterable(IterableDataMixin, TinyRegression):
+    pass
+
+
+class TinyRegressionManualIterable(IterableDataMixin, TinyRegressionManual):
+    pass

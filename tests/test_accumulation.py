@@ -12,7 +12,7 @@ from lightning_ddp_plus.accumulation import (
     merge_accumulation_settings,
     window_position,
 )
-from tests.helpers import TinyRegression, reference_parameters, run_case_job
+from tests.helpers import TinyRegression, reference_parameters, regression_data, run_case_job
 
 
 def test_windows_of_an_epoch_of_ten_with_k4():
@@ -107,11 +107,17 @@ CASES = [
     {"manual": False, "static_graph": False, "strategy_k": 4, "short_window": "lightning"},
     {"manual": True, "static_graph": True, "strategy_k": 4, "short_window": "lightning"},
 ]
+# An iterable loader: the epoch's length is unknown, Lightning knows the last batch one ahead
+ITERABLE_CASES = [
+    {"manual": manual, "static_graph": False, "strategy_k": 4, "iterable": True} for manual in (False, True)
+]
 
 
 @pytest.fixture(scope="module")
 def accumulation_results(tmp_path_factory):
-    return run_case_job("accumulation_job.py", CASES, tmp_path_factory.mktemp("accumulation") / "results.json")
+    return run_case_job(
+        "accumulation_job.py", CASES + ITERABLE_CASES, tmp_path_factory.mktemp("accumulation") / "results.json"
+    )
 
 
 def case_id(case):
@@ -145,6 +151,7 @@ def test_short_window_modes_really_differ(accumulation_results):
 def test_sync_stats_reach_the_trainer_logger(tmp_path, monkeypatch):
     # One real process group of one rank, so the run stays in this process; the counts are logged under ddp/.
     import csv
+    import dataclasses
 
     import torch.distributed as dist
     from lightning.pytorch.loggers import CSVLogger
@@ -152,7 +159,7 @@ def test_sync_stats_reach_the_trainer_logger(tmp_path, monkeypatch):
     from tests.helpers import TinyRegressionManual, free_port
 
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    strategy = DDPPlusStrategy(gradient_accumulation_steps=3)
+    strategy = DDPPlusStrategy(gradient_accumulation_steps=3, telemetry=True)
     trainer = L.Trainer(
         strategy=strategy,
         accelerator="cpu",
@@ -163,14 +170,56 @@ def test_sync_stats_reach_the_trainer_logger(tmp_path, monkeypatch):
         enable_checkpointing=False,
         enable_progress_bar=False,
     )
+    model = TinyRegressionManual(num_samples=40, batch_size=4)
     try:
-        trainer.fit(TinyRegressionManual(num_samples=40, batch_size=4))
+        trainer.fit(model)
+        first = dataclasses.replace(strategy.sync_stats)
+        trainer.fit_loop.max_epochs = 2  # a second fit call trains one more epoch: counters start again at 0
+        trainer.fit(model)
     finally:
         dist.destroy_process_group()
+    assert first.optimizer_steps == strategy.sync_stats.optimizer_steps == 4
     with open(next(tmp_path.rglob("metrics.csv"))) as file:
         rows = list(csv.DictReader(file))
     last = [row for row in rows if row.get("ddp/optimizer_steps")][-1]
     assert float(last["ddp/optimizer_steps"]) == 4  # windows 3, 3, 3, 1
     assert float(last["ddp/synced_backwards"]) == 4
     assert float(last["ddp/skipped_backwards"]) == 6
+    # telemetry of each optimizer step, torch's own timings included, goes to the same loggers
+    telemetry_rows = [row for row in rows if row.get("ddp/bytes_sent")]
+    assert len(telemetry_rows) == 4 + 4  # one row per step, in each of the two fits
+    assert all(float(row["ddp/backward_comm_ms"]) >= 0 for row in telemetry_rows if row.get("ddp/backward_comm_ms"))
+    assert any(row.get("ddp/forward_ms") for row in telemetry_rows)
     assert strategy.sync_stats.optimizer_steps == 4
+
+
+def iterable_reference(k: int) -> torch.Tensor:
+    """One process: rank r trains on rows r::2 in order; each step's gradient is the mean over its window."""
+    from torch import nn
+
+    model = TinyRegression(num_samples=80, batch_size=4, lr=0.05)
+    x, y = regression_data(80).tensors
+    shards = [(x[r::2], y[r::2]) for r in range(2)]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    for start in range(0, 10, k):
+        window = range(start, min(start + k, 10))
+        optimizer.zero_grad()
+        sum(
+            nn.functional.mse_loss(model(xs[4 * b : 4 * b + 4]), ys[4 * b : 4 * b + 4]) / len(window) / 2
+            for xs, ys in shards
+            for b in window
+        ).backward()
+        optimizer.step()
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("index", range(len(ITERABLE_CASES)), ids=[case_id(c) for c in ITERABLE_CASES])
+def test_epoch_of_unknown_length_closes_its_short_last_window(accumulation_results, index):
+    result = accumulation_results[len(CASES) + index]
+    assert result["optimizer_steps"] == 3 and result["hook_calls"] == 3  # windows 4, 4, 2; the last closed on time
+    assert result["synced_backwards"] == 3 and result["skipped_backwards"] == 7
+    params = [torch.tensor(p) for p in result["params"]]
+    assert torch.equal(params[0], params[1]), "replicas differ"
+    expected = iterable_reference(4)
+    assert torch.allclose(params[0], expected, atol=1e-5, rtol=0), (params[0] - expected).abs().max()

@@ -1,4 +1,5 @@
 import pytest
+import torch
 
 from lightning_ddp_plus.backend import KNOWN_BACKENDS, normalize_backend, resolve_backend_for_device
 
@@ -63,11 +64,14 @@ def test_backend_missing_from_installed_torch():
         resolve_backend_for_device("mpi", "cpu", is_available=never)
 
 
-def test_real_availability_on_this_build():
-    # The CPU build has gloo but neither NCCL nor MPI: the real check (not a stand-in) must say so.
-    assert resolve_backend_for_device("gloo", "cpu") == "gloo"
-    with pytest.raises(ValueError, match="has no 'nccl' backend"):
-        resolve_backend_for_device("nccl", "cuda")
+@pytest.mark.parametrize(("backend", "device"), [("gloo", "cpu"), ("nccl", "cuda"), ("mpi", "cpu"), ("ucc", "cpu")])
+def test_real_availability_follows_the_installed_torch(backend, device):
+    # The real check (not a stand-in), on whatever build is installed: a CPU build has gloo only, a CUDA build NCCL too.
+    if torch.distributed.is_backend_available(backend):
+        assert resolve_backend_for_device(backend, device) == backend
+    else:
+        with pytest.raises(ValueError, match=f"has no '{backend}' backend"):
+            resolve_backend_for_device(backend, device)
 
 
 def test_unknown_device_type_with_auto_asks_for_a_name():

@@ -68,6 +68,11 @@ def test_ddp_plus_spawn_trains_with_identical_replicas(tmp_path):
     report = json.loads(out.read_text())
     assert report["global_step"] == [8, 8]
     assert_identical_replicas(report)
+    # what the workers counted reaches the strategy object in this (launching) process
+    strategy = trainer.strategy
+    assert strategy.sync_stats.optimizer_steps == strategy.sync_stats.synced_backwards == 8
+    assert strategy.findings == []  # the check ran in the workers and found nothing
+    assert strategy.settings.broadcast_buffers is True
     # spawn returns rank 0's weights to the main process
     assert torch.allclose(
         torch.cat([p.detach().flatten() for p in model.parameters()]), torch.tensor(report["params"][0])

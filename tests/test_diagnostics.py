@@ -92,17 +92,6 @@ def test_telemetry_equals_independent_counts_with_accumulation(results):
     # torch's own runtime statistics, read back (no Python hook per bucket, nothing patched)
     timed = result["telemetry_last"]
     assert timed["timed_iteration"] >= 1 and timed["backward_comm_ms"] > 0 and timed["forward_ms"] > 0
-    assert set(result["logged"]) >= {
-        "ddp/buckets",
-        "ddp/bytes_sent",
-        "ddp/synced_backwards",
-        "ddp/skipped_backwards",
-        "ddp/forward_ms",
-        "ddp/backward_compute_ms",
-        "ddp/backward_comm_ms",
-        "ddp/overlap_ms",
-        "ddp_MB",
-    }
 
 
 @pytest.mark.multiprocess

@@ -173,3 +173,31 @@ def test_broadcast_buffers_maps_without_deprecation_warning():
             assert ddp.broadcast_buffers is value
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    ("message", "explained"),
+    [
+        (
+            "[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 6000ms for recv operation to complete",
+            True,
+        ),
+        (
+            "Watchdog caught collective operation timeout: WorkNCCL(SeqNum=5, OpType=ALLREDUCE) ran for 600000 milliseconds before timing out.",
+            True,
+        ),
+        ("DataLoader timed out after 5 seconds", False),
+        ("Timeout while reading the config file", False),
+    ],
+)
+def test_timeout_explanation_only_for_collective_timeouts(message, explained):
+    error = RuntimeError(message)
+    DDPPlusStrategy(timeout="6s").on_exception(error)
+    assert ("set by `DDPPlusStrategy(timeout=...)`" in str(error)) is explained
+    assert str(error).startswith(message)  # the original message is kept
+
+
+def test_reducer_errors_get_their_rule():
+    error = RuntimeError("Expected to mark a variable ready only once. ... marked as ready twice")
+    DDPPlusStrategy().on_exception(error)
+    assert "this is rule R1" in str(error) and "Fix: set static_graph=True" in str(error)

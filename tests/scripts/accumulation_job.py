@@ -10,7 +10,14 @@ import torch
 import torch.distributed as dist
 
 from lightning_ddp_plus import DDPPlusStrategy
-from tests.helpers import QUIET_TRAINER, TinyRegression, TinyRegressionManual, job_main
+from tests.helpers import (
+    QUIET_TRAINER,
+    TinyRegression,
+    TinyRegressionIterable,
+    TinyRegressionManual,
+    TinyRegressionManualIterable,
+    job_main,
+)
 
 ALLREDUCE_HOOK = "torch.distributed.algorithms.ddp_comm_hooks.default_hooks.allreduce_hook"
 
@@ -30,7 +37,10 @@ def run_case(case: dict) -> dict:
         accumulate_grad_batches=case.get("trainer_k", 1),
         **QUIET_TRAINER,
     )
-    model_cls = TinyRegressionManual if case["manual"] else TinyRegression
+    if case.get("iterable"):
+        model_cls = TinyRegressionManualIterable if case["manual"] else TinyRegressionIterable
+    else:
+        model_cls = TinyRegressionManual if case["manual"] else TinyRegression
     model = model_cls(num_samples=80, batch_size=4, lr=0.05)
     trainer.fit(model)
     flat = torch.cat([p.detach().flatten() for p in model.parameters()])

@@ -97,7 +97,6 @@ def run_case(case: dict) -> dict:
         independent=dict(INDEPENDENT),
         telemetry_totals=telemetry.totals.__dict__ if telemetry else None,
         telemetry_last=telemetry.last.__dict__ if telemetry and telemetry.last else None,
-        logged=sorted(k for k in trainer.logged_metrics if k.startswith("ddp")) if telemetry else None,
     )
     return result
 

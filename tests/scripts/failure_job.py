@@ -13,6 +13,8 @@ import lightning as L
 from lightning_ddp_plus import DDPPlusStrategy
 from tests.helpers import QUIET_TRAINER, TinyRegression
 
+HANG_S = 120
+
 
 class Misbehaving(TinyRegression):
     def __init__(self, mode: str, rank: int, step: int) -> None:
@@ -21,9 +23,11 @@ class Misbehaving(TinyRegression):
 
     def training_step(self, batch, batch_idx):
         if self.global_rank == self.bad_rank and self.global_step == self.bad_step:
+            # the wall-clock time of the failure, so the test bounds what follows it, not the job's start-up
+            print(f"failure starts at {time.time():.3f}", flush=True)
             if self.mode == "hang":
                 print(f"rank {self.global_rank} hangs at step {self.global_step}", flush=True)
-                time.sleep(120)
+                time.sleep(HANG_S)
             else:
                 raise RuntimeError(f"deliberate failure on rank {self.global_rank} at step {self.global_step}")
         return super().training_step(batch, batch_idx)
