@@ -179,6 +179,22 @@ class DDPPlusStrategy(DDPStrategy):
         )
         self._backward_syncs = True
 
+    @classmethod
+    def from_training_arguments(
+        cls, args: Any, model: Any | None = None, **overrides: Any
+    ) -> tuple[DDPPlusStrategy, dict[str, Any]]:
+        """Port Hugging Face ``TrainingArguments`` (or an object / mapping with its ``ddp_*`` names): returns the
+        strategy with the same meaning and the ``Trainer`` arguments it implies (see ``lightning_ddp_plus.hf``).
+
+        >>> strategy, trainer_kwargs = DDPPlusStrategy.from_training_arguments({"gradient_accumulation_steps": 2, "ddp_timeout": 600})
+        >>> strategy.timeout.total_seconds(), strategy.gradient_accumulation_steps, trainer_kwargs
+        (600.0, 2, {'accumulate_grad_batches': 2})
+        """
+        from lightning_ddp_plus.hf import port_training_arguments
+
+        port = port_training_arguments(args, model)
+        return cls(**{**port.strategy_kwargs, **overrides}), dict(port.trainer_kwargs)
+
     # ------------------------------------------------------------------ read-only views of the engine
 
     @property
