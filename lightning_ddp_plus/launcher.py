@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch.distributed as dist
 from lightning.fabric.utilities.distributed import _destroy_dist_connection
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from typing_extensions import override
@@ -93,25 +94,39 @@ def watch_parent(poll_seconds: float = 1.0) -> threading.Thread | None:
     return thread
 
 
-_shutdown_registered = False
+_held_groups: list = []
+_registered = False
 
 
 def register_process_group_shutdown() -> None:
-    """Destroy the process group at exit, while the interpreter is still fully alive (once per process).
+    """Destroy the process group at exit, on the main thread, while the interpreter is still whole.
 
-    A gloo group that outlives ``atexit`` is destroyed by the interpreter's final garbage collection (e.g. when a
-    DDP wrapper left in a reference cycle still holds it through its reducer). Its worker threads may then release
-    the last reference to Python-owned tensors of a finished collective; a thread that asks for the GIL during
-    interpreter shutdown is ended by CPython, and the forced unwind through a C++ destructor calls
-    ``std::terminate``: "terminate called without an active exception", a finished run turned into SIGABRT.
-    Collecting cyclic garbage first releases such wrappers, so the group really goes (its threads joined) here.
+    Two ways a gloo group otherwise ends a finished run with SIGABRT, both seen here:
+
+    - the group outlives ``atexit`` (e.g. a DDP wrapper left in a reference cycle holds it through its reducer) and is
+      destroyed by the interpreter's final garbage collection; its worker threads may then release Python-owned
+      tensors of a finished collective, a thread that asks for the GIL during shutdown is ended by CPython, and the
+      forced unwind through a C++ destructor calls ``std::terminate``;
+    - the script destroys the group itself while a worker thread still holds the last reference to a finished
+      collective whose Python callback (PowerSGD's, for one) closes over the group: the worker then destroys the
+      group and joins itself (``std::system_error``).
+
+    So the group created for this strategy is held until the ``atexit`` handler, which collects cyclic garbage,
+    destroys the group if the script has not, and only then drops the last reference, on the main thread, after the
+    workers have long gone idle.
     """
-    global _shutdown_registered
-    if not _shutdown_registered:
-        _shutdown_registered = True
+    global _registered
+    if dist.is_available() and dist.is_initialized():
+        group = dist.distributed_c10d._get_default_group()
+        if not any(held is group for held in _held_groups):
+            _held_groups.append(group)
+    if not _registered:
+        _registered = True
         atexit.register(_shutdown_process_group)
 
 
 def _shutdown_process_group() -> None:
     gc.collect()
     _destroy_dist_connection()
+    _held_groups.clear()
+    gc.collect()

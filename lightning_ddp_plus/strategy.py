@@ -178,6 +178,7 @@ class DDPPlusStrategy(DDPStrategy):
             **ddp_kwargs(self.engine.settings),
         )
         self._backward_syncs = True
+        self._static_graph_flushed = False
 
     @classmethod
     def from_training_arguments(
@@ -304,6 +305,7 @@ class DDPPlusStrategy(DDPStrategy):
         with torch.cuda.stream(torch.cuda.Stream()) if device_ids is not None else nullcontext():
             ddp = self.engine.wrap(model, device_ids)
         self._ddp_kwargs = ddp_kwargs(self.engine.settings)
+        self._static_graph_flushed = False
         return ddp
 
     @override
@@ -389,9 +391,22 @@ class DDPPlusStrategy(DDPStrategy):
 
     @override
     def post_backward(self, closure_loss: Tensor) -> None:
-        # Lightning's manual static-graph flush must only follow a backward that all-reduced.
-        if self._backward_syncs:
-            super().post_backward(closure_loss)
+        # Manual optimization with a static graph: the loss never passes through DDP's _DDPSink (the backward runs
+        # inside the wrapper's forward), so nothing queues the first synced backward's delayed all-reduce; without it
+        # torch never reduces a gradient. Lightning 2.6 does this in its post_backward, 2.5 does not: do it here, once
+        # per wrapper, after a backward that synced.
+        ddp = self.model
+        lightning_module = self.lightning_module
+        if (
+            self._backward_syncs
+            and not self._static_graph_flushed
+            and isinstance(ddp, DistributedDataParallel)
+            and ddp.static_graph
+            and lightning_module is not None
+            and not lightning_module.automatic_optimization
+        ):
+            ddp.reducer._delay_all_reduce()
+            self._static_graph_flushed = True
 
     @override
     def optimizer_step(

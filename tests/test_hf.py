@@ -11,7 +11,7 @@ from torch import nn
 
 from lightning_ddp_plus import DDPPlusStrategy
 from lightning_ddp_plus.hf import HF_DEFAULTS, HFStyleDDPPlusStrategy, port_training_arguments
-from tests.helpers import REPO_ROOT
+from tests.helpers import _LAUNCH_VARIABLES, REPO_ROOT
 
 
 class HFLike(nn.Linear):
@@ -89,8 +89,10 @@ def test_mistakes_are_named():
         DDPPlusStrategy.from_training_arguments({"ddp_backend": "mccl"})
 
 
-def test_real_training_arguments(tmp_path):
+def test_real_training_arguments(tmp_path, monkeypatch):
     transformers = pytest.importorskip("transformers")
+    for name in _LAUNCH_VARIABLES:  # left by earlier in-process runs; TrainingArguments would start a process group
+        monkeypatch.delenv(name, raising=False)
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path),
         gradient_accumulation_steps=4,
