@@ -96,14 +96,25 @@ def auto_backend_for_device(device_type: str) -> str:
     )
 
 
+def has_default_backend(device_type: str) -> bool:
+    """Whether ``"auto"`` has a backend for this device type (``"xla"`` has none: XLA strategies make their own).
+
+    >>> has_default_backend("cuda"), has_default_backend("xla")
+    (True, False)
+    """
+    return device_type in AUTO_BACKEND_BY_DEVICE or device_type in torch.distributed.Backend.default_device_backend_map
+
+
 def resolve_backend_for_device(
     requested: str | None,
     device_type: str,
     is_available: Callable[[str], bool] = torch.distributed.is_backend_available,
+    check_available: bool = True,
 ) -> str:
     """Resolve ``requested`` (already normalized) against the device type the accelerator trains on.
 
-    Raises if the backend cannot move tensors of that device type or is not available in the installed torch.
+    Raises if the backend cannot move tensors of that device type or (``check_available``) is not available in the
+    installed torch.
 
     >>> resolve_backend_for_device(None, "cpu")
     'gloo'
@@ -127,7 +138,7 @@ def resolve_backend_for_device(
                 f"or choose an accelerator that {backend!r} supports.",
             )
         )
-    if not is_available(backend):
+    if check_available and not is_available(backend):
         raise ValueError(
             describe_bad_value(
                 "process_group_backend",

@@ -39,7 +39,7 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_ddp_plus.accumulation import ShortWindow, SyncStats, WindowPosition, scale_gradients
-from lightning_ddp_plus.backend import resolve_backend_for_device
+from lightning_ddp_plus.backend import has_default_backend, resolve_backend_for_device
 from lightning_ddp_plus.comm_hooks import HookCallCounter
 from lightning_ddp_plus.engine import DDPPlusEngine
 from lightning_ddp_plus.launcher import register_process_group_shutdown
@@ -188,12 +188,21 @@ class DDPPlusFabricStrategy(DDPStrategy):
     def _configure_launcher(self) -> None:
         # Fabric's connector calls this before anything is launched: judge the backend against the device here.
         assert self.parallel_devices is not None
-        self._process_group_backend = resolve_backend_for_device(self.options.backend, self.parallel_devices[0].type)
+        device = self.parallel_devices[0].type
+        if self.options.backend is not None or has_default_backend(device):  # else the connector names the problem
+            self._process_group_backend = resolve_backend_for_device(
+                self.options.backend, device, check_available=self.options.backend is not None
+            )
         super()._configure_launcher()
 
     @override
     def _get_process_group_backend(self) -> str:
-        return resolve_backend_for_device(self.options.backend, self.root_device.type)
+        return resolve_backend_for_device(self.options.backend, self.root_device.type, check_available=False)
+
+    @override
+    def _setup_distributed(self) -> None:
+        resolve_backend_for_device(self.options.backend, self.root_device.type)  # present in this torch?
+        super()._setup_distributed()
 
     @override
     def setup_environment(self) -> None:

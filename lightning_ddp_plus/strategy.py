@@ -32,7 +32,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_ddp_plus.accumulation import ShortWindow, WindowPosition, scale_gradients, window_position
-from lightning_ddp_plus.backend import resolve_backend_for_device
+from lightning_ddp_plus.backend import has_default_backend, resolve_backend_for_device
 from lightning_ddp_plus.comm_hooks import CommHook, HookCallCounter, HookFunction
 from lightning_ddp_plus.engine import DDPPlusEngine
 from lightning_ddp_plus.launcher import (
@@ -260,8 +260,14 @@ class DDPPlusStrategy(DDPStrategy):
     @override
     def _configure_launcher(self) -> None:
         # The Trainer calls this once it has chosen the accelerator and devices, before anything is launched: the
-        # earliest moment at which device-dependent settings can be judged.
-        self._process_group_backend = resolve_backend_for_device(self.options.backend, self._device_type())
+        # earliest moment at which device-dependent settings can be judged. A backend the user named must also exist
+        # in this torch; the automatic one is checked for that in each process before the group is created, so that
+        # a faked accelerator (Lightning's own tests fake CUDA on CPU builds) behaves as with stock Lightning.
+        device = self._device_type()
+        if self.options.backend is not None or has_default_backend(device):  # else the connector names the problem
+            self._process_group_backend = resolve_backend_for_device(
+                self.options.backend, device, check_available=self.options.backend is not None
+            )
         assert self.cluster_environment is not None
         if self._start_method == "popen":
             self._launcher = KillChildrenOnFailureLauncher(
@@ -289,7 +295,12 @@ class DDPPlusStrategy(DDPStrategy):
 
     @override
     def _get_process_group_backend(self) -> str:
-        return resolve_backend_for_device(self.options.backend, self.root_device.type)
+        return resolve_backend_for_device(self.options.backend, self.root_device.type, check_available=False)
+
+    @override
+    def setup_distributed(self) -> None:
+        resolve_backend_for_device(self.options.backend, self.root_device.type)  # present in this torch?
+        super().setup_distributed()
 
     # ------------------------------------------------------------------ the wrapper
 

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Lightning's own tests for its DDP strategy, registry, accelerator connector, launchers and manual optimization, run
+# with DDPPlusStrategy in place of DDPStrategy (compat/ddp_plus_swap.py). Not part of CI (a few minutes).
+#
+#   compat/run_lightning_tests.sh [TAG]        # TAG: the Lightning release to take the tests from (default: installed)
+#   LIGHTNING_REPO=/path/to/pytorch-lightning compat/run_lightning_tests.sh   # a local clone instead of GitHub
+#
+# Prints passed / failed; compare the failures with compat/intended_failures.md.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+TAG=${1:-$(python -c "import lightning; print(lightning.__version__)")}
+WORK=$(mktemp -d)
+trap 'rm -rf "$WORK"' EXIT
+if [ -n "${LIGHTNING_REPO:-}" ]; then
+  git -C "$LIGHTNING_REPO" archive "$TAG" tests/tests_pytorch | tar -x -C "$WORK"
+else
+  git clone --quiet --depth 1 --branch "$TAG" https://github.com/Lightning-AI/pytorch-lightning "$WORK/repo"
+  mv "$WORK/repo/tests" "$WORK/tests"
+fi
+cd "$WORK/tests"
+PYTHONPATH="$OLDPWD:$WORK/tests" python -m pytest -p compat.ddp_plus_swap -q -p no:cacheprovider --timeout=300 \
+  tests_pytorch/strategies/test_ddp.py tests_pytorch/strategies/test_ddp_integration.py \
+  tests_pytorch/strategies/test_ddp_integration_comm_hook.py tests_pytorch/strategies/test_registry.py \
+  tests_pytorch/strategies/test_common.py tests_pytorch/strategies/test_custom_strategy.py \
+  tests_pytorch/strategies/launchers tests_pytorch/trainer/connectors/test_accelerator_connector.py \
+  tests_pytorch/trainer/optimization/test_manual_optimization.py "${@:2}" -rf 2>&1 | tee "$WORK/log" | tail -80
