@@ -31,7 +31,17 @@ PARENT_PID_VARIABLE = "DDP_PLUS_LAUNCHER_PID"
 BeforeLaunch = Callable[[Any], None]
 
 
-class KillChildrenOnFailureLauncher(_SubprocessScriptLauncher):
+class _SettlesBeforeLaunch:
+    """Calls ``before_launch(trainer)`` at the start of ``launch``, in every process, before anything is started."""
+
+    before_launch: BeforeLaunch | None = None
+
+    def _settle(self, trainer: Any | None) -> None:
+        if trainer is not None and self.before_launch is not None:
+            self.before_launch(trainer)
+
+
+class KillChildrenOnFailureLauncher(_SettlesBeforeLaunch, _SubprocessScriptLauncher):
     """Lightning's popen launcher, plus: if rank 0 fails, its child ranks are killed before the error propagates."""
 
     def __init__(self, *args: Any, before_launch: BeforeLaunch | None = None, **kwargs: Any) -> None:
@@ -40,8 +50,7 @@ class KillChildrenOnFailureLauncher(_SubprocessScriptLauncher):
 
     @override
     def launch(self, function: Callable, *args: Any, trainer: Any | None = None, **kwargs: Any) -> Any:
-        if trainer is not None and self.before_launch is not None:
-            self.before_launch(trainer)
+        self._settle(trainer)
         if not self.cluster_environment.creates_processes_externally:
             os.environ[PARENT_PID_VARIABLE] = str(os.getpid())  # inherited by the children it starts
         try:
@@ -51,7 +60,7 @@ class KillChildrenOnFailureLauncher(_SubprocessScriptLauncher):
             raise
 
 
-class ResultsReturningLauncher(_MultiProcessingLauncher):
+class ResultsReturningLauncher(_SettlesBeforeLaunch, _MultiProcessingLauncher):
     """Lightning's spawn/fork launcher, plus ``before_launch`` and the strategy's results (findings, counts,
     resolved settings) carried from rank 0's worker back to the strategy object in the launching process."""
 

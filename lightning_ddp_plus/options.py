@@ -6,6 +6,7 @@ value gets the same message from both, before any process is started.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -63,6 +64,13 @@ class DDPPlusOptions:
     verify_replicas_every_n_steps: int | None
     telemetry: bool
     start_method: StartMethod
+
+    @classmethod
+    def from_arguments(cls, arguments: dict[str, Any], ddp_kwargs: dict[str, Any]) -> DDPPlusOptions:
+        """``create`` from a front end's constructor arguments (its ``locals()``): the names ``create`` takes are
+        read, the Lightning plumbing (``accelerator``, ``parallel_devices`` ...) is left to the front end."""
+        names = [name for name in inspect.signature(cls.create).parameters if name != "ddp_kwargs"]
+        return cls.create(**{name: arguments[name] for name in names if name in arguments}, **ddp_kwargs)
 
     @classmethod
     def create(

@@ -141,26 +141,7 @@ class DDPPlusStrategy(DDPStrategy):
         start_method: StartMethod = "popen",
         **kwargs: Any,
     ) -> None:
-        options = DDPPlusOptions.create(
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            find_unused_parameters=find_unused_parameters,
-            bucket_cap_mb=bucket_cap_mb,
-            broadcast_buffers=broadcast_buffers,
-            static_graph=static_graph,
-            gradient_as_bucket_view=gradient_as_bucket_view,
-            ddp_comm_hook=ddp_comm_hook,
-            ddp_comm_state=ddp_comm_state,
-            ddp_comm_wrapper=ddp_comm_wrapper,
-            model_averaging_period=model_averaging_period,
-            gradient_accumulation_steps=gradient_accumulation_steps,
-            short_window=short_window,
-            checkpointing_conflict=checkpointing_conflict,
-            verify_replicas_every_n_steps=verify_replicas_every_n_steps,
-            telemetry=telemetry,
-            start_method=start_method,
-            **kwargs,
-        )
+        options = DDPPlusOptions.from_arguments(locals(), ddp_kwargs=kwargs)
         self.engine = DDPPlusEngine(options, warn=rank_zero_warn, info=rank_zero_info)
         super().__init__(
             accelerator=accelerator,

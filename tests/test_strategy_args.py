@@ -144,9 +144,23 @@ def test_gloo_is_accepted_on_cuda_devices():
     assert strategy.parallel_devices[0].type == "cuda"
 
 
-def test_auto_on_cuda_picks_nccl_which_this_cpu_build_lacks():
-    with pytest.raises(ValueError, match=r"`process_group_backend='nccl'`.*has no 'nccl' backend"):
-        trainer(DDPPlusStrategy(), accelerator=FakeCUDAAccelerator())
+def test_auto_on_cuda_picks_nccl_and_checks_it_before_the_group_is_created():
+    # As stock Lightning: a faked CUDA accelerator builds (Lightning's own tests rely on it); whether this torch has
+    # NCCL is checked in each process right before the process group would be created.
+    built = trainer(DDPPlusStrategy(), accelerator=FakeCUDAAccelerator())
+    assert built.strategy.process_group_backend == "nccl"
+    if not torch.distributed.is_nccl_available():
+        with pytest.raises(ValueError, match=r"`process_group_backend='nccl'`.*has no 'nccl' backend"):
+            built.strategy.setup_distributed()
+        assert not torch.distributed.is_initialized()
+
+
+def test_a_named_backend_missing_from_this_torch_fails_at_trainer_construction():
+    missing = next((name for name in ("mpi", "ucc") if not torch.distributed.is_backend_available(name)), None)
+    if missing is None:
+        pytest.skip("this torch build has both MPI and UCC")
+    with pytest.raises(ValueError, match=f"has no '{missing}' backend"):
+        trainer(DDPPlusStrategy(process_group_backend=missing), accelerator=CPUAccelerator())
 
 
 def test_xccl_on_cuda_devices_is_refused():
