@@ -13,6 +13,7 @@ echo "lowest declared: torch ${TORCH}, lightning ${LIGHTNING}; environment: ${VE
 python3 -m venv "$VENV" && . "$VENV/bin/activate"
 pip install -q "torch==${TORCH}.0" || pip install -q "torch==${TORCH}"
 pip install -q -e ".[test]" "torch==$(python -c 'import torch; print(torch.__version__.split("+")[0])')" "lightning==${LIGHTNING}"
+pip install -q numpy  # older torch wheels do not pull it in
 python -c "import torch, lightning; print('torch', torch.__version__, 'lightning', lightning.__version__)"
 python -m pytest -q -p no:cacheprovider -m "not multiprocess"
 python -m pytest -q -p no:cacheprovider -m multiprocess tests/test_accumulation.py tests/test_conflicts.py \

@@ -91,6 +91,8 @@ def test_mistakes_are_named():
 
 def test_real_training_arguments(tmp_path, monkeypatch):
     transformers = pytest.importorskip("transformers")
+    if not transformers.utils.is_torch_available():
+        pytest.skip("this transformers release does not support the installed torch")
     for name in _LAUNCH_VARIABLES:  # left by earlier in-process runs; TrainingArguments would start a process group
         monkeypatch.delenv(name, raising=False)
     args = transformers.TrainingArguments(

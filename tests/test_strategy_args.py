@@ -12,6 +12,7 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 import lightning_ddp_plus
 from lightning_ddp_plus import REGISTERED_NAMES, DDPPlusStrategy
 from lightning_ddp_plus.comm_hooks import CommHook
+from lightning_ddp_plus.wrapper import HAS_FORWARD_SYNC_BUFFERS
 
 
 def test_is_a_lightning_ddp_strategy_with_documented_defaults():
@@ -28,21 +29,23 @@ def test_is_a_lightning_ddp_strategy_with_documented_defaults():
 
 
 def test_every_knob_reaches_the_ddp_kwargs():
+    # torch 2.13 takes `forward_sync_buffers` (and `batched_grad_copy`); older releases `broadcast_buffers`
+    extra = {"batched_grad_copy": True} if HAS_FORWARD_SYNC_BUFFERS else {"dim": 0}
     strategy = DDPPlusStrategy(
         find_unused_parameters=True,
         bucket_cap_mb=50,
         broadcast_buffers=False,
         static_graph=True,
         gradient_as_bucket_view=True,
-        batched_grad_copy=True,
+        **extra,
     )
     assert strategy._ddp_kwargs == {
         "find_unused_parameters": True,
         "bucket_cap_mb": 50,
-        "forward_sync_buffers": False,
+        ("forward_sync_buffers" if HAS_FORWARD_SYNC_BUFFERS else "broadcast_buffers"): False,
         "static_graph": True,
         "gradient_as_bucket_view": True,
-        "batched_grad_copy": True,
+        **extra,
     }
 
 
