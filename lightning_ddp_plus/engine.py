@@ -184,7 +184,7 @@ class DDPPlusEngine:
             f"broadcast_buffers={auto}{settings.broadcast_buffers}, {flags}, comm_hook={self.hooks.name}, "
             f"accumulation={self.window.steps} (short_window={self.window.short_window}), "
             f"conflict_check={options.checkpointing_conflict}, verify_replicas_every_n_steps={options.verify_replicas_every_n_steps}, "
-            f"telemetry={self.telemetry is not None}{extra}"
+            f"telemetry={self.telemetry is not None}, resume_from_last={options.resume_from_last}{extra}"
         )
 
     def explain(self, exception: BaseException) -> None:

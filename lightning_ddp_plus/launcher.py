@@ -28,17 +28,19 @@ from typing_extensions import override
 
 PARENT_PID_VARIABLE = "DDP_PLUS_LAUNCHER_PID"
 
-BeforeLaunch = Callable[[Any], None]
+#: ``before_launch(trainer, function, args) -> args``: may settle Trainer settings and adjust the launched call.
+BeforeLaunch = Callable[[Any, Callable, tuple], tuple]
 
 
 class _SettlesBeforeLaunch:
-    """Calls ``before_launch(trainer)`` at the start of ``launch``, in every process, before anything is started."""
+    """Calls ``before_launch`` at the start of ``launch``, in every process, before anything is started."""
 
     before_launch: BeforeLaunch | None = None
 
-    def _settle(self, trainer: Any | None) -> None:
+    def _settle(self, trainer: Any | None, function: Callable, args: tuple) -> tuple:
         if trainer is not None and self.before_launch is not None:
-            self.before_launch(trainer)
+            return self.before_launch(trainer, function, args)
+        return args
 
 
 class KillChildrenOnFailureLauncher(_SettlesBeforeLaunch, _SubprocessScriptLauncher):
@@ -50,7 +52,7 @@ class KillChildrenOnFailureLauncher(_SettlesBeforeLaunch, _SubprocessScriptLaunc
 
     @override
     def launch(self, function: Callable, *args: Any, trainer: Any | None = None, **kwargs: Any) -> Any:
-        self._settle(trainer)
+        args = self._settle(trainer, function, args)
         if not self.cluster_environment.creates_processes_externally:
             os.environ[PARENT_PID_VARIABLE] = str(os.getpid())  # inherited by the children it starts
         try:

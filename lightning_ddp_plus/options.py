@@ -16,6 +16,7 @@ from lightning_ddp_plus._messages import describe_bad_value
 from lightning_ddp_plus.accumulation import SHORT_WINDOW_MODES, ShortWindow, check_accumulation_steps
 from lightning_ddp_plus.backend import normalize_backend
 from lightning_ddp_plus.comm_hooks import CommHook, HookFunction, parse_comm_hook
+from lightning_ddp_plus.restart import RESUME_MODES, ResumeMode
 from lightning_ddp_plus.settings import DDPSettings
 from lightning_ddp_plus.timeout import TimeoutLike, parse_timeout
 
@@ -64,6 +65,7 @@ class DDPPlusOptions:
     verify_replicas_every_n_steps: int | None
     telemetry: bool
     start_method: StartMethod
+    resume_from_last: ResumeMode = "on_restart"
 
     @classmethod
     def from_arguments(cls, arguments: dict[str, Any], ddp_kwargs: dict[str, Any]) -> DDPPlusOptions:
@@ -92,6 +94,7 @@ class DDPPlusOptions:
         verify_replicas_every_n_steps: int | None = None,
         telemetry: bool = False,
         start_method: StartMethod = "popen",
+        resume_from_last: ResumeMode = "on_restart",
         **ddp_kwargs: Any,
     ) -> DDPPlusOptions:
         """Validate every argument; each bad value raises with the argument, the value, what is allowed and the fix."""
@@ -151,6 +154,12 @@ class DDPPlusOptions:
                 "verify_replicas_every_n_steps", verify_replicas_every_n_steps, "100"
             ),
             telemetry=telemetry,
+            resume_from_last=_one_of(
+                "resume_from_last",
+                resume_from_last,
+                RESUME_MODES,
+                "use 'on_restart' (a restarted torchrun attempt resumes), 'always' or 'never'.",
+            ),
             start_method=_one_of(
                 "start_method",
                 start_method,

@@ -13,6 +13,7 @@ communication hooks registered on the wrapper before that are registered again o
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Generator
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -22,8 +23,10 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.nn import Module
@@ -42,6 +45,7 @@ from lightning_ddp_plus.launcher import (
     watch_parent,
 )
 from lightning_ddp_plus.options import ConflictMode, DDPPlusOptions, StartMethod
+from lightning_ddp_plus.restart import ResumeMode, init_process_group, restart_attempt, resume_dataloader, should_resume
 from lightning_ddp_plus.rules import Finding
 from lightning_ddp_plus.settings import DDPSettings
 from lightning_ddp_plus.telemetry import DDPTelemetry, SyncTelemetry
@@ -104,6 +108,10 @@ class DDPPlusStrategy(DDPStrategy):
             micro-batches it really had. ``"lightning"``: Lightning's rule, the sum divided by k.
         start_method: how processes are started: ``"popen"`` (re-run the script), ``"spawn"``, ``"fork"``,
             ``"forkserver"``.
+        resume_from_last: resume ``fit`` from the last checkpoint (``ModelCheckpoint(save_last=True)``) when one
+            exists: ``"on_restart"`` (default) in an attempt that torchrun restarted after a failure, ``"always"``,
+            or ``"never"``. A ``ckpt_path`` you set yourself wins. Under torchrun the process group of each attempt
+            is created on a store of its own, and a mid-epoch checkpoint resumes at the batch where it was taken.
         **kwargs: further ``DistributedDataParallel`` arguments, checked against its signature.
 
     Example:
@@ -139,6 +147,7 @@ class DDPPlusStrategy(DDPStrategy):
         verify_replicas_every_n_steps: int | None = None,
         telemetry: bool = False,
         start_method: StartMethod = "popen",
+        resume_from_last: ResumeMode = "on_restart",
         **kwargs: Any,
     ) -> None:
         options = DDPPlusOptions.from_arguments(locals(), ddp_kwargs=kwargs)
@@ -259,14 +268,34 @@ class DDPPlusStrategy(DDPStrategy):
                 self, start_method=self._start_method, before_launch=self._settle_with_trainer
             )
 
-    def _settle_with_trainer(self, trainer: pl.Trainer) -> None:
+    def _settle_with_trainer(self, trainer: pl.Trainer, function: Callable, args: tuple) -> tuple:
         """The launcher's ``launch`` calls this in every process before anything starts: k is settled once with the
         Trainer's ``accumulate_grad_batches``, which then says what Lightning's loop must do (k in automatic
-        optimization, where the loop accumulates; 1 in manual, where Lightning refuses it and the engine accumulates)."""
+        optimization, where the loop accumulates; 1 in manual, where Lightning refuses it and the engine accumulates);
+        and a fit that should resume (``resume_from_last``) gets ``ckpt_path="last"`` unless it has a path."""
         steps = self.engine.window.reconcile(trainer.accumulate_grad_batches)
         module = self._lightning_module
         manual = module is not None and not module.automatic_optimization
         trainer.accumulate_grad_batches = 1 if manual else steps
+        return self._resume_arguments(trainer, function, args)
+
+    def _resume_arguments(self, trainer: pl.Trainer, function: Callable, args: tuple) -> tuple:
+        if trainer.state.fn != TrainerFn.FITTING or not should_resume(self.options.resume_from_last):
+            return args
+        parameters = list(inspect.signature(function).parameters)
+        index = parameters.index("ckpt_path") if "ckpt_path" in parameters else None
+        if (
+            index is None
+            or index >= len(args)
+            or args[index] is not None
+            or trainer._checkpoint_connector._user_managed
+        ):
+            return args
+        rank_zero_info(
+            f"DDPPlusStrategy: attempt {restart_attempt()} resumes from the last checkpoint (ckpt_path='last')."
+        )
+        # Lightning resolves "last" to ModelCheckpoint's last.ckpt, or warns and starts afresh when there is none
+        return (*args[:index], "last", *args[index + 1 :])
 
     @override
     def setup_environment(self) -> None:
@@ -281,7 +310,23 @@ class DDPPlusStrategy(DDPStrategy):
     @override
     def setup_distributed(self) -> None:
         resolve_backend_for_device(self.options.backend, self.root_device.type)  # present in this torch?
-        super().setup_distributed()
+        if restart_attempt() is None:
+            super().setup_distributed()
+            return
+        # under torchrun: a store of its own per attempt (see restart.py), else Lightning's setup
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._get_process_group_backend()
+        assert self.cluster_environment is not None
+        device_id = self.root_device if self.root_device.type != "cpu" else None
+        init_process_group(self.cluster_environment, self._process_group_backend, self.timeout, device_id)
+
+    @override
+    def process_dataloader(self, dataloader: Any) -> Any:
+        module = self.lightning_module
+        if module is not None and module._trainer is not None and module.trainer.state.stage == RunningStage.TRAINING:
+            return resume_dataloader(dataloader, module.trainer)
+        return dataloader
 
     # ------------------------------------------------------------------ the wrapper
 
