@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -24,7 +25,7 @@ from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_ddp_plus.accumulation import AccumulationWindow, SyncStats
-from lightning_ddp_plus.comm_hooks import HookAssembly
+from lightning_ddp_plus.comm_hooks import HookAssembly, HookCallCounter
 from lightning_ddp_plus.conflicts import (
     ConflictCheck,
     agree_across_ranks,
@@ -36,7 +37,7 @@ from lightning_ddp_plus.errors import DDPConflictError
 from lightning_ddp_plus.facts import ModelFacts, running_stat_buffers
 from lightning_ddp_plus.options import DDPPlusOptions
 from lightning_ddp_plus.replicas import ReplicaGuard
-from lightning_ddp_plus.rules import DDPView
+from lightning_ddp_plus.rules import DDPView, Finding
 from lightning_ddp_plus.settings import DDPSettings
 from lightning_ddp_plus.telemetry import SyncTelemetry
 from lightning_ddp_plus.timeout import format_timeout
@@ -229,3 +230,53 @@ class DDPPlusEngine:
             self.telemetry.totals = dataclasses.replace(self.telemetry.totals, **results["telemetry_totals"])
         self.guard.check_seconds = results["replica_check_seconds"]
         self.hooks.counter.calls = results["hook_calls"]
+
+
+class EngineViews:
+    """Read-only views of a front end's ``engine``, the same on the Trainer and the Fabric strategy."""
+
+    engine: DDPPlusEngine
+
+    @property
+    def options(self) -> DDPPlusOptions:
+        return self.engine.options
+
+    @property
+    def settings(self) -> DDPSettings:
+        """The DDP settings in effect (``broadcast_buffers="auto"`` decided, ``"resolve"``'s changes applied)."""
+        return self.engine.settings
+
+    @property
+    def timeout(self) -> timedelta:
+        """The collective timeout the process group is created with."""
+        return self.engine.options.timeout
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        """Micro-batches per optimizer step in effect (with the Trainer: settled with its setting when ``fit`` starts)."""
+        return self.engine.window.steps
+
+    @property
+    def sync_stats(self) -> SyncStats:
+        """Synced and skipped backward passes and optimizer steps on this rank."""
+        return self.engine.sync_stats
+
+    @property
+    def findings(self) -> list[Finding]:
+        """What the conflict check found at the first training forward (empty before, or with ``"off"``)."""
+        return self.engine.conflicts.findings
+
+    @property
+    def comm_hook_counter(self) -> HookCallCounter:
+        """Calls of the registered communication hook (one per gradient bucket all-reduced) on this rank."""
+        return self.engine.hooks.counter
+
+    @property
+    def telemetry(self) -> SyncTelemetry | None:
+        """Per-step communication figures when ``telemetry=True``, else ``None``."""
+        return self.engine.telemetry
+
+    @property
+    def replica_check_seconds(self) -> list[float]:
+        """Seconds each replica check took on this rank."""
+        return self.engine.guard.check_seconds

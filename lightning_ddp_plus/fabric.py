@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, nullcontext
-from datetime import timedelta
 from typing import Any, Literal, TypeVar
 
 import torch
@@ -38,16 +37,12 @@ from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_ddp_plus.accumulation import ShortWindow, SyncStats, WindowPosition, scale_gradients
+from lightning_ddp_plus.accumulation import ShortWindow, WindowPosition, scale_gradients
 from lightning_ddp_plus.backend import has_default_backend, resolve_backend_for_device
-from lightning_ddp_plus.comm_hooks import HookCallCounter
-from lightning_ddp_plus.engine import DDPPlusEngine
+from lightning_ddp_plus.engine import DDPPlusEngine, EngineViews
 from lightning_ddp_plus.launcher import register_process_group_shutdown
 from lightning_ddp_plus.options import ConflictMode, DDPPlusOptions, StartMethod
-from lightning_ddp_plus.rules import Finding
-from lightning_ddp_plus.settings import DDPSettings
 from lightning_ddp_plus.strategy import REGISTERED_NAMES
-from lightning_ddp_plus.telemetry import SyncTelemetry
 from lightning_ddp_plus.timeout import DEFAULT_TIMEOUT, TimeoutLike
 
 T = TypeVar("T")
@@ -67,7 +62,7 @@ class _SyncControl(_DDPBackwardSyncControl):
         return super().no_backward_sync(module, enabled)
 
 
-class DDPPlusFabricStrategy(DDPStrategy):
+class DDPPlusFabricStrategy(EngineViews, DDPStrategy):
     """Fabric's ``DDPStrategy`` with every DDP knob typed and validated, on the engine ``DDPPlusStrategy`` uses.
 
     Arguments are those of ``DDPPlusStrategy`` (see there); ``gradient_accumulation_steps`` works as described in this
@@ -125,38 +120,6 @@ class DDPPlusFabricStrategy(DDPStrategy):
         self._turned_sync_off = False
 
     # ------------------------------------------------------------------ read-only views of the engine
-
-    @property
-    def options(self) -> DDPPlusOptions:
-        return self.engine.options
-
-    @property
-    def settings(self) -> DDPSettings:
-        return self.engine.settings
-
-    @property
-    def timeout(self) -> timedelta:
-        return self.options.timeout
-
-    @property
-    def gradient_accumulation_steps(self) -> int:
-        return self.engine.window.steps
-
-    @property
-    def sync_stats(self) -> SyncStats:
-        return self.engine.sync_stats
-
-    @property
-    def findings(self) -> list[Finding]:
-        return self.engine.conflicts.findings
-
-    @property
-    def comm_hook_counter(self) -> HookCallCounter:
-        return self.engine.hooks.counter
-
-    @property
-    def telemetry(self) -> SyncTelemetry | None:
-        return self.engine.telemetry
 
     @property
     def sync_gradients(self) -> bool:

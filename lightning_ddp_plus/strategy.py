@@ -16,7 +16,6 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Generator
 from contextlib import contextmanager, nullcontext
-from datetime import timedelta
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -36,8 +35,8 @@ from typing_extensions import override
 
 from lightning_ddp_plus.accumulation import ShortWindow, WindowPosition, scale_gradients, window_position
 from lightning_ddp_plus.backend import has_default_backend, resolve_backend_for_device
-from lightning_ddp_plus.comm_hooks import CommHook, HookCallCounter, HookFunction
-from lightning_ddp_plus.engine import DDPPlusEngine
+from lightning_ddp_plus.comm_hooks import CommHook, HookFunction
+from lightning_ddp_plus.engine import DDPPlusEngine, EngineViews
 from lightning_ddp_plus.launcher import (
     KillChildrenOnFailureLauncher,
     ResultsReturningLauncher,
@@ -46,9 +45,7 @@ from lightning_ddp_plus.launcher import (
 )
 from lightning_ddp_plus.options import ConflictMode, DDPPlusOptions, StartMethod
 from lightning_ddp_plus.restart import ResumeMode, init_process_group, restart_attempt, resume_dataloader, should_resume
-from lightning_ddp_plus.rules import Finding
-from lightning_ddp_plus.settings import DDPSettings
-from lightning_ddp_plus.telemetry import DDPTelemetry, SyncTelemetry
+from lightning_ddp_plus.telemetry import DDPTelemetry
 from lightning_ddp_plus.timeout import DEFAULT_TIMEOUT, TimeoutLike
 from lightning_ddp_plus.wrapper import ddp_kwargs
 
@@ -61,7 +58,7 @@ REGISTERED_NAMES: tuple[tuple[str, StartMethod], ...] = (
 )
 
 
-class DDPPlusStrategy(DDPStrategy):
+class DDPPlusStrategy(EngineViews, DDPStrategy):
     """Multi-process data-parallel training with every DDP knob as an explicit, typed, validated argument.
 
     Bad values fail here, at construction, or (where the device matters) when the ``Trainer`` is built, always before
@@ -189,56 +186,12 @@ class DDPPlusStrategy(DDPStrategy):
     # ------------------------------------------------------------------ read-only views of the engine
 
     @property
-    def options(self) -> DDPPlusOptions:
-        return self.engine.options
-
-    @property
-    def settings(self) -> DDPSettings:
-        """The DDP settings in effect (``broadcast_buffers="auto"`` decided, ``"resolve"``'s changes applied)."""
-        return self.engine.settings
-
-    @property
-    def timeout(self) -> timedelta:
-        """The collective timeout the process group is created with."""
-        return self.options.timeout
-
-    @property
     def comm_hook(self) -> CommHook | HookFunction | None:
         return self.options.comm_hook
 
     @property
     def start_method(self) -> str:
         return self._start_method
-
-    @property
-    def gradient_accumulation_steps(self) -> int:
-        """Micro-batches per optimizer step in effect (settled with the Trainer's setting when ``fit`` starts)."""
-        return self.engine.window.steps
-
-    @property
-    def sync_stats(self) -> Any:
-        """Synced and skipped backward passes and optimizer steps on this rank."""
-        return self.engine.sync_stats
-
-    @property
-    def findings(self) -> list[Finding]:
-        """What the conflict check found at the first training forward (empty before, or with ``"off"``)."""
-        return self.engine.conflicts.findings
-
-    @property
-    def comm_hook_counter(self) -> HookCallCounter:
-        """Calls of the registered communication hook (one per gradient bucket all-reduced) on this rank."""
-        return self.engine.hooks.counter
-
-    @property
-    def telemetry(self) -> SyncTelemetry | None:
-        """Per-step communication figures when ``telemetry=True``, else ``None``."""
-        return self.engine.telemetry
-
-    @property
-    def replica_check_seconds(self) -> list[float]:
-        """Seconds each replica check took on this rank."""
-        return self.engine.guard.check_seconds
 
     # ------------------------------------------------------------------ launching and process group
 

@@ -370,3 +370,11 @@ class TinyRegressionIterable(IterableDataMixin, TinyRegression):
 
 class TinyRegressionManualIterable(IterableDataMixin, TinyRegressionManual):
     pass
+
+
+def torchrun_command(script: str, *args: object, max_restarts: int = 1) -> list[str]:
+    """``torchrun`` (beside this interpreter) running ``tests/scripts/SCRIPT`` on 2 ranks with ``max_restarts``."""
+    torchrun = str(Path(sys.executable).parent / "torchrun")
+    rendezvous = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}"]
+    command = [torchrun, "--nproc-per-node", "2", "--max-restarts", str(max_restarts), *rendezvous]
+    return [*command, str(REPO_ROOT / "tests" / "scripts" / script), *map(str, args)]

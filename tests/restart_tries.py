@@ -18,25 +18,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.helpers import REPO_ROOT, free_port, run_job
-
-TORCHRUN = str(Path(sys.executable).parent / "torchrun")
+from tests.helpers import run_job, torchrun_command
 
 
 def one_run(scratch: Path, name: str, kill_at: int, stock: bool) -> tuple[int, str, dict | None]:
     out, ckpt = scratch / f"{name}.json", scratch / f"{name}-ckpt"
-    args = [
-        TORCHRUN,
-        "--nproc-per-node",
-        "2",
-        "--max-restarts",
-        "1",
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        f"127.0.0.1:{free_port()}",
-    ]
-    args += [str(REPO_ROOT / "tests" / "scripts" / "restart_job.py"), str(out), str(ckpt), str(kill_at), "1"]
+    args = torchrun_command("restart_job.py", out, ckpt, kill_at, 1)
     try:
         result = run_job(args, timeout=240, env={"DDP_PLUS_TRY_STOCK": "1"} if stock else None)
         code, output = result.returncode, result.stdout

@@ -4,33 +4,18 @@ parameters and ``global_step`` of an uninterrupted run (real processes, gloo).""
 
 import json
 import shutil
-import sys
 
 import pytest
 import torch
 
-from tests.helpers import REPO_ROOT, free_port, run_job
+from tests.helpers import run_job, torchrun_command
 
 pytestmark = pytest.mark.multiprocess
-
-TORCHRUN = str(__import__("pathlib").Path(sys.executable).parent / "torchrun")
 
 
 def torchrun_job(tmp_path, name: str, kill_at: int, k: int) -> tuple[dict, str]:
     out, ckpt = tmp_path / f"{name}.json", tmp_path / f"{name}-ckpt"
-    args = [
-        TORCHRUN,
-        "--nproc-per-node",
-        "2",
-        "--max-restarts",
-        "1",
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        f"127.0.0.1:{free_port()}",
-    ]
-    args += [str(REPO_ROOT / "tests" / "scripts" / "restart_job.py"), str(out), str(ckpt), str(kill_at), str(k)]
-    result = run_job(args, timeout=240)
+    result = run_job(torchrun_command("restart_job.py", out, ckpt, kill_at, k), timeout=240)
     assert result.returncode == 0, result.stdout[-4000:]
     shutil.rmtree(ckpt, ignore_errors=True)
     return json.loads(out.read_text()), result.stdout

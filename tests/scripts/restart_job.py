@@ -19,12 +19,14 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_ddp_plus import DDPPlusStrategy
 from tests.helpers import TinyRegression
 
-out, ckpt_dir, kill_at, k = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 class Record(L.Callback):
-    def __init__(self) -> None:
+    """Prints when training starts, kills rank 1 at ``kill_at`` on the first attempt, records every micro-batch."""
+
+    def __init__(self, kill_at: int, k: int) -> None:
+        self.kill_at, self.k = kill_at, k
         self.seen: list[tuple[int, float]] = []
 
     def on_train_start(self, trainer, pl_module):
@@ -34,34 +36,45 @@ class Record(L.Callback):
         )
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if attempt == 0 and trainer.global_rank == 1 and trainer.global_step == kill_at and batch_idx % k == 0:
-            print(f"[{time.time():.3f}] rank 1 kills itself at step {kill_at}", flush=True)
+        if (
+            attempt == 0
+            and trainer.global_rank == 1
+            and trainer.global_step == self.kill_at
+            and batch_idx % self.k == 0
+        ):
+            print(f"[{time.time():.3f}] rank 1 kills itself at step {self.kill_at}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         self.seen.append((attempt, float(batch[0][0, 0])))
 
 
-record = Record()
-stock = os.environ.get("DDP_PLUS_TRY_STOCK") == "1"  # tests/restart_tries.py --stock: the comparison
-strategy = (
-    L.pytorch.strategies.DDPStrategy(process_group_backend="gloo")
-    if stock
-    else DDPPlusStrategy(process_group_backend="gloo", timeout="60s")
-)
-trainer = L.Trainer(
-    strategy=strategy,
-    accelerator="cpu",
-    devices=2,
-    max_epochs=1,
-    accumulate_grad_batches=k,
-    logger=False,
-    enable_progress_bar=False,
-    enable_model_summary=False,
-    callbacks=[record, ModelCheckpoint(dirpath=ckpt_dir, save_last=True, every_n_train_steps=1, save_top_k=0)],
-)
-model = TinyRegression(num_samples=80, batch_size=4, momentum=0.9)
-trainer.fit(model, ckpt_path="last" if stock and attempt > 0 else None)
-if trainer.global_rank == 0:
-    params = torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()
-    result = {"params": params, "global_step": trainer.global_step, "attempt": attempt, "seen": record.seen}
-    with open(out, "w") as file:
-        json.dump(result, file)
+def main() -> None:
+    out, ckpt_dir, kill_at, k = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    record = Record(kill_at, k)
+    stock = os.environ.get("DDP_PLUS_TRY_STOCK") == "1"  # tests/restart_tries.py --stock: the comparison
+    strategy = (
+        L.pytorch.strategies.DDPStrategy(process_group_backend="gloo")
+        if stock
+        else DDPPlusStrategy(process_group_backend="gloo", timeout="60s")
+    )
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=2,
+        max_epochs=1,
+        accumulate_grad_batches=k,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[record, ModelCheckpoint(dirpath=ckpt_dir, save_last=True, every_n_train_steps=1, save_top_k=0)],
+    )
+    model = TinyRegression(num_samples=80, batch_size=4, momentum=0.9)
+    trainer.fit(model, ckpt_path="last" if stock and attempt > 0 else None)
+    if trainer.global_rank == 0:
+        params = torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()
+        result = {"params": params, "global_step": trainer.global_step, "attempt": attempt, "seen": record.seen}
+        with open(out, "w") as file:
+            json.dump(result, file)
+
+
+if __name__ == "__main__":
+    main()
