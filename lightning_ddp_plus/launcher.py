@@ -72,8 +72,7 @@ class ResultsReturningLauncher(_SettlesBeforeLaunch, _MultiProcessingLauncher):
 
     @override
     def launch(self, function: Callable, *args: Any, trainer: Any | None = None, **kwargs: Any) -> Any:
-        if trainer is not None and self.before_launch is not None:
-            self.before_launch(trainer)
+        args = self._settle(trainer, function, args)
         return super().launch(function, *args, trainer=trainer, **kwargs)
 
     @override
