@@ -81,7 +81,9 @@ def fit(strategy, args, devices: int = 2) -> dict:
     trainer.fit(MLP(args.width, args.layers, args.batches))
     telemetry = getattr(strategy, "telemetry", None)
     steps = max(1, trainer.global_step)
+    checks = getattr(strategy, "replica_check_seconds", None)
     return {
+        "replica_check_ms": 1e3 * statistics.median(checks) if checks else None,
         "step_s": clock.step_seconds(),
         "first_step_s": clock.first_step_s,
         "bytes_per_step": telemetry.totals.bytes_sent / steps if telemetry else None,

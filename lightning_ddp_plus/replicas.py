@@ -1,8 +1,11 @@
 """Replica-drift guard: every N optimizer steps, check that all ranks hold identical parameters (and buffers).
 
-A check costs one small all-reduce: each rank reduces per-tensor fingerprints with MAX of ``[f, -f]``, so a tensor is
-identical everywhere exactly when its maximum equals its minimum; only on a mismatch are the fingerprints gathered
-to name the ranks that differ.
+A check reads every tensor's bits once and costs one small all-reduce. Each tensor is folded into ``LANES`` integers
+by XOR-ing its raw bits (element ``i`` lands in lane ``i % LANES``): exact, and the same whatever the reduction order,
+thread count or device, so equal replicas always compare equal and a single changed bit anywhere is seen. The
+per-tensor lanes are folded once more into one vector (each tensor's lanes rotated by its index, so two tensors'
+changes do not cancel), and the ranks reduce that vector with MAX of ``[v, -v]``: the replicas agree exactly when the
+maximum equals the minimum. Only on a mismatch are the per-tensor lanes gathered, to name the tensor and the ranks.
 """
 
 from __future__ import annotations
@@ -16,37 +19,74 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.nn import Module
 
+#: Integers a tensor is folded into.
+LANES = 64
+# Widest first; at most 4 bytes, so that a lane widened to int64 can always be negated exactly.
+_LANE_DTYPES = ((4, torch.int32), (2, torch.int16), (1, torch.int8))
+
 
 class ReplicaDriftError(RuntimeError):
     """The ranks no longer hold identical parameters (or buffers) although DDP promises they do."""
 
 
-_WEIGHTS: dict[tuple[int, torch.device], Tensor] = {}
-
-
-def fingerprint(tensor: Tensor) -> Tensor:
-    """Two float64 numbers per tensor: its sum and a position-weighted sum (which also changes when elements move).
+def fingerprint(tensor: Tensor, lanes: int = LANES) -> Tensor:
+    """``lanes`` int64 numbers: the XOR of the raw bits of the tensor's elements, element ``i`` in lane ``i % lanes``.
 
     >>> a = torch.tensor([1.0, 2.0, 3.0])
     >>> torch.equal(fingerprint(a), fingerprint(a.clone())), torch.equal(fingerprint(a), fingerprint(a.flip(0)))
     (True, False)
+    >>> b = a.clone(); b[1] = torch.nextafter(b[1], torch.tensor(9.0))  # one bit of one element
+    >>> torch.equal(fingerprint(a), fingerprint(b))
+    False
     """
-    flat = tensor.detach().flatten()
-    key = (flat.numel(), flat.device)
-    weights = _WEIGHTS.get(key)
-    if weights is None:
-        weights = _WEIGHTS[key] = torch.linspace(1.0, 2.0, flat.numel(), dtype=torch.float64, device=flat.device)
-    return torch.stack([flat.sum(dtype=torch.float64), torch.dot(flat.double(), weights)])
+    raw = tensor.detach().reshape(-1).view(torch.uint8)
+    dtype = next(d for w, d in _LANE_DTYPES if raw.numel() % w == 0)
+    bits = raw.view(dtype)
+    rows = bits.numel() // lanes
+    block = bits[: rows * lanes].view(rows, lanes)
+    while block.shape[0] > 1:  # halving: about one pass over the tensor in all
+        half = block.shape[0] // 2
+        folded = block[:half] ^ block[half : 2 * half]
+        if block.shape[0] % 2:
+            folded[0] ^= block[-1]
+        block = folded
+    result = torch.zeros(lanes, dtype=torch.int64, device=bits.device)
+    if rows:
+        result ^= block[0].to(torch.int64)
+    tail = bits[rows * lanes :]
+    if tail.numel():
+        result[: tail.numel()] ^= tail.to(torch.int64)
+    return result
 
 
 def fingerprints(tensors: Iterable[Tensor]) -> Tensor:
+    """Per-tensor fingerprints, shape ``(tensors, LANES)``."""
     return torch.stack([fingerprint(t) for t in tensors])
+
+
+def combined(per_tensor: Tensor) -> Tensor:
+    """One ``LANES``-long vector for all tensors: each tensor's lanes rotated by its index, XOR-ed together.
+
+    >>> prints = torch.tensor([[1, 0], [1, 0]])
+    >>> combined(prints).tolist()  # without the rotation these two would cancel
+    [1, 1]
+    """
+    lanes = per_tensor.shape[1]
+    index = (
+        torch.arange(lanes, device=per_tensor.device)[None, :]
+        - torch.arange(len(per_tensor), device=per_tensor.device)[:, None]
+    ) % lanes
+    rotated = torch.gather(per_tensor, 1, index)
+    result = rotated[0].clone()
+    for row in rotated[1:]:
+        result ^= row
+    return result
 
 
 def first_mismatch(gathered: Tensor, names: list[str]) -> tuple[str, list[int]] | None:
     """The first tensor whose fingerprint differs between ranks, and the ranks that differ from rank 0.
 
-    ``gathered`` has shape (world_size, tensors, 2).
+    ``gathered`` has shape (world_size, tensors, lanes).
 
     >>> prints = torch.zeros(3, 2, 2); prints[2, 1, 0] = 1.0
     >>> first_mismatch(prints, ["a", "b"])
@@ -65,13 +105,14 @@ def verify_replicas(named_tensors: list[tuple[str, Tensor]], step: int) -> None:
     if not named_tensors:
         return
     names = [name for name, _ in named_tensors]
-    local = fingerprints(t for _, t in named_tensors)
+    per_tensor = fingerprints(t for _, t in named_tensors)
+    local = combined(per_tensor)
     extremes = torch.cat([local, -local])
     dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
-    if torch.equal(extremes[: len(local)], -extremes[len(local) :]):
+    if torch.equal(extremes[:LANES], -extremes[LANES:]):
         return
-    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, local)
+    gathered = [torch.empty_like(per_tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, per_tensor)
     mismatch = first_mismatch(torch.stack(gathered), names) or (names[0], [])
     name, ranks = mismatch
     raise ReplicaDriftError(
