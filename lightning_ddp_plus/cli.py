@@ -2,7 +2,7 @@
 
 ``ddp-plus fit --config configs/cpu.yaml`` trains; ``fit``, ``validate``, ``test`` and ``predict`` work as in
 LightningCLI. ``ddp-plus check --config FILE`` runs the conflict checks without training (exit status 1 on an
-error-level finding). The current directory is put on ``sys.path`` (as ``python -m`` does) so that a config can name
+error-level finding); ``ddp-plus report LOGDIR`` draws the ``ddp/`` telemetry a run logged with CSVLogger. The current directory is put on ``sys.path`` (as ``python -m`` does) so that a config can name
 classes from the project it is run in, e.g. ``examples.spirals.SpiralClassifier``.
 """
 
@@ -23,6 +23,10 @@ def main(args: list[str] | None = None) -> None:
         from lightning_ddp_plus.check import run_check
 
         sys.exit(run_check(argv[1:]))
+    if argv[:1] == ["report"]:
+        from lightning_ddp_plus.report import main as run_report
+
+        sys.exit(run_report(argv[1:]))
     from lightning.pytorch.cli import LightningCLI
 
     LightningCLI(args=args, save_config_kwargs={"overwrite": True})
