@@ -4,7 +4,8 @@
 - ``ConflictCheck``: observe the first training forward, decide at the first backward;
 - ``HookAssembly``: the communication hook, its state, wrapper and counter;
 - ``ReplicaGuard``: the periodic replica check;
-- ``SyncTelemetry``: per-step communication figures.
+- ``SyncTelemetry``: per-step communication figures;
+- ``BucketTuner``: ``bucket_cap_mb="auto"``, timing bucket sizes during the first optimizer steps.
 
 The Trainer strategy (``strategy.py``) and the Fabric strategy (``fabric.py``) translate their framework's hooks into
 the few calls below: ``wrap`` at setup, ``before_backward``/``after_backward`` around each backward,
@@ -25,6 +26,7 @@ from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_ddp_plus.accumulation import AccumulationWindow, SyncStats
+from lightning_ddp_plus.buckets import BucketChoice, BucketTuner
 from lightning_ddp_plus.comm_hooks import HookAssembly, HookCallCounter
 from lightning_ddp_plus.conflicts import (
     ConflictCheck,
@@ -72,6 +74,12 @@ class DDPPlusEngine:
         self.hooks = HookAssembly(options.comm_hook, options.comm_state, options.comm_wrapper)
         self.guard = ReplicaGuard(options.verify_replicas_every_n_steps)
         self.telemetry: SyncTelemetry | None = SyncTelemetry() if options.telemetry else None
+        self.buckets: BucketTuner | None = (
+            BucketTuner(on_rebuilt=self._reducer_rebuilt, info=info)
+            if options.settings.bucket_cap_mb == "auto"
+            else None
+        )
+        self._ddp: DistributedDataParallel | None = None
         #: Called at the start of every training forward, before its sync state is read (Fabric's window uses it).
         self.before_training_forward: Callable[[DistributedDataParallel], None] | None = None
         self._forward_synced = True
@@ -97,6 +105,13 @@ class DDPPlusEngine:
         self.guard.attach(ddp, module, with_buffers=bool(self.settings.broadcast_buffers))
         if self.telemetry is not None:
             self.telemetry.attach(ddp, self.hooks)
+        if self.buckets is not None:
+            self.buckets.attach()
+        self._ddp = ddp
+
+    def _reducer_rebuilt(self, ddp: DistributedDataParallel) -> None:
+        if self.telemetry is not None:
+            self.telemetry.reducer_rebuilt(ddp)
 
     def teardown(self) -> None:
         if self._handle is not None:
@@ -104,6 +119,9 @@ class DDPPlusEngine:
             self._handle = None
         self.conflicts.detach()
         self.guard.detach()
+        if self.buckets is not None:
+            self.buckets.stop()
+        self._ddp = None
 
     def _training_forward_starts(self, ddp: DistributedDataParallel, args: Any) -> None:
         if ddp.training and torch.is_grad_enabled():
@@ -156,6 +174,8 @@ class DDPPlusEngine:
         if self.telemetry is not None:
             self.telemetry.end_step(step)
         self.guard.step_done(step)
+        if self.buckets is not None and self._ddp is not None:
+            self.buckets.step_done(self._ddp)
         return step
 
     def end_of_training(self) -> None:
@@ -179,9 +199,13 @@ class DDPPlusEngine:
         )
         extra = f", extra={settings.extra}" if settings.extra else ""
         bucket_text = f" ({buckets} buckets)" if buckets else ""
+        if settings.bucket_cap_mb is None:
+            bucket_cap = "25 (torch default, 1 MiB first bucket)"
+        else:
+            bucket_cap = "auto" if settings.bucket_cap_mb == "auto" else f"{settings.bucket_cap_mb:g}"
         return (
             f"DDPPlusStrategy: backend={backend}, timeout={format_timeout(options.timeout)}, world_size={world_size}, "
-            f"start_method={start_method}, bucket_cap_mb={settings.bucket_cap_mb:g}{bucket_text}, "
+            f"start_method={start_method}, bucket_cap_mb={bucket_cap}{bucket_text}, "
             f"broadcast_buffers={auto}{settings.broadcast_buffers}, {flags}, comm_hook={self.hooks.name}, "
             f"accumulation={self.window.steps} (short_window={self.window.short_window}), "
             f"conflict_check={options.checkpointing_conflict}, verify_replicas_every_n_steps={options.verify_replicas_every_n_steps}, "
@@ -218,6 +242,7 @@ class DDPPlusEngine:
             "telemetry_totals": dataclasses.asdict(self.telemetry.totals) if self.telemetry is not None else None,
             "replica_check_seconds": list(self.guard.check_seconds),
             "hook_calls": self.hooks.counter.calls,
+            "bucket_choice": self.buckets.choice if self.buckets is not None else None,
         }
 
     def apply_results(self, results: dict[str, Any]) -> None:
@@ -230,6 +255,8 @@ class DDPPlusEngine:
             self.telemetry.totals = dataclasses.replace(self.telemetry.totals, **results["telemetry_totals"])
         self.guard.check_seconds = results["replica_check_seconds"]
         self.hooks.counter.calls = results["hook_calls"]
+        if self.buckets is not None:
+            self.buckets.choice = results["bucket_choice"]
 
 
 class EngineViews:
@@ -275,6 +302,11 @@ class EngineViews:
     def telemetry(self) -> SyncTelemetry | None:
         """Per-step communication figures when ``telemetry=True``, else ``None``."""
         return self.engine.telemetry
+
+    @property
+    def bucket_choice(self) -> BucketChoice | None:
+        """With ``bucket_cap_mb="auto"``: the sizes timed, their times and the one kept (``None`` until chosen)."""
+        return self.engine.buckets.choice if self.engine.buckets is not None else None
 
     @property
     def replica_check_seconds(self) -> list[float]:

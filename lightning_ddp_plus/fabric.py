@@ -84,7 +84,7 @@ class DDPPlusFabricStrategy(EngineViews, DDPStrategy):
         process_group_backend: str | None = None,
         timeout: TimeoutLike | None = DEFAULT_TIMEOUT,
         find_unused_parameters: bool = False,
-        bucket_cap_mb: float = 25,
+        bucket_cap_mb: float | Literal["auto"] | None = None,
         broadcast_buffers: bool | Literal["auto"] = True,
         static_graph: bool = False,
         gradient_as_bucket_view: bool = False,

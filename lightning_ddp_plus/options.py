@@ -80,7 +80,7 @@ class DDPPlusOptions:
         process_group_backend: str | None = None,
         timeout: TimeoutLike | None = None,
         find_unused_parameters: bool = False,
-        bucket_cap_mb: float = 25,
+        bucket_cap_mb: float | Literal["auto"] | None = None,
         broadcast_buffers: bool | Literal["auto"] = True,
         static_graph: bool = False,
         gradient_as_bucket_view: bool = False,
@@ -107,6 +107,16 @@ class DDPPlusOptions:
             extra=dict(ddp_kwargs),
         )
         comm_hook = parse_comm_hook(ddp_comm_hook)
+        if bucket_cap_mb == "auto" and comm_hook in (CommHook.POWERSGD, CommHook.BATCHED_POWERSGD):
+            raise ValueError(
+                describe_bad_value(
+                    "bucket_cap_mb",
+                    bucket_cap_mb,
+                    f"'auto' rebuilds the buckets while it times them, and the {comm_hook.value} hook keeps its error "
+                    "feedback per bucket.",
+                    "set a size (e.g. `bucket_cap_mb=25`, or None for torch's default) with PowerSGD.",
+                )
+            )
         if ddp_comm_wrapper is not None and comm_hook is None:
             raise ValueError(
                 describe_bad_value(

@@ -64,6 +64,28 @@ def require_positive_number(argument: str, value: Any, example: str) -> float:
     return value
 
 
+def require_bucket_cap(value: Any) -> float | str | None:
+    """``None``, ``"auto"`` or a positive number of MiB.
+
+    >>> require_bucket_cap("Auto")
+    Traceback (most recent call last):
+    ...
+    TypeError: `bucket_cap_mb='Auto'` is not valid: expected a positive number of MiB, None (torch's default) or 'auto'. Fix: did you mean 'auto'?
+    """
+    if value is None or value == "auto":
+        return value
+    if isinstance(value, str):
+        raise TypeError(
+            describe_bad_value(
+                "bucket_cap_mb",
+                value,
+                "expected a positive number of MiB, None (torch's default) or 'auto'.",
+                "did you mean 'auto'?" if value.strip().lower() == "auto" else "write e.g. `bucket_cap_mb=25`.",
+            )
+        )
+    return require_positive_number("bucket_cap_mb", value, "25")
+
+
 @dataclass
 class DDPSettings:
     """The knobs of :class:`torch.nn.parallel.DistributedDataParallel` that ``DDPPlusStrategy`` exposes.
@@ -71,7 +93,12 @@ class DDPSettings:
     Args:
         find_unused_parameters: traverse the autograd graph after each forward to find parameters that will get no
             gradient. Needed when some parameters are unused (unless ``static_graph``); costs time otherwise.
-        bucket_cap_mb: size in MiB of the gradient buckets all-reduced together.
+        bucket_cap_mb: size in MiB of the gradient buckets all-reduced together. ``None`` (the default): torch's
+            default, 25 MiB with a 1 MiB first bucket so that the all-reduce of the last gradients starts early
+            (what stock ``DDPStrategy`` gets). A number: every bucket that size (torch drops the small first bucket
+            when a size is given). ``"auto"``: start with torch's default, time the candidate sizes in
+            ``AUTO_BUCKET_CANDIDATES_MB`` during the first optimizer steps and keep the fastest (see
+            ``lightning_ddp_plus.buckets``).
         broadcast_buffers: broadcast rank 0's buffers (e.g. BatchNorm running statistics) at the start of every
             forward and when DDP wraps the model. ``False`` keeps every rank's buffers local, at wrap time too.
             ``"auto"``: on when the model has buffers that training changes, off otherwise (see ``resolve_auto``).
@@ -81,6 +108,8 @@ class DDPSettings:
 
     >>> DDPSettings(bucket_cap_mb=50).to_ddp_kwargs()["bucket_cap_mb"]
     50
+    >>> "bucket_cap_mb" in DDPSettings().to_ddp_kwargs(), "bucket_cap_mb" in DDPSettings(bucket_cap_mb="auto").to_ddp_kwargs()
+    (False, False)
     >>> DDPSettings(broadcast_buffers=False).to_ddp_kwargs()["forward_sync_buffers"]
     False
     >>> DDPSettings(broadcast_buffers="auto").resolve_auto(has_changing_buffers=True).to_ddp_kwargs()["forward_sync_buffers"]
@@ -88,7 +117,7 @@ class DDPSettings:
     """
 
     find_unused_parameters: bool = False
-    bucket_cap_mb: float = 25
+    bucket_cap_mb: float | Literal["auto"] | None = None
     broadcast_buffers: bool | Literal["auto"] = True
     static_graph: bool = False
     gradient_as_bucket_view: bool = False
@@ -99,7 +128,7 @@ class DDPSettings:
             require_bool(name, getattr(self, name))
         if self.broadcast_buffers != "auto":
             require_bool("broadcast_buffers", self.broadcast_buffers)
-        require_positive_number("bucket_cap_mb", self.bucket_cap_mb, "25")
+        require_bucket_cap(self.bucket_cap_mb)
         for name in self.extra:
             self._check_extra_argument(name)
 
@@ -148,9 +177,11 @@ class DDPSettings:
             raise RuntimeError(
                 "broadcast_buffers='auto' must be resolved for the model (DDPSettings.resolve_auto) first."
             )
+        # torch tells an unset size from an explicit 25: only the former keeps the 1 MiB first bucket
+        sized = {} if self.bucket_cap_mb in (None, "auto") else {"bucket_cap_mb": self.bucket_cap_mb}
         return {
             "find_unused_parameters": self.find_unused_parameters,
-            "bucket_cap_mb": self.bucket_cap_mb,
+            **sized,
             ("forward_sync_buffers" if forward_sync_buffers else "broadcast_buffers"): self.broadcast_buffers,
             "static_graph": self.static_graph,
             "gradient_as_bucket_view": self.gradient_as_bucket_view,

@@ -75,7 +75,10 @@ class DDPPlusStrategy(EngineViews, DDPStrategy):
         timeout: how long a collective may wait before the job fails: seconds, a ``timedelta``, ``"90s"``, ``"30m"``,
             ``"2h"``, ``"1h30m"``, ``"1d"``, ``"0:30:00"`` or ``"1 day, 0:00:00"``. Default 30 minutes.
         find_unused_parameters: let DDP find parameters that get no gradient in an iteration.
-        bucket_cap_mb: size of the gradient buckets in MiB.
+        bucket_cap_mb: size of the gradient buckets in MiB. ``None`` (default): torch's default, 25 MiB with a
+            1 MiB first bucket, as stock ``DDPStrategy``. A number: every bucket that size. ``"auto"``: time 25 (the
+            default), 1, 5 and 100 MiB for 3 optimizer steps each, keep the fastest for the rest of the fit and log
+            the choice (``bucket_choice``); not with PowerSGD hooks, whose state is per bucket.
         broadcast_buffers: keep buffers (e.g. BatchNorm statistics) equal to rank 0's at every forward. ``"auto"``:
             on when the model has buffers that training changes (BatchNorm-style running statistics), off otherwise.
         static_graph: promise DDP that the graph and the set of used parameters never change.
@@ -130,7 +133,7 @@ class DDPPlusStrategy(EngineViews, DDPStrategy):
         process_group_backend: str | None = None,
         timeout: TimeoutLike | None = DEFAULT_TIMEOUT,
         find_unused_parameters: bool = False,
-        bucket_cap_mb: float = 25,
+        bucket_cap_mb: float | Literal["auto"] | None = None,
         broadcast_buffers: bool | Literal["auto"] = True,
         static_graph: bool = False,
         gradient_as_bucket_view: bool = False,

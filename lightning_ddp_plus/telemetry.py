@@ -109,6 +109,11 @@ class SyncTelemetry:
         self._calls, self._handed = hooks.counter.calls, hooks.counter.bucket_bytes
         ddp._set_ddp_runtime_logging_sample_rate(self.sample_rate)
 
+    def reducer_rebuilt(self, ddp: DistributedDataParallel) -> None:
+        """The wrapper has a new reducer (``bucket_cap_mb="auto"``): new bucket layout, iterations counted from 0."""
+        self._layout, self._timed_iteration = None, 0
+        ddp._set_ddp_runtime_logging_sample_rate(self.sample_rate)
+
     def _logging_data(self) -> dict[str, Any]:
         ddp = self._ddp() if self._ddp is not None else None
         return ddp._get_ddp_logging_data() if ddp is not None else {}

@@ -67,6 +67,23 @@ def rebuild_reducer(ddp: DistributedDataParallel, find_unused_parameters: bool, 
         ddp.register_comm_hook(state, hook)
 
 
+def set_bucket_cap(ddp: DistributedDataParallel, cap_mb: float | None) -> None:
+    """Give ``ddp`` a new reducer whose buckets hold ``cap_mb`` MiB (``None``: torch's default, with its 1 MiB first
+    bucket), between optimizer steps: no backward may be pending. The buckets are rebuilt from the next backward's
+    order, as for a new wrapper."""
+    if hasattr(ddp, "_bucket_config"):  # torch >= 2.13 keeps the sizes in one config object
+        from torch.nn.parallel.distributed import _BucketCapacityConfig
+
+        config = _BucketCapacityConfig.create(cap_mb, None, ddp._use_python_reducer)
+        ddp._bucket_config = config
+        ddp.bucket_bytes_cap = config.bucket_bytes_cap
+        ddp.bucket_bytes_cap_default = config.first_bucket_bytes_cap < config.bucket_bytes_cap
+    else:
+        ddp.bucket_bytes_cap = int((25 if cap_mb is None else cap_mb) * 1024 * 1024)
+        ddp.bucket_bytes_cap_default = cap_mb is None
+    rebuild_reducer(ddp, ddp.find_unused_parameters, ddp.static_graph)
+
+
 def replay_forward(ddp: DistributedDataParallel, loss: Tensor, forward_synced: bool, post_forward: bool) -> Tensor:
     """Do for a rebuilt reducer what DDP's forward did for the old one, and return the loss to run backward on.
 

@@ -20,7 +20,8 @@ def test_is_a_lightning_ddp_strategy_with_documented_defaults():
     assert isinstance(strategy, DDPStrategy)
     assert strategy.timeout == timedelta(seconds=1800)
     assert strategy.settings.find_unused_parameters is False
-    assert strategy.settings.bucket_cap_mb == 25
+    # torch's default bucket size, left unset as stock leaves it: an explicit 25 would drop torch's 1 MiB first bucket
+    assert strategy.settings.bucket_cap_mb is None and "bucket_cap_mb" not in strategy._ddp_kwargs
     assert strategy.settings.broadcast_buffers is True
     assert strategy.settings.static_graph is False
     assert strategy.settings.gradient_as_bucket_view is False
