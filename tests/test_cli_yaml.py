@@ -91,6 +91,14 @@ def test_strategy_name_ddp_plus(tmp_path):
     assert cli.trainer.global_step == 2
 
 
+@pytest.mark.parametrize(("written", "value"), [("auto", "auto"), ("null", None), ("50", 50), ("2.5", 2.5)])
+def test_bucket_cap_forms_from_yaml(tmp_path, written, value):
+    strategy = f"\n    class_path: lightning_ddp_plus.DDPPlusStrategy\n    init_args: {{bucket_cap_mb: {written}}}"
+    cli = run_cli(tmp_path, strategy)
+    assert cli.trainer.strategy.settings.bucket_cap_mb == value
+    assert cli.trainer.global_step == 2
+
+
 def test_bad_yaml_value_fails_before_training(tmp_path):
     strategy = "\n    class_path: lightning_ddp_plus.DDPPlusStrategy\n    init_args: {process_group_backend: ncll}"
     with pytest.raises(ValueError, match="did you mean 'nccl'"):
@@ -142,4 +150,4 @@ def test_console_script_help_shows_types_and_defaults():
     for name in STRATEGY_ARGUMENTS:
         assert f"--trainer.strategy.{name}" in text
     assert "type: str | null, default: null" in text  # process_group_backend
-    assert "default: 25" in text  # bucket_cap_mb
+    assert "type: Union[float, Literal['auto'], null], default: null" in text  # bucket_cap_mb
