@@ -148,6 +148,30 @@ def counted_hook(hook: HookFunction, counter: HookCallCounter) -> HookFunction:
     return ddp_plus_counted_hook
 
 
+def bucket_ordered_hook(hook: HookFunction) -> HookFunction:
+    """Wrap a hook that issues further collectives from its futures' callbacks (PowerSGD: the uncompressed tensors,
+    then P, then Q) so that a bucket's first collective is issued only after the previous bucket's last one finished.
+
+    A process group matches collectives by the order in which each rank issues them. A callback issues its collective
+    whenever the previous one completes, while the autograd thread issues the next bucket's first collective whenever
+    that bucket's gradients are ready; with two or more buckets the two orders interleave differently on different
+    ranks (measured: gloo fails with "Received data size doesn't match expected size" on two nodes over a 1 Gbit/s
+    link). Waiting for the previous bucket fixes the order; the wait falls at the end of the backward for all but the
+    smallest buckets, so little overlap is lost.
+    """
+    previous: list[torch.futures.Future] = []
+
+    def ddp_plus_bucket_ordered_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        if bucket.index() > 0 and previous:
+            previous[0].wait()
+        future = hook(state, bucket)
+        previous[:] = [future]
+        return future
+
+    ddp_plus_bucket_ordered_hook.__qualname__ = f"bucket_ordered({getattr(hook, '__qualname__', repr(hook))})"
+    return ddp_plus_bucket_ordered_hook
+
+
 class HookAssembly:
     """The communication hook a wrapper gets: the named hook or callable, its state (PowerSGD gets a default one),
     the optional wrapper, and a counter of its calls. Registered on every backend, gloo included.
@@ -185,4 +209,6 @@ class HookAssembly:
             function, self.state = self.hook, self.user_state
         if self.wrapper is not None:
             function = self.wrapper(function)
+        if self.hook in (CommHook.POWERSGD, CommHook.BATCHED_POWERSGD):
+            function = bucket_ordered_hook(function)
         ddp.register_comm_hook(state=self.state, hook=counted_hook(function, self.counter))
