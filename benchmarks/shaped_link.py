@@ -291,7 +291,9 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 def rate_bits(rate: str) -> float:
-    """>>> rate_bits("1gbit"), rate_bits("10gbit"), rate_bits("500mbit")
+    """Bits per second of a ``tc`` rate.
+
+    >>> rate_bits("1gbit"), rate_bits("10gbit"), rate_bits("500mbit")
     (1000000000.0, 10000000000.0, 500000000.0)
     """
     units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
@@ -401,6 +403,30 @@ def print_table(result: dict) -> None:
         )
 
 
+def markdown(report: dict) -> str:
+    """The README's tables: per rate, each variant's time per optimizer step against stock and the two bounds."""
+    lines = []
+    for result in report["results"]:
+        lines += [
+            f"**{result['rate']}** (one TCP stream through the shaping: {result['measured_tcp_mbit']:.0f} Mbit/s)",
+            "",
+            (
+                "| variant | ms per optimizer step (min-max) | vs stock (same k) | MiB sent per step | link ms | "
+                "compute + link | max(compute, link) | measured / (compute + link) |"
+            ),
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for variant, row in result["variants"].items():
+            ratio = f"{row['ratio_to_baseline']:.2f}" if row["ratio_to_baseline"] else "1.00"
+            lines.append(
+                f"| `{variant}` | {row['step_ms']:.1f} ({row['step_ms_min']:.1f}-{row['step_ms_max']:.1f}) | {ratio} | "
+                f"{row['bytes_per_step'] / 2**20:.2f} | {row['link_ms']:.1f} | {row['bound_compute_plus_link_ms']:.1f} | "
+                f"{row['bound_max_compute_link_ms']:.1f} | {row['ratio_to_compute_plus_link']:.2f} |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
 def chart(results: list[dict], path: Path) -> None:
     try:
         import matplotlib
@@ -502,6 +528,7 @@ def main() -> None:
         "results": results,
     }
     (out / "shaped_link.json").write_text(json.dumps(report, indent=2))
+    (out / "shaped_link.md").write_text(markdown(report))
     chart(results, out / "shaped_link.png")
 
 

@@ -65,3 +65,40 @@ def test_suite_runs_every_benchmark_at_a_tiny_size(tmp_path):
     # bytes are counted, not timed: fp16 and bf16 send half of what plain all-reduce sends
     plain = summary["hooks"]["none"]["bytes_per_step"]["median"]
     assert summary["hooks"]["fp16"]["bytes_per_step"]["median"] * 2 == plain
+
+
+def test_shaped_link_benchmark_runs_on_two_namespaced_nodes(tmp_path):
+    sys.path.insert(0, str(REPO_ROOT))
+    from benchmarks.netns import unavailable_reason
+
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(f"two shaped nodes cannot be made here: {reason}")
+    script = str(REPO_ROOT / "benchmarks" / "shaped_link.py")
+    variants = ["stock", "ddp_plus", "bucket_auto", "powersgd_r1", "stock_manual_recipe_k4", "ddp_plus_manual_k4"]
+    args = ["--rates", "1gbit", "--repeats", "1", "--batches", "16", "--width", "64", "--layers", "1"]
+    result = run_job(
+        [sys.executable, script, *args, "--variants", *variants, "--out", str(tmp_path), "--timeout", "240"],
+        timeout=400,
+    )
+    assert result.returncode == 0, result.stdout[-3000:]
+    report = json.loads((tmp_path / "shaped_link.json").read_text())
+    rows = report["results"][0]["variants"]
+    assert set(rows) == set(variants)
+    # the bounds and bytes, not the times: the stock recipe sends k times the gradients per optimizer step
+    assert rows["stock_manual_recipe_k4"]["bytes_per_step"] == 4 * rows["ddp_plus_manual_k4"]["bytes_per_step"]
+    assert rows["powersgd_r1"]["bytes_per_step"] < rows["stock"]["bytes_per_step"]
+    assert (
+        rows["ddp_plus"]["baseline"] == "stock" and rows["ddp_plus_manual_k4"]["baseline"] == "stock_manual_recipe_k4"
+    )
+    assert all(row["bound_max_compute_link_ms"] <= row["bound_compute_plus_link_ms"] for row in rows.values())
+    assert rows["bucket_auto"]["auto_choices"], "auto chose no size"
+    assert 900 < report["results"][0]["measured_tcp_mbit"] < 1000  # the shaping holds the link to 1 Gbit/s
+    assert (tmp_path / "shaped_link.md").read_text().count("| `") == len(variants)
+    assert not any(line.startswith("ddpp") for line in _namespaces())  # removed afterwards
+
+
+def _namespaces() -> list[str]:
+    import subprocess
+
+    return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False).stdout.splitlines()
