@@ -25,6 +25,7 @@ CASES = [
         "num_samples": 24,
     },
     {"strategy": {"verify_replicas_every_n_steps": 1}, "corrupt_after": 2},
+    {"strategy": {"bucket_cap_mb": "auto"}, "num_samples": 160},  # 20 steps: 12 timing 4 sizes, then the choice
 ]
 
 
@@ -104,6 +105,15 @@ def test_accumulation_one_allreduce_per_optimizer_step(results, index):
     assert result["optimizer_steps"] == 3 and result["hook_calls"] == 3  # windows 4, 4, 2: one all-reduce each
     assert result["synced_backwards"] == 3 and result["skipped_backwards"] == 7
     check_trained(result, reference(result, k=4, mean_short_window=index == 1))
+
+
+@pytest.mark.multiprocess
+def test_auto_bucket_size_with_fabric(results):
+    result = results[7]
+    assert result["error"] is None, result["message"]
+    assert result["bucket_choice"] is not None and result["bucket_choice"][0] in (None, 1, 5, 100)
+    assert result["optimizer_steps"] == result["hook_calls"] == 20  # the hook survives every rebuild
+    check_trained(result, reference(result))
 
 
 @pytest.mark.multiprocess

@@ -81,6 +81,7 @@ def run_case(case: dict) -> dict:
         "optimizer_steps": stats.optimizer_steps,
         "findings": [finding.rule.id for finding in fabric.strategy.findings],
         "static_graph": fabric.strategy.settings.static_graph,
+        "bucket_choice": None if fabric.strategy.bucket_choice is None else [fabric.strategy.bucket_choice.chosen_mb],
         "params": [t.tolist() for t in gathered],
     }
 
