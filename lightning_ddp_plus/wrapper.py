@@ -48,7 +48,8 @@ def _local_buffers_kept(module: Module, keep: bool) -> Generator:
 
 
 def rebuild_reducer(ddp: DistributedDataParallel, find_unused_parameters: bool, static_graph: bool) -> None:
-    """Give ``ddp`` a new reducer with these settings, before its first backward; no collective is issued.
+    """Give ``ddp`` a new reducer with these settings when no backward is pending (before the first one, or between
+    optimizer steps); no collective is issued.
 
     The old reducer's autograd hooks are removed, communication hooks registered on the wrapper are registered again,
     and the buckets will be rebuilt from the first backward's order, as for a new wrapper.
