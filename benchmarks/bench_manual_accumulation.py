@@ -27,9 +27,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.utils.data import DataLoader, TensorDataset
 
 from benchmarks.ranks import run_ranks
+from benchmarks.recipes import K, plus_manual_step, stock_manual_step
 from lightning_ddp_plus import DDPPlusStrategy
-
-K = 4
 
 
 class StockRecipe(L.LightningModule):
@@ -47,11 +46,7 @@ class StockRecipe(L.LightningModule):
         return self.net(x).pow(2).mean()
 
     def training_step(self, batch, batch_idx):
-        optimizer = self.optimizers()
-        self.manual_backward(self.loss(batch) / K)
-        if (batch_idx + 1) % K == 0:
-            optimizer.step()
-            optimizer.zero_grad()
+        stock_manual_step(self, self.loss(batch), batch_idx)
 
     def train_dataloader(self):
         return DataLoader(TensorDataset(torch.randn(self.batches * 2 * 32, self.width)), batch_size=32)
@@ -64,11 +59,7 @@ class PlusRecipe(StockRecipe):
     """The same with ddp_plus: manual_backward syncs only on the window's last micro-batch."""
 
     def training_step(self, batch, batch_idx):
-        optimizer = self.optimizers()
-        self.manual_backward(self.loss(batch))
-        if self.trainer.strategy.sync_gradients:
-            optimizer.step()
-            optimizer.zero_grad()
+        plus_manual_step(self, self.loss(batch))
 
 
 class StepTimer(L.Callback):

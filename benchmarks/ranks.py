@@ -9,27 +9,39 @@ import tempfile
 LAUNCH_VARIABLES = ("LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "GROUP_RANK", "LOCAL_WORLD_SIZE")
 
 
+def base_environment() -> dict[str, str]:
+    """This process's environment without any launcher's rank variables."""
+    return {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
+
+
 def run_ranks(command: list[str], world: int, timeout: float) -> None:
-    """Run ``command + ["--as-rank", N]`` for every rank; exit with the ranks' output if one fails or times out."""
+    """Run ``command + ["--as-rank", N]`` for every rank on this machine; exit with the ranks' output if one fails or
+    times out."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    base = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
-    logs = [tempfile.TemporaryFile(mode="w+") for _ in range(world)]  # noqa: SIM115 - closed below; files, not pipes: a full pipe would block a rank
-    processes = []
-    for rank in range(world):
-        env = {
-            **base,
+    environments = [
+        {
+            **base_environment(),
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
             "LOCAL_RANK": str(rank),
             "NODE_RANK": "0",
             "WORLD_SIZE": str(world),
         }
-        processes.append(
-            subprocess.Popen([*command, "--as-rank", str(rank)], env=env, stdout=logs[rank], stderr=subprocess.STDOUT)
-        )
+        for rank in range(world)
+    ]
+    run_processes([[*command, "--as-rank", str(rank)] for rank in range(world)], environments, timeout)
+
+
+def run_processes(commands: list[list[str]], environments: list[dict[str, str]], timeout: float) -> None:
+    """Start one process per command, wait for all; kill the ones left after ``timeout`` seconds and exit with every
+    process's output tail if one failed or timed out."""
+    logs = [tempfile.TemporaryFile(mode="w+") for _ in commands]  # noqa: SIM115 - closed below; files, not pipes: a full pipe would block a rank
+    processes = []
     try:
+        for command, environment, log in zip(commands, environments, logs):
+            processes.append(subprocess.Popen(command, env=environment, stdout=log, stderr=subprocess.STDOUT))
         codes = [process.wait(timeout=timeout) for process in processes]
     except subprocess.TimeoutExpired:
         codes = None
@@ -37,10 +49,15 @@ def run_ranks(command: list[str], world: int, timeout: float) -> None:
         for process in processes:
             if process.poll() is None:
                 process.kill()
-    if codes is None or any(codes):
-        tails = []
-        for rank, log in enumerate(logs):
-            log.seek(0)
-            tails.append(f"--- rank {rank} ---\n{log.read()[-3000:]}")
-        reason = f"did not finish within {timeout} s" if codes is None else f"failed with exit codes {codes}"
-        sys.exit(f"{' '.join(command[:2])} {reason}\n" + "\n".join(tails))
+                process.wait()
+    try:
+        if codes is None or any(codes):
+            tails = []
+            for rank, log in enumerate(logs):
+                log.seek(0)
+                tails.append(f"--- rank {rank} ---\n{log.read()[-3000:]}")
+            reason = f"did not finish within {timeout} s" if codes is None else f"failed with exit codes {codes}"
+            sys.exit(f"{' '.join(commands[0][:2])} {reason}\n" + "\n".join(tails))
+    finally:
+        for log in logs:
+            log.close()

@@ -24,7 +24,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -32,8 +31,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.netns import tcp_throughput_mbit, two_nodes, unavailable_reason
+from benchmarks.ranks import base_environment, run_processes
+from benchmarks.recipes import K, plus_manual_step, stock_manual_step
 
-K = 4
 BATCH = 8
 FEATURES = 64
 OUTPUTS = 16
@@ -108,21 +108,13 @@ def build_modules():
             self.automatic_optimization = False
 
         def training_step(self, batch, batch_idx):
-            optimizer = self.optimizers()
-            self.manual_backward(self.loss(batch) / K)
-            if (batch_idx + 1) % K == 0:
-                optimizer.step()
-                optimizer.zero_grad()
+            stock_manual_step(self, self.loss(batch), batch_idx)
 
     class PlusManual(StockManualRecipe):
         """ddp_plus: only the window's last backward all-reduces."""
 
         def training_step(self, batch, batch_idx):
-            optimizer = self.optimizers()
-            self.manual_backward(self.loss(batch))
-            if self.trainer.strategy.sync_gradients:
-                optimizer.step()
-                optimizer.zero_grad()
+            plus_manual_step(self, self.loss(batch))
 
     return MLP, StockManualRecipe, PlusManual
 
@@ -323,11 +315,11 @@ def run_nodes(args, rate: str, raw: Path) -> float:
     """Run the variants on two shaped nodes; returns the link's measured TCP rate in Mbit/s."""
     with two_nodes(rate) as nodes:
         measured = tcp_throughput_mbit(nodes, 64 if rate_bits(rate) <= 2e9 else 256)
-        processes, logs = [], []
-        try:
-            for node_rank, node in enumerate(nodes):
-                env = {
-                    **{k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "NODE_RANK")},
+        commands, environments = [], []
+        for node_rank, node in enumerate(nodes):
+            environments.append(
+                {
+                    **base_environment(),
                     "MASTER_ADDR": nodes[0].address,
                     "MASTER_PORT": "29500",
                     "NODE_RANK": str(node_rank),
@@ -336,30 +328,13 @@ def run_nodes(args, rate: str, raw: Path) -> float:
                     "GLOO_SOCKET_IFNAME": node.interface,
                     "OMP_NUM_THREADS": "1",
                 }
-                command = [
-                    "ip", "netns", "exec", node.namespace, sys.executable, __file__, "--as-node", "--raw", str(raw),
-                    "--repeats", str(args.repeats), "--batches", str(args.batches), "--width", str(args.width),
-                    "--layers", str(args.layers), "--variants", *args.variants,
-                ]  # fmt: skip
-                log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - closed below
-                logs.append(log)
-                processes.append(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT))
-            codes = [process.wait(timeout=args.timeout) for process in processes]
-        except subprocess.TimeoutExpired:
-            codes = None
-        finally:
-            for process in processes:
-                if process.poll() is None:
-                    process.kill()
-                    process.wait()
-        if codes is None or any(codes):
-            tails = []
-            for node_rank, log in enumerate(logs):
-                log.seek(0)
-                tails.append(f"--- node {node_rank} ---\n{log.read()[-3000:]}")
-            sys.exit(f"shaped_link at {rate}: nodes failed ({codes})\n" + "\n".join(tails))
-        for log in logs:
-            log.close()
+            )
+            commands.append(
+                ["ip", "netns", "exec", node.namespace, sys.executable, __file__, "--as-node", "--raw", str(raw),
+                 "--repeats", str(args.repeats), "--batches", str(args.batches), "--width", str(args.width),
+                 "--layers", str(args.layers), "--variants", *args.variants]
+            )  # fmt: skip
+        run_processes(commands, environments, args.timeout)
     return measured
 
 
