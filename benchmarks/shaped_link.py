@@ -78,10 +78,15 @@ def build_modules():
     from torch.utils.data import DataLoader, TensorDataset
 
     class MLP(L.LightningModule):
-        def __init__(self, width: int, layers: int, batches: int) -> None:
+        def __init__(self, width: int, layers: int, batches: int, layernorm: bool = False) -> None:
             super().__init__()
             torch.manual_seed(0)
-            hidden = [m for _ in range(layers) for m in (nn.Linear(width, width), nn.ReLU())]
+            block = (
+                (lambda: (nn.Linear(width, width), nn.LayerNorm(width), nn.ReLU()))
+                if layernorm
+                else (lambda: (nn.Linear(width, width), nn.ReLU()))
+            )
+            hidden = [m for _ in range(layers) for m in block()]
             self.net = nn.Sequential(nn.Linear(FEATURES, width), nn.ReLU(), *hidden, nn.Linear(width, OUTPUTS))
             self.batches = batches
 
@@ -172,7 +177,7 @@ def fit_variant(variant: str, args, devices: int = 1, num_nodes: int = 2) -> dic
     k = accumulation(variant)
     model_class = {"stock_manual_recipe_k4": StockManualRecipe, "ddp_plus_manual_k4": PlusManual}.get(variant, MLP)
     batches = args.batches * (2 if k > 1 else 1)
-    model = model_class(args.width, args.layers, batches)
+    model = model_class(args.width, args.layers, batches, args.layernorm)
     clock = StepClock()
     strategy = strategy_for(variant) if num_nodes > 1 else "auto"
     trainer = L.Trainer(
@@ -202,7 +207,7 @@ def node_main(args) -> None:
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     raw: dict[str, list] = {variant: [] for variant in args.variants}
     for _ in range(args.repeats):
         for variant in args.variants:  # alternating: A B C ... A B C ...
@@ -217,7 +222,7 @@ def compute_main(args) -> None:
     """One process, no process group: the per-rank compute of one optimizer step (and of one micro-batch)."""
     import torch
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     figures = {"step_ms": [], "manual_micro_batch_ms": []}
     for _ in range(args.repeats):
         figures["step_ms"].append(fit_variant("stock", args, num_nodes=1)["step_ms"])
@@ -228,15 +233,17 @@ def compute_main(args) -> None:
 # ---------------------------------------------------------------------------------------------- the physical limit
 
 
-def gradient_shapes(width: int, layers: int) -> list[tuple[int, ...]]:
+def gradient_shapes(width: int, layers: int, layernorm: bool = False) -> list[tuple[int, ...]]:
     """Parameter shapes of the benchmark's MLP, in ``parameters()`` order.
 
     >>> gradient_shapes(4, 1)
     [(4, 64), (4,), (4, 4), (4,), (16, 4), (16,)]
+    >>> gradient_shapes(4, 1, layernorm=True)[2:6]
+    [(4, 4), (4,), (4,), (4,)]
     """
     shapes = [(width, FEATURES), (width,)]
     for _ in range(layers):
-        shapes += [(width, width), (width,)]
+        shapes += [(width, width), (width,)] + ([(width,), (width,)] if layernorm else [])
     return shapes + [(OUTPUTS, width), (OUTPUTS,)]
 
 
@@ -326,13 +333,14 @@ def run_nodes(args, rate: str, raw: Path) -> float:
                     "LOCAL_RANK": "0",
                     "WORLD_SIZE": "2",
                     "GLOO_SOCKET_IFNAME": node.interface,
-                    "OMP_NUM_THREADS": "1",
+                    "OMP_NUM_THREADS": str(args.threads),
                 }
             )
             commands.append(
                 ["ip", "netns", "exec", node.namespace, sys.executable, __file__, "--as-node", "--raw", str(raw),
                  "--repeats", str(args.repeats), "--batches", str(args.batches), "--width", str(args.width),
-                 "--layers", str(args.layers), "--variants", *args.variants]
+                 "--layers", str(args.layers), "--variants", *args.variants, *(["--layernorm"] if args.layernorm else []),
+                 "--threads", str(args.threads)]
             )  # fmt: skip
         run_processes(commands, environments, args.timeout)
     return measured
@@ -448,6 +456,8 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=40, help="batches per rank per run (x2 for k=4 variants)")
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=3, help="hidden width x width layers")
+    parser.add_argument("--layernorm", action="store_true", help="a LayerNorm after each hidden layer")
+    parser.add_argument("--threads", type=int, default=1, help="intra-op threads per rank (2 ranks share 2 cores)")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--timeout", type=float, default=1800)
@@ -469,11 +479,13 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     raw_path = out / ".shaped_link.raw.json"
     common = ["--repeats", str(args.repeats), "--batches", str(args.batches), "--width", str(args.width)]
-    common += ["--layers", str(args.layers)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    common += ["--layers", str(args.layers), "--threads", str(args.threads)] + (
+        ["--layernorm"] if args.layernorm else []
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     subprocess.run([sys.executable, __file__, "--compute", "--raw", str(raw_path), *common], check=True, env=env)
     compute = json.loads(raw_path.read_text())
-    shapes = gradient_shapes(args.width, args.layers)
+    shapes = gradient_shapes(args.width, args.layers, args.layernorm)
     print(f"compute per step (1 process, 1 thread): {compute['step_ms']:.1f} ms", flush=True)
     results = []
     for rate in args.rates:
@@ -494,6 +506,8 @@ def main() -> None:
             "gradient_MB": 4 * sum(_numel(s) for s in shapes) / 2**20,
             "width": args.width,
             "hidden_layers": args.layers,
+            "layernorm": args.layernorm,
+            "threads_per_rank": args.threads,
             "batch": BATCH,
             "repeats": args.repeats,
             "batches": args.batches,
