@@ -17,4 +17,5 @@ pip install -q numpy  # older torch wheels do not pull it in
 python -c "import torch, lightning; print('torch', torch.__version__, 'lightning', lightning.__version__)"
 python -m pytest -q -p no:cacheprovider -m "not multiprocess"
 python -m pytest -q -p no:cacheprovider -m multiprocess tests/test_accumulation.py tests/test_conflicts.py \
-  tests/test_ddp_training.py tests/test_diagnostics.py tests/test_fabric.py tests/test_wrapper.py tests/test_zoo.py
+  tests/test_ddp_training.py tests/test_diagnostics.py tests/test_fabric.py tests/test_wrapper.py tests/test_zoo.py \
+  tests/test_buckets.py tests/test_comm_hooks.py
