@@ -56,15 +56,21 @@ _NAMES = tuple(hook.value for hook in CommHook)
 
 
 def parse_comm_hook(value: str | CommHook | HookFunction | None) -> CommHook | HookFunction | None:
-    """Accept a hook name, a dotted import path to a hook function, a callable, or ``None``.
+    """Accept a hook name, a dotted import path to a hook function, a callable, or ``None``. torch's own functions for
+    the named hooks become their names, so that they get the same treatment (PowerSGD's bucket order).
 
     >>> parse_comm_hook("FP16")
     <CommHook.FP16: 'fp16'>
     >>> parse_comm_hook("torch.distributed.algorithms.ddp_comm_hooks.default_hooks.allreduce_hook").__name__
     'allreduce_hook'
+    >>> parse_comm_hook(powerSGD_hook.powerSGD_hook)
+    <CommHook.POWERSGD: 'powersgd'>
     """
     if value is None or isinstance(value, CommHook):
         return value
+    named = next((hook for hook, function in _HOOK_FUNCTIONS.items() if function is value), None)
+    if named is not None:
+        return named
     if isinstance(value, str):
         name = value.strip().lower()
         if name in ("", "none", "no"):

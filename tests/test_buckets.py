@@ -3,6 +3,7 @@ real 2-rank run, keeps one, agrees across ranks and leaves the training itself u
 
 import pytest
 import torch
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
 from lightning_ddp_plus import DDPPlusStrategy
 from lightning_ddp_plus.buckets import AUTO_BUCKET_CANDIDATES_MB, TIMED_ITERATIONS
@@ -72,6 +73,8 @@ def test_auto_says_when_the_fit_is_too_short(results):
     [
         ({"bucket_cap_mb": "Auto"}, TypeError, r"bucket_cap_mb='Auto'.*did you mean 'auto'"),
         ({"bucket_cap_mb": "auto", "ddp_comm_hook": "powersgd"}, ValueError, r"bucket_cap_mb='auto'.*PowerSGD"),
+        # torch's own function counts as the named hook
+        ({"bucket_cap_mb": "auto", "ddp_comm_hook": powerSGD_hook.batched_powerSGD_hook}, ValueError, "PowerSGD"),
     ],
 )
 def test_bad_bucket_arguments(kwargs, error, pattern):
