@@ -17,6 +17,8 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 from torch.utils.data import DataLoader, TensorDataset
 
+from tests.helpers import QUIET_TRAINER
+
 
 class PauseOnRank1(torch.autograd.Function):
     @staticmethod
@@ -75,15 +77,7 @@ def main(variant: str) -> None:
             process_group_backend="gloo", timeout=30, bucket_cap_mb=1, ddp_comm_hook="powersgd", ddp_comm_state=state
         )
     trainer = L.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=2,
-        max_epochs=1,
-        callbacks=callbacks,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        strategy=strategy, accelerator="cpu", devices=2, max_epochs=1, callbacks=callbacks, **QUIET_TRAINER
     )
     model = TwoBuckets()
     trainer.fit(model)
