@@ -172,16 +172,19 @@ def test_xccl_on_cuda_devices_is_refused():
         trainer(DDPPlusStrategy(process_group_backend="xccl"), accelerator=FakeCUDAAccelerator())
 
 
-def test_broadcast_buffers_maps_without_deprecation_warning():
+def test_broadcast_buffers_maps_without_deprecation_warning(monkeypatch):
     # The mapped kwargs are what torch receives; constructing DDP with them must not warn about broadcast_buffers.
-    import os
-
     import torch.distributed as dist
 
+    from lightning_ddp_plus.launcher import register_process_group_shutdown
     from tests.helpers import free_port
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
+    # Held until exit, as the strategy holds its group: dropping the group's last reference right after DDP's
+    # broadcast deadlocked once (the main thread joined a gloo worker that waited for the GIL to free the broadcast).
+    register_process_group_shutdown()
     try:
         for value in (True, False):
             kwargs = DDPPlusStrategy(broadcast_buffers=value)._ddp_kwargs
