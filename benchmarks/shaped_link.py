@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -256,9 +257,7 @@ def powersgd_elements(shapes: list[tuple[int, ...]], rank: int, min_compression_
     """
     total = 0
     for shape in shapes:
-        numel = 1
-        for size in shape:
-            numel *= size
+        numel = math.prod(shape)
         if len(shape) <= 1:
             total += numel
             continue
@@ -270,7 +269,7 @@ def powersgd_elements(shapes: list[tuple[int, ...]], rank: int, min_compression_
 
 def bytes_per_step(variant: str, shapes: list[tuple[int, ...]], world: int = 2) -> float:
     """Bytes each rank sends per optimizer step: a ring all-reduce sends ``2 (n-1)/n`` of the buffer."""
-    elements = sum(_numel(shape) for shape in shapes)
+    elements = sum(math.prod(shape) for shape in shapes)
     if variant in ("fp16", "bf16"):
         buffer = 2 * elements
     elif variant.startswith("powersgd_r"):
@@ -280,13 +279,6 @@ def bytes_per_step(variant: str, shapes: list[tuple[int, ...]], world: int = 2) 
     else:
         buffer = 4 * elements
     return 2 * (world - 1) / world * buffer
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    numel = 1
-    for size in shape:
-        numel *= size
-    return numel
 
 
 def rate_bits(rate: str) -> float:
@@ -502,8 +494,8 @@ def main() -> None:
     report = {
         "machine": f"{os.cpu_count()} CPU cores, torch {torch.__version__}, lightning {lightning.__version__}, gloo",
         "config": {
-            "parameters": sum(_numel(s) for s in shapes),
-            "gradient_MB": 4 * sum(_numel(s) for s in shapes) / 2**20,
+            "parameters": sum(math.prod(s) for s in shapes),
+            "gradient_MB": 4 * sum(math.prod(s) for s in shapes) / 2**20,
             "width": args.width,
             "hidden_layers": args.layers,
             "layernorm": args.layernorm,

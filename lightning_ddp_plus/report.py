@@ -55,8 +55,10 @@ class TelemetryLog:
 
         return {
             "steps": len(self.steps),
-            **{f"median_{name}": median(name) for name in ("forward_ms", "backward_compute_ms", "backward_comm_ms")},
-            "median_overlap_ms": median("overlap_ms"),
+            **{
+                f"median_{name}": median(name)
+                for name in ("forward_ms", "backward_compute_ms", "backward_comm_ms", "overlap_ms")
+            },
             "median_MB_per_step": median("bytes_sent") / 2**20,
             "synced_backwards": sum(self.series["synced_backwards"]),
             "skipped_backwards": sum(self.series["skipped_backwards"]),
