@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
 from lightning_ddp_plus._messages import closest_name, describe_bad_value
+from lightning_ddp_plus.sync_guard import BucketLog, logged_hook
 
 HookFunction = Callable[[Any, "torch.distributed.GradBucket"], "torch.futures.Future[torch.Tensor]"]
 
@@ -204,9 +205,13 @@ class HookAssembly:
             return getattr(self.hook, "__qualname__", repr(self.hook))
         return "none"
 
-    def register(self, ddp: "torch.nn.parallel.DistributedDataParallel") -> None:
-        """Register the hook on a new wrapper (a fresh default state each time, like a fresh reducer)."""
+    def register(self, ddp: "torch.nn.parallel.DistributedDataParallel", log: BucketLog | None = None) -> None:
+        """Register the hook on a new wrapper (a fresh default state each time, like a fresh reducer). With ``log``
+        (the per-step guard's), every bucket handed to the hook is logged, and a wrapper without a hook of its own
+        gets torch's plain all-reduce hook so that there is something to log."""
         if self.hook is None:
+            if log is not None:
+                ddp.register_comm_hook(state=None, hook=logged_hook(default_hooks.allreduce_hook, log))
             return
         if isinstance(self.hook, CommHook):
             function = self.hook.function
@@ -217,4 +222,5 @@ class HookAssembly:
             function = self.wrapper(function)
         if self.hook in (CommHook.POWERSGD, CommHook.BATCHED_POWERSGD):
             function = bucket_ordered_hook(function)
-        ddp.register_comm_hook(state=self.state, hook=counted_hook(function, self.counter))
+        function = counted_hook(function, self.counter)
+        ddp.register_comm_hook(state=self.state, hook=logged_hook(function, log) if log is not None else function)

@@ -52,6 +52,7 @@ def unpack_facts(flags: list[int], parameters: list[str], buffers: list[str], lo
         checkpointing=kinds,
         checkpoint_sources=local.checkpoint_sources,
         mutable_buffers=tuple(b for b, on in zip(buffers, flags[offset:]) if on),
+        dynamic_modules=local.dynamic_modules,
         **values,
     )
 
@@ -247,11 +248,15 @@ def _changed(view: DDPView, resolved: DDPView) -> list[str]:
     ]
 
 
-def conflict_error(errors: list[Finding], view: DDPView, note: str = "") -> DDPConflictError:
+def conflict_error(
+    errors: list[Finding],
+    view: DDPView,
+    note: str = "",
+    when: str = "at the first training forward, before any gradient was all-reduced and before any optimizer step",
+) -> DDPConflictError:
     settings = ", ".join(f"{name}={getattr(view, name)}" for name in ("find_unused_parameters", "static_graph"))
     return DDPConflictError(
-        "DDPPlusStrategy found DDP settings that torch's reducer cannot train this model with (checked at the first "
-        "training forward, before any gradient was all-reduced and before any optimizer step):\n"
+        f"DDPPlusStrategy found DDP settings that torch's reducer cannot train this model with (checked {when}):\n"
         + "\n".join(f"  {finding}" for finding in errors)
         + f"\nSettings: {settings}. "
         + (note or "Or set `checkpointing_conflict='resolve'` to let the strategy change them."),

@@ -5,11 +5,16 @@
 - ``HookAssembly``: the communication hook, its state, wrapper and counter;
 - ``ReplicaGuard``: the periodic replica check;
 - ``SyncTelemetry``: per-step communication figures;
-- ``BucketTuner``: ``bucket_cap_mb="auto"``, timing bucket sizes during the first optimizer steps.
+- ``BucketTuner``: ``bucket_cap_mb="auto"``, timing bucket sizes during the first optimizer steps;
+- ``SyncGuard``: after every synced backward, that every rank's reducer all-reduced every bucket;
+- ``UnevenInputsCheck``: ranks whose shards hold different numbers of batches.
+
+The guard and the uneven-inputs check share one small gloo group (``SideChannel``) and, where they can, one
+all-reduce per step.
 
 The Trainer strategy (``strategy.py``) and the Fabric strategy (``fabric.py``) translate their framework's hooks into
-the few calls below: ``wrap`` at setup, ``before_backward``/``after_backward`` around each backward,
-``after_optimizer_step``, ``teardown``.
+the few calls below: ``wrap`` at setup, ``batch_starts`` before each training batch,
+``before_backward``/``after_backward`` around each backward, ``after_optimizer_step``, ``teardown``.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from lightning_ddp_plus.comm_hooks import HookAssembly, HookCallCounter
 from lightning_ddp_plus.conflicts import (
     ConflictCheck,
     agree_across_ranks,
+    conflict_error,
     explain_torch_error,
     finding_records,
     findings_from_records,
@@ -39,10 +45,12 @@ from lightning_ddp_plus.errors import DDPConflictError
 from lightning_ddp_plus.facts import ModelFacts, running_stat_buffers
 from lightning_ddp_plus.options import DDPPlusOptions
 from lightning_ddp_plus.replicas import ReplicaGuard
-from lightning_ddp_plus.rules import DDPView, Finding
+from lightning_ddp_plus.rules import DDPView, Finding, evaluate
 from lightning_ddp_plus.settings import DDPSettings
+from lightning_ddp_plus.sync_guard import SideChannel, SyncFault, SyncGuard
 from lightning_ddp_plus.telemetry import SyncTelemetry
 from lightning_ddp_plus.timeout import format_timeout
+from lightning_ddp_plus.uneven import RankBatches, UnevenInputsCheck, uneven_flags
 from lightning_ddp_plus.wrapper import rebuild_reducer, replay_forward, wrap_module
 
 # Messages of collective timeouts (gloo, NCCL, the c10d store), not of other timeouts such as a DataLoader's.
@@ -73,6 +81,10 @@ class DDPPlusEngine:
         self.conflicts = ConflictCheck(options.checkpointing_conflict, warn=warn, info=info)
         self.hooks = HookAssembly(options.comm_hook, options.comm_state, options.comm_wrapper)
         self.guard = ReplicaGuard(options.verify_replicas_every_n_steps)
+        self.channel = SideChannel()
+        self.sync_guard = SyncGuard(options.sync_guard, self.channel, warn=warn)
+        self.uneven = UnevenInputsCheck(options.uneven_inputs, info=info)
+        self._warn, self._info = warn, info
         self.telemetry: SyncTelemetry | None = SyncTelemetry() if options.telemetry else None
         self.buckets: BucketTuner | None = (
             BucketTuner(on_rebuilt=self._reducer_rebuilt, info=info)
@@ -84,6 +96,7 @@ class DDPPlusEngine:
         self.before_training_forward: Callable[[DistributedDataParallel], None] | None = None
         self._forward_synced = True
         self._handle: Any = None
+        self._epoch = 0
 
     # ------------------------------------------------------------------ setup and teardown
 
@@ -99,7 +112,10 @@ class DDPPlusEngine:
         """Attach every component to a new wrapper; counters and cadences restart."""
         self.teardown()
         self.window.reset()
-        self.hooks.register(ddp)
+        self.uneven.reset()
+        self.channel.start(self.options.timeout)
+        self.sync_guard.attach(ddp)
+        self.hooks.register(ddp, self.sync_guard.log if self.sync_guard.active else None)
         self._handle = ddp.register_forward_pre_hook(self._training_forward_starts)
         self.conflicts.attach(ddp, module)
         self.guard.attach(ddp, module, with_buffers=bool(self.settings.broadcast_buffers))
@@ -119,6 +135,8 @@ class DDPPlusEngine:
             self._handle = None
         self.conflicts.detach()
         self.guard.detach()
+        self.sync_guard.detach()
+        self.channel.stop()
         if self.buckets is not None:
             self.buckets.stop()
         self._ddp = None
@@ -164,10 +182,62 @@ class DDPPlusEngine:
     def _agree(facts: ModelFacts, module: Module, device: torch.device) -> ModelFacts:
         return agree_across_ranks(facts, module, device)
 
-    def after_backward(self, synced: bool) -> None:
+    def batch_starts(self, state: RankBatches, epoch: int, folded: bool) -> bool:
+        """Before a training batch, on every rank: the uneven-inputs decision. Returns True when this rank must make
+        this batch its epoch's last (``uneven_inputs="stop"``); raises ``UnevenInputsError`` (``"error"``).
+
+        ``folded``: this batch ends with exactly one synced backward on every rank (automatic optimization, k=1),
+        so its flag can travel in the guard's all-reduce after that backward, and ``after_backward`` decides.
+        """
+        if not self.channel.open:
+            return False
+        if folded and self.sync_guard.active:
+            self.uneven.hold(state)
+            self._epoch = epoch
+            return False
+        return self.uneven.decide(state, self.channel.maximum(uneven_flags(state.last)), self.channel.gather, epoch)
+
+    def after_backward(self, synced: bool) -> bool:
+        """After every backward. A synced one is checked by the guard (raises ``DDPConflictError``, or resolves);
+        returns True when a held uneven-inputs flag decided that this batch ends the epoch (see ``batch_starts``)."""
         self.window.record_backward(synced)
         if self.telemetry is not None:
             self.telemetry.after_backward(synced)
+        if not synced or not self.sync_guard.active or self._ddp is None:
+            return False
+        held = self.uneven.take_held()
+        step = self.window.stats.optimizer_steps + 1
+        fault, maximums = self.sync_guard.check(self._ddp, step, uneven_flags(held.last) if held else [0, 0])
+        if fault is not None:
+            self._sync_fault(self._ddp, fault)
+        if held is None:
+            return False
+        return self.uneven.decide(held, maximums, self.channel.gather, self._epoch)
+
+    def _sync_fault(self, ddp: DistributedDataParallel, fault: SyncFault) -> None:
+        """Some rank's reducer did not all-reduce every bucket (now completed on every rank): rule R6."""
+        view = self.view()
+        facts = ModelFacts(observed=True, late_step=fault.step, late_unused_by_rank=fault.unused)
+        findings = [finding for finding in evaluate(view, facts) if finding.rule.id == "R6"]
+        mode = self.options.checkpointing_conflict
+        if mode not in ("resolve", "warn"):
+            raise conflict_error(
+                findings,
+                view,
+                when=f"at optimizer step {fault.step}, after its backward and before its optimizer step",
+                note="Or set `checkpointing_conflict='resolve'` to switch find_unused_parameters on and train on.",
+            )
+        self.conflicts.findings.append(findings[0])
+        self.settings = dataclasses.replace(self.settings, find_unused_parameters=True, static_graph=False)
+        rebuild_reducer(ddp, find_unused_parameters=True, static_graph=False)
+        self._reducer_rebuilt(ddp)
+        report = self._warn if mode == "warn" else self._info
+        report(
+            f"DDPPlusStrategy resolved [R6] parameters unused on some steps ({fault.describe()}) at optimizer step "
+            f"{fault.step} by setting find_unused_parameters: {view.find_unused_parameters} -> True"
+            + (", static_graph: True -> False" if view.static_graph else "")
+            + ". This step's gradients were averaged on every rank as find_unused_parameters=True averages them."
+        )
 
     def after_optimizer_step(self) -> int:
         step = self.window.record_optimizer_step()

@@ -17,6 +17,10 @@ close its window without gradient sync, scales each loss by 1/window length, and
 
 Fabric's own idiom, ``with fabric.no_backward_sync(model, enabled=...)``, works too (with ``static_graph`` the run's
 first backward is synced, as torch requires).
+
+The per-step guard (``sync_guard``) checks every synced ``fabric.backward``. ``uneven_inputs`` needs
+``micro_batches``: it is where every rank says whether the item it yields is its last, and where ``"stop"`` ends the
+iteration on every rank together.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from lightning_ddp_plus.launcher import register_process_group_shutdown
 from lightning_ddp_plus.options import ConflictMode, DDPPlusOptions, StartMethod
 from lightning_ddp_plus.strategy import REGISTERED_NAMES
 from lightning_ddp_plus.timeout import DEFAULT_TIMEOUT, TimeoutLike
+from lightning_ddp_plus.uneven import RankBatches, UnevenInputs
 
 T = TypeVar("T")
 
@@ -97,6 +102,8 @@ class DDPPlusFabricStrategy(EngineViews, DDPStrategy):
         verify_replicas_every_n_steps: int | None = None,
         telemetry: bool = False,
         start_method: StartMethod = "popen",
+        sync_guard: bool = True,
+        uneven_inputs: UnevenInputs = "error",
         **kwargs: Any,
     ) -> None:
         options = DDPPlusOptions.from_arguments(locals(), ddp_kwargs=kwargs)
@@ -118,6 +125,7 @@ class DDPPlusFabricStrategy(EngineViews, DDPStrategy):
         self._last_position: WindowPosition | None = None
         self._next_is_last = False
         self._turned_sync_off = False
+        self._epoch = -1
 
     # ------------------------------------------------------------------ read-only views of the engine
 
@@ -183,21 +191,35 @@ class DDPPlusFabricStrategy(EngineViews, DDPStrategy):
 
     def micro_batches(self, iterable: Iterable[T]) -> Iterator[T]:
         """Yield the items of ``iterable`` (e.g. the epoch's loader), marking the last one, so that it closes its
-        accumulation window even when the epoch's length is not a multiple of k (or not known)."""
+        accumulation window even when the epoch's length is not a multiple of k (or not known). Each call is one
+        epoch for ``uneven_inputs``: before each item every rank says whether it is its last; ``"error"`` raises
+        ``UnevenInputsError`` on every rank, ``"stop"`` makes that item the last on every rank."""
+        self._epoch += 1
+        length = len(iterable) if hasattr(iterable, "__len__") else None  # type: ignore[arg-type]
         iterator = iter(iterable)
         try:
             item = next(iterator)
         except StopIteration:
             return
+        number = 0
         for following in iterator:
+            number += 1
+            if self._ends_here(RankBatches(number, last=False, length=length)):
+                break
             self._next_is_last = False
             yield item
             item = following
+        else:
+            number += 1
+            self._ends_here(RankBatches(number, last=True, length=length))
         self._next_is_last = True
         try:
             yield item
         finally:
             self._next_is_last = False
+
+    def _ends_here(self, state: RankBatches) -> bool:
+        return self._ddp is not None and self.engine.batch_starts(state, self._epoch, folded=False)
 
     def _window_before_forward(self, ddp: DistributedDataParallel) -> None:
         window = self.engine.window

@@ -53,6 +53,11 @@ class ModelFacts:
         no_grad_region_parameters: trainable parameters inside a reentrant region entered with grad enabled but no
             input that requires grad: torch never recomputes such a region, so they never learn.
         mutable_buffers: buffers that a training forward changes (BatchNorm-style running statistics).
+        dynamic_modules: modules whose graph changes from step to step by design (LayerDrop active in training, or a
+            module that sets ``ddp_dynamic_graph = True``), with the reason, for messages.
+        late_step: the optimizer step at which the per-step guard found parameters without gradient (``None``: the
+            facts are from the first forward).
+        late_unused_by_rank: per rank, the parameters that got no gradient at ``late_step``.
     """
 
     observed: bool = False
@@ -63,6 +68,9 @@ class ModelFacts:
     unused_parameters: tuple[str, ...] | None = None
     no_grad_region_parameters: tuple[str, ...] = ()
     mutable_buffers: tuple[str, ...] = ()
+    dynamic_modules: tuple[str, ...] = ()
+    late_step: int | None = None
+    late_unused_by_rank: tuple[tuple[str, ...], ...] = ()
 
     @property
     def reentrant(self) -> bool:
@@ -93,8 +101,44 @@ def static_facts(module: nn.Module) -> ModelFacts:
             kinds.add(kind)
             sources.append(f"{name or type(sub).__name__}: gradient_checkpointing flag ({kind}, from attributes)")
     return ModelFacts(
-        checkpointing=frozenset(kinds), checkpoint_sources=tuple(sources), mutable_buffers=running_stat_buffers(module)
+        checkpointing=frozenset(kinds),
+        checkpoint_sources=tuple(sources),
+        mutable_buffers=running_stat_buffers(module),
+        dynamic_modules=find_dynamic_modules(module),
     )
+
+
+#: Hugging Face config attributes that switch LayerDrop on (wav2vec2, HuBERT, WavLM, BART, Whisper, M2M100 ...).
+LAYERDROP_ATTRIBUTES = ("layerdrop", "encoder_layerdrop", "decoder_layerdrop")
+
+
+def find_dynamic_modules(module: nn.Module) -> tuple[str, ...]:
+    """Modules whose training graph changes between steps by design, with the reason.
+
+    LayerDrop (a Hugging Face config's ``layerdrop``, ``encoder_layerdrop`` or ``decoder_layerdrop`` above 0, read
+    once per config object, while the module trains), or a module that declares itself dynamic with the attribute
+    ``ddp_dynamic_graph = True`` (multi-task heads chosen per batch, towers skipped for some batches).
+
+    >>> class Heads(nn.Module):
+    ...     ddp_dynamic_graph = True
+    >>> find_dynamic_modules(nn.Sequential(nn.Linear(2, 2), Heads()))
+    ('1: declares ddp_dynamic_graph = True',)
+    """
+    found: list[str] = []
+    configs_seen: set[int] = set()
+    for name, sub in module.named_modules():
+        label = name or type(sub).__name__
+        if getattr(sub, "ddp_dynamic_graph", False) is True:
+            found.append(f"{label}: declares ddp_dynamic_graph = True")
+        config = getattr(sub, "config", None)
+        if config is None or id(config) in configs_seen or not sub.training:
+            continue
+        configs_seen.add(id(config))
+        for attribute in LAYERDROP_ATTRIBUTES:
+            value = getattr(config, attribute, None)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+                found.append(f"{label}: LayerDrop ({type(config).__name__}.{attribute}={value:g})")
+    return tuple(found)
 
 
 def _flagged_checkpointing_kind(module: nn.Module) -> str | None:
@@ -336,6 +380,7 @@ class ForwardProbe:
             unused_parameters=self._sorted_names(unused),
             no_grad_region_parameters=self._sorted_names(no_grad_regions),
             mutable_buffers=self._changed_buffers(),
+            dynamic_modules=find_dynamic_modules(self.module),
         )
 
     def _changed_buffers(self) -> tuple[str, ...]:

@@ -19,6 +19,7 @@ from lightning_ddp_plus.comm_hooks import CommHook, HookFunction, parse_comm_hoo
 from lightning_ddp_plus.restart import RESUME_MODES, ResumeMode
 from lightning_ddp_plus.settings import DDPSettings
 from lightning_ddp_plus.timeout import TimeoutLike, parse_timeout
+from lightning_ddp_plus.uneven import UNEVEN_MODES, UnevenInputs
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 ConflictMode = Literal["error", "warn", "resolve", "off"]
@@ -66,6 +67,8 @@ class DDPPlusOptions:
     telemetry: bool
     start_method: StartMethod
     resume_from_last: ResumeMode = "on_restart"
+    sync_guard: bool = True
+    uneven_inputs: UnevenInputs = "error"
 
     @classmethod
     def from_arguments(cls, arguments: dict[str, Any], ddp_kwargs: dict[str, Any]) -> DDPPlusOptions:
@@ -95,6 +98,8 @@ class DDPPlusOptions:
         telemetry: bool = False,
         start_method: StartMethod = "popen",
         resume_from_last: ResumeMode = "on_restart",
+        sync_guard: bool = True,
+        uneven_inputs: UnevenInputs = "error",
         **ddp_kwargs: Any,
     ) -> DDPPlusOptions:
         """Validate every argument; each bad value raises with the argument, the value, what is allowed and the fix."""
@@ -139,6 +144,20 @@ class DDPPlusOptions:
             raise TypeError(
                 describe_bad_value("telemetry", telemetry, "expected True or False.", "write `telemetry=True`.")
             )
+        if not isinstance(sync_guard, bool):
+            raise TypeError(
+                describe_bad_value("sync_guard", sync_guard, "expected True or False.", "write `sync_guard=True`.")
+            )
+        if uneven_inputs == "join":
+            raise ValueError(
+                describe_bad_value(
+                    "uneven_inputs",
+                    uneven_inputs,
+                    "'join' (torch's Join, longer ranks training on) is not supported yet: it cannot shadow the "
+                    "collectives that the guard, `sync_dist=True` logging and the replica check add per step.",
+                    "use 'stop' (every rank ends the epoch when the first runs out) or 'error'.",
+                )
+            )
         return cls(
             settings=settings,
             backend=normalize_backend(process_group_backend),
@@ -169,6 +188,14 @@ class DDPPlusOptions:
                 resume_from_last,
                 RESUME_MODES,
                 "use 'on_restart' (a restarted torchrun attempt resumes), 'always' or 'never'.",
+            ),
+            sync_guard=sync_guard,
+            uneven_inputs=_one_of(
+                "uneven_inputs",
+                uneven_inputs,
+                UNEVEN_MODES,
+                "use 'error' (default: every rank raises at the first batch one rank lacks) or 'stop' (every rank "
+                "ends the epoch when the first runs out).",
             ),
             start_method=_one_of(
                 "start_method",

@@ -62,8 +62,23 @@ def _names(names: tuple[str, ...] | None, limit: int = 8) -> str:
 
 
 def _r4_resolution(view: DDPView, facts: ModelFacts) -> dict[str, object]:
-    # find_unused_parameters=True would trip R1 when reentrant regions compute gradients; static_graph handles both.
-    return {"static_graph": True} if facts.reentrant_parameters else {"find_unused_parameters": True}
+    # find_unused_parameters=True would trip R1 when reentrant regions compute gradients; static_graph handles both,
+    # unless the graph changes between steps, which static_graph cannot describe.
+    if facts.reentrant_parameters and not facts.dynamic_modules:
+        return {"static_graph": True}
+    return {"find_unused_parameters": True, "static_graph": False}
+
+
+def _by_rank(names_by_rank: tuple[tuple[str, ...], ...]) -> str:
+    return "; ".join(f"rank {rank}: {_names(names) or 'none'}" for rank, names in enumerate(names_by_rank))
+
+
+_DYNAMIC_FIX = (
+    "set find_unused_parameters=True (static_graph cannot describe a graph that changes), or keep the graph constant "
+    "(e.g. LayerDrop that multiplies a dropped layer's output by zero instead of skipping the layer; a head that "
+    "adds 0 * its loss on the steps it is not trained). checkpointing_conflict='resolve' switches "
+    "find_unused_parameters on by itself."
+)
 
 
 RULES: tuple[Rule, ...] = (
@@ -139,6 +154,36 @@ RULES: tuple[Rule, ...] = (
         resolve=lambda v, f: {"repair_input_grads": True},
     ),
     Rule(
+        id="R6",
+        level="error",
+        title="parameters unused on some steps",
+        applies=lambda v, f: f.late_step is not None,
+        problem=lambda v, f: (
+            f"at optimizer step {f.late_step} these parameters got no gradient ({_by_rank(f.late_unused_by_rank)}) "
+            f"although find_unused_parameters={v.find_unused_parameters} and static_graph={v.static_graph} promise "
+            "every step uses the parameters of the first: torch's reducer all-reduces buckets strictly in order, so "
+            "it never launched that bucket or any after it. Stock DDP would apply each rank's own un-averaged "
+            "gradients at this step (replicas diverge) and fail at the next forward (or hang, when only some ranks "
+            "skip the parameters); DDPPlusStrategy completed the reduction on every rank and stopped before the "
+            "optimizer step, so replicas are still identical."
+        ),
+        fix=_DYNAMIC_FIX,
+        resolve=lambda v, f: {"find_unused_parameters": True, "static_graph": False},
+    ),
+    Rule(
+        id="R7",
+        level="error",
+        title="a model whose graph changes between steps",
+        applies=lambda v, f: bool(f.dynamic_modules) and (not v.find_unused_parameters or v.static_graph),
+        problem=lambda v, f: (
+            f"{_names(f.dynamic_modules, limit=4)}: some steps will leave parameters without gradient whether or "
+            f"not this first step did, and find_unused_parameters={v.find_unused_parameters}, "
+            f"static_graph={v.static_graph} cannot handle that (the reducer waits for a gradient that never comes)."
+        ),
+        fix=_DYNAMIC_FIX,
+        resolve=lambda v, f: {"find_unused_parameters": True, "static_graph": False},
+    ),
+    Rule(
         id="A1",
         level="advice",
         title="find_unused_parameters=True with nothing unused",
@@ -147,6 +192,7 @@ RULES: tuple[Rule, ...] = (
             and v.find_unused_parameters
             and not v.static_graph
             and f.unused_parameters == ()
+            and not f.dynamic_modules
             and not f.reentrant_parameters
             and not f.no_grad_region_parameters
         ),
@@ -220,6 +266,7 @@ _TORCH_ERROR_PATTERNS = (
     (re.compile(r"marked as ready twice|mark a variable ready only once"), "R1"),
     (re.compile(r"expect_autograd_hooks_"), "R3"),
     (re.compile(r"Expected to have finished reduction in the prior iteration"), "R4"),
+    (re.compile(r"Your training graph has changed in this iteration"), "R6"),
 )
 
 

@@ -47,6 +47,7 @@ from lightning_ddp_plus.options import ConflictMode, DDPPlusOptions, StartMethod
 from lightning_ddp_plus.restart import ResumeMode, init_process_group, restart_attempt, resume_dataloader, should_resume
 from lightning_ddp_plus.telemetry import DDPTelemetry
 from lightning_ddp_plus.timeout import DEFAULT_TIMEOUT, TimeoutLike
+from lightning_ddp_plus.uneven import RankBatches, UnevenInputs
 from lightning_ddp_plus.wrapper import ddp_kwargs
 
 #: Registered names and their launchers, mirroring Lightning's ``ddp``, ``ddp_spawn``, ``ddp_fork``, ``ddp_notebook``.
@@ -97,7 +98,9 @@ class DDPPlusStrategy(EngineViews, DDPStrategy):
             the decision taken at the first backward: ``"error"`` (default) raises ``DDPConflictError`` before any
             gradient is all-reduced or any optimizer step runs; ``"warn"`` warns once per rule and trains as stock
             DDP would; ``"resolve"`` changes the settings (and, for rule R5, the model's input grads) to a working
-            combination and logs what changed; ``"off"`` checks nothing.
+            combination and logs what changed; ``"off"`` checks nothing at the first forward. For what the
+            per-step guard finds later (rule R6), ``"resolve"`` and ``"warn"`` switch ``find_unused_parameters`` on
+            and train on with that step's gradients averaged; ``"error"`` and ``"off"`` raise.
         verify_replicas_every_n_steps: every N optimizer steps, check that all ranks hold identical parameters (and
             buffers, when ``broadcast_buffers`` is on); a mismatch stops training with ``ReplicaDriftError`` naming
             the tensor, the ranks and the step. ``None`` (default): off.
@@ -112,6 +115,16 @@ class DDPPlusStrategy(EngineViews, DDPStrategy):
             exists: ``"on_restart"`` (default) in an attempt that torchrun restarted after a failure, ``"always"``,
             or ``"never"``. A ``ckpt_path`` you set yourself wins. Under torchrun the process group of each attempt
             is created on a store of its own, and a mid-epoch checkpoint resumes at the batch where it was taken.
+        sync_guard: after every backward that should synchronize, check on every rank that torch's reducer
+            all-reduced every bucket, and act before the optimizer step (rule R6): no optimizer step is ever applied
+            with gradients that were not all-reduced, and a parameter unused on some ranks only ends the step with
+            an error instead of a hang. Costs one all-reduce of a few integers per optimizer step on a small gloo
+            group of its own. Default on.
+        uneven_inputs: ranks whose shards hold different numbers of batches (an ``IterableDataset`` split by rank,
+            ``use_distributed_sampler=False``): ``"error"`` (default) raises ``UnevenInputsError`` on every rank at
+            the first batch that is one rank's last and not another's, naming the counts; ``"stop"`` ends the epoch
+            on every rank there and reports, once per epoch, the batches left untrained. Its flag travels in the
+            guard's all-reduce (automatic optimization, no accumulation) or in one of its own per batch.
         **kwargs: further ``DistributedDataParallel`` arguments, checked against its signature.
 
     Example:
@@ -148,6 +161,8 @@ class DDPPlusStrategy(EngineViews, DDPStrategy):
         telemetry: bool = False,
         start_method: StartMethod = "popen",
         resume_from_last: ResumeMode = "on_restart",
+        sync_guard: bool = True,
+        uneven_inputs: UnevenInputs = "error",
         **kwargs: Any,
     ) -> None:
         options = DDPPlusOptions.from_arguments(locals(), ddp_kwargs=kwargs)
@@ -331,12 +346,36 @@ class DDPPlusStrategy(EngineViews, DDPStrategy):
         assert self.lightning_module is not None
         trainer = self.lightning_module.trainer
         progress = trainer.fit_loop.epoch_loop.batch_progress
+        forced = self.engine.uneven.forced_length(trainer.current_epoch)
         return window_position(
             max(1, progress.current.ready),
             self.gradient_accumulation_steps,
-            trainer.num_training_batches,
+            trainer.num_training_batches if forced is None else forced,
             progress.is_last_batch,
         )
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        # Every rank says whether this batch is its epoch's last (Lightning knows one batch ahead): uneven_inputs.
+        module = self.lightning_module
+        if module is None or not isinstance(self.model, DistributedDataParallel):
+            return
+        trainer = module.trainer
+        progress = trainer.fit_loop.epoch_loop.batch_progress
+        length = trainer.num_training_batches
+        state = RankBatches(
+            number=progress.current.ready,
+            last=bool(progress.is_last_batch),
+            length=int(length) if length != float("inf") else None,
+        )
+        folded = module.automatic_optimization and self.gradient_accumulation_steps == 1
+        if self.engine.batch_starts(state, trainer.current_epoch, folded):
+            self._end_epoch_here()
+
+    def _end_epoch_here(self) -> None:
+        assert self.lightning_module is not None
+        # the loop ends the epoch after this batch (and closes an accumulation window on it)
+        self.lightning_module.trainer.fit_loop.epoch_loop.batch_progress.is_last_batch = True
 
     @property
     def sync_gradients(self) -> bool:
@@ -379,7 +418,8 @@ class DDPPlusStrategy(EngineViews, DDPStrategy):
         finally:
             if not automatic:
                 ddp.require_backward_grad_sync = True
-        self.engine.after_backward(syncs)
+        if self.engine.after_backward(syncs):
+            self._end_epoch_here()
         return closure_loss
 
     @override

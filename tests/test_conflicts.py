@@ -34,7 +34,7 @@ def ids(view: DDPView, facts: ModelFacts) -> list[str]:
 
 
 def test_rule_table_is_data():
-    assert [rule.id for rule in RULES] == ["R1", "R2", "R3", "R4", "R5", "A1", "A2", "A3", "A4"]
+    assert [rule.id for rule in RULES] == ["R1", "R2", "R3", "R4", "R5", "R6", "R7", "A1", "A2", "A3", "A4"]
     assert all(rule.fix and rule.title for rule in RULES)
 
 
