@@ -26,7 +26,6 @@ The front ends' hooks only call ``DDPPlusEngine.after_backward``; the decision w
 resolve and train on) is the engine's, from ``checkpointing_conflict``.
 """
 
-
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -247,7 +246,9 @@ class SyncGuard:
         self._active = False
         self.log.clear()
 
-    def check(self, ddp: DistributedDataParallel, step: int, flags: Sequence[int] = ()) -> tuple[SyncFault | None, list[int]]:
+    def check(
+        self, ddp: DistributedDataParallel, step: int, flags: Sequence[int] = ()
+    ) -> tuple[SyncFault | None, list[int]]:
         """After a synced backward: complete this rank's reduction if it did not finish, and agree with the other
         ranks. ``flags`` travel in the same all-reduce (their maximum over ranks is returned), so that another
         per-step decision (uneven inputs) costs no collective of its own."""

@@ -27,7 +27,7 @@ class Shard(IterableDataset):
         self.rows = regression_data(64, seed=rank)
         self.length = length
 
-    def __iter__(self):  # noqa: ANN204
+    def __iter__(self):
         return (self.rows[i] for i in range(self.length))
 
 
@@ -174,7 +174,11 @@ def run_case(case: dict) -> dict:
     gathered = [torch.zeros_like(flat) for _ in range(2)]
     dist.all_gather(gathered, flat)
     local = torch.tensor(
-        [timeline.trained, trainer.global_step, -1 if outcome["seconds_to_error"] is None else int(outcome["seconds_to_error"] * 1e6)]
+        [
+            timeline.trained,
+            trainer.global_step,
+            -1 if outcome["seconds_to_error"] is None else int(outcome["seconds_to_error"] * 1e6),
+        ]
     )
     rows = [torch.zeros_like(local) for _ in range(2)]
     dist.all_gather(rows, local)
