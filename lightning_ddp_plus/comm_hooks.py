@@ -15,6 +15,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 
 from lightning_ddp_plus._messages import closest_name, describe_bad_value
 from lightning_ddp_plus.sync_guard import BucketLog, logged_hook
+from lightning_ddp_plus.wrapper import register_replaceable_hook
 
 HookFunction = Callable[[Any, "torch.distributed.GradBucket"], "torch.futures.Future[torch.Tensor]"]
 
@@ -205,13 +206,21 @@ class HookAssembly:
             return getattr(self.hook, "__qualname__", repr(self.hook))
         return "none"
 
-    def register(self, ddp: "torch.nn.parallel.DistributedDataParallel", log: BucketLog | None = None) -> None:
+    def register(
+        self,
+        ddp: "torch.nn.parallel.DistributedDataParallel",
+        log: BucketLog | None = None,
+        on_rebuilt: Callable[[Any], None] = lambda ddp: None,
+    ) -> None:
         """Register the hook on a new wrapper (a fresh default state each time, like a fresh reducer). With ``log``
         (the per-step guard's), every bucket handed to the hook is logged, and a wrapper without a hook of its own
-        gets torch's plain all-reduce hook so that there is something to log."""
+        gets torch's plain all-reduce hook so that there is something to log; a hook the user registers on the
+        wrapper later replaces that one (``on_rebuilt`` is told about the new reducer) and is logged too."""
         if self.hook is None:
             if log is not None:
-                ddp.register_comm_hook(state=None, hook=logged_hook(default_hooks.allreduce_hook, log))
+                register_replaceable_hook(
+                    ddp, logged_hook(default_hooks.allreduce_hook, log), lambda hook: logged_hook(hook, log), on_rebuilt
+                )
             return
         if isinstance(self.hook, CommHook):
             function = self.hook.function

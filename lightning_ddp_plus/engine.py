@@ -115,7 +115,7 @@ class DDPPlusEngine:
         self.uneven.reset()
         self.channel.start(self.options.timeout)
         self.sync_guard.attach(ddp)
-        self.hooks.register(ddp, self.sync_guard.log if self.sync_guard.active else None)
+        self.hooks.register(ddp, self.sync_guard.log if self.sync_guard.active else None, self._reducer_rebuilt)
         self._handle = ddp.register_forward_pre_hook(self._training_forward_starts)
         self.conflicts.attach(ddp, module)
         self.guard.attach(ddp, module, with_buffers=bool(self.settings.broadcast_buffers))
