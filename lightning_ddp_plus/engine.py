@@ -62,6 +62,10 @@ _COLLECTIVE_TIMEOUT = re.compile(
 )
 
 
+# torch's reducer, inside a backward, when a static graph uses a parameter its first iteration did not.
+_GRAPH_GREW = re.compile(r"Your training graph has changed in this iteration")
+
+
 class DDPPlusEngine:
     """The components of a DDP run and the order in which they act.
 
@@ -197,9 +201,15 @@ class DDPPlusEngine:
             return False
         return self.uneven.decide(state, self.channel.maximum(uneven_flags(state.last)), self.channel.gather, epoch)
 
-    def after_backward(self, synced: bool) -> bool:
+    def recovers_from(self, error: BaseException) -> bool:
+        """Whether the guard takes over a backward that raised this (a static graph that gained a parameter): the
+        front end then calls ``after_backward(..., failed=True)`` instead of re-raising."""
+        return self.sync_guard.active and bool(_GRAPH_GREW.search(str(error)))
+
+    def after_backward(self, synced: bool, failed: bool = False) -> bool:
         """After every backward. A synced one is checked by the guard (raises ``DDPConflictError``, or resolves);
-        returns True when a held uneven-inputs flag decided that this batch ends the epoch (see ``batch_starts``)."""
+        returns True when a held uneven-inputs flag decided that this batch ends the epoch (see ``batch_starts``).
+        ``failed``: the backward raised an error that ``recovers_from`` accepted."""
         self.window.record_backward(synced)
         if self.telemetry is not None:
             self.telemetry.after_backward(synced)
@@ -207,7 +217,8 @@ class DDPPlusEngine:
             return False
         held = self.uneven.take_held()
         step = self.window.stats.optimizer_steps + 1
-        fault, maximums = self.sync_guard.check(self._ddp, step, uneven_flags(held.last) if held else [0, 0])
+        flags = uneven_flags(held.last) if held else [0, 0]
+        fault, maximums = self.sync_guard.check(self._ddp, step, flags, aborted=failed)
         if fault is not None:
             self._sync_fault(self._ddp, fault)
         if held is None:
@@ -217,7 +228,9 @@ class DDPPlusEngine:
     def _sync_fault(self, ddp: DistributedDataParallel, fault: SyncFault) -> None:
         """Some rank's reducer did not all-reduce every bucket (now completed on every rank): rule R6."""
         view = self.view()
-        facts = ModelFacts(observed=True, late_step=fault.step, late_unused_by_rank=fault.unused)
+        facts = ModelFacts(
+            observed=True, late_step=fault.step, late_unused_by_rank=fault.unused, late_graph_grew=fault.aborted
+        )
         findings = [finding for finding in evaluate(view, facts) if finding.rule.id == "R6"]
         mode = self.options.checkpointing_conflict
         if mode not in ("resolve", "warn"):
@@ -231,12 +244,21 @@ class DDPPlusEngine:
         self.settings = dataclasses.replace(self.settings, find_unused_parameters=True, static_graph=False)
         rebuild_reducer(ddp, find_unused_parameters=True, static_graph=False)
         self._reducer_rebuilt(ddp)
+        if fault.aborted:  # incomplete gradients: the optimizer skips parameters whose .grad is None
+            for parameter in ddp.module.parameters():
+                parameter.grad = None
+            what = (
+                "This step's backward failed on some rank, so its gradients were dropped on every rank: the optimizer "
+                "step skips it (the batch is not trained)."
+            )
+        else:
+            what = "This step's gradients were averaged on every rank as find_unused_parameters=True averages them."
         report = self._warn if mode == "warn" else self._info
         report(
-            f"DDPPlusStrategy resolved [R6] parameters unused on some steps ({fault.describe()}) at optimizer step "
-            f"{fault.step} by setting find_unused_parameters: {view.find_unused_parameters} -> True"
-            + (", static_graph: True -> False" if view.static_graph else "")
-            + ". This step's gradients were averaged on every rank as find_unused_parameters=True averages them."
+            "DDPPlusStrategy resolved [R6] parameters unused on some steps ("
+            + ("the graph gained a parameter" if fault.aborted else fault.describe())
+            + f") at optimizer step {fault.step} by setting find_unused_parameters: {view.find_unused_parameters} -> "
+            "True" + (", static_graph: True -> False" if view.static_graph else "") + f". {what}"
         )
 
     def after_optimizer_step(self) -> int:

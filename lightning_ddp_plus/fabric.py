@@ -242,13 +242,18 @@ class DDPPlusFabricStrategy(EngineViews, DDPStrategy):
         if scale != 1.0:
             tensor = tensor * scale
         synced = self.engine._forward_synced
+        failed = False
         try:
             super().backward(tensor, module, *args, **kwargs)
+        except RuntimeError as error:
+            if not (synced and self.engine.recovers_from(error)):
+                raise
+            failed = True  # the guard completes the reduction, then raises DDPConflictError or skips the step
         finally:
             if self._turned_sync_off:
                 ddp.require_backward_grad_sync = True
                 self._turned_sync_off = False
-        self.engine.after_backward(synced)
+        self.engine.after_backward(synced, failed=failed)
         if window.steps > 1:
             window.advance(position)
         self._last_position, self._position = position, None

@@ -58,6 +58,8 @@ class ModelFacts:
         late_step: the optimizer step at which the per-step guard found parameters without gradient (``None``: the
             facts are from the first forward).
         late_unused_by_rank: per rank, the parameters that got no gradient at ``late_step``.
+        late_graph_grew: at ``late_step`` a backward failed because it used a parameter that ``static_graph``'s first
+            step did not (torch: "Your training graph has changed in this iteration").
     """
 
     observed: bool = False
@@ -71,6 +73,7 @@ class ModelFacts:
     dynamic_modules: tuple[str, ...] = ()
     late_step: int | None = None
     late_unused_by_rank: tuple[tuple[str, ...], ...] = ()
+    late_graph_grew: bool = False
 
     @property
     def reentrant(self) -> bool:

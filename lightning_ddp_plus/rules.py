@@ -73,6 +73,25 @@ def _by_rank(names_by_rank: tuple[tuple[str, ...], ...]) -> str:
     return "; ".join(f"rank {rank}: {_names(names) or 'none'}" for rank, names in enumerate(names_by_rank))
 
 
+def _r6_problem(view: DDPView, facts: ModelFacts) -> str:
+    if facts.late_graph_grew:
+        return (
+            f"at optimizer step {facts.late_step} the backward used a parameter that the first step did not use, "
+            "which static_graph=True cannot take (torch raised 'Your training graph has changed in this iteration' "
+            "inside the backward on some rank). DDPPlusStrategy completed the reduction on every rank, so no rank "
+            "waits for the others, and stopped before the optimizer step: replicas are still identical."
+        )
+    return (
+        f"at optimizer step {facts.late_step} these parameters got no gradient "
+        f"({_by_rank(facts.late_unused_by_rank)}) although find_unused_parameters={view.find_unused_parameters} and "
+        f"static_graph={view.static_graph} promise every step uses the parameters of the first: torch's reducer "
+        "all-reduces buckets strictly in order, so it never launched that bucket or any after it. Stock DDP would "
+        "apply each rank's own un-averaged gradients at this step (replicas diverge) and fail at the next forward (or "
+        "hang, when only some ranks skip the parameters); DDPPlusStrategy completed the reduction on every rank and "
+        "stopped before the optimizer step, so replicas are still identical."
+    )
+
+
 _DYNAMIC_FIX = (
     "set find_unused_parameters=True (static_graph cannot describe a graph that changes), or keep the graph constant "
     "(e.g. LayerDrop that multiplies a dropped layer's output by zero instead of skipping the layer; a head that "
@@ -158,15 +177,7 @@ RULES: tuple[Rule, ...] = (
         level="error",
         title="parameters unused on some steps",
         applies=lambda v, f: f.late_step is not None,
-        problem=lambda v, f: (
-            f"at optimizer step {f.late_step} these parameters got no gradient ({_by_rank(f.late_unused_by_rank)}) "
-            f"although find_unused_parameters={v.find_unused_parameters} and static_graph={v.static_graph} promise "
-            "every step uses the parameters of the first: torch's reducer all-reduces buckets strictly in order, so "
-            "it never launched that bucket or any after it. Stock DDP would apply each rank's own un-averaged "
-            "gradients at this step (replicas diverge) and fail at the next forward (or hang, when only some ranks "
-            "skip the parameters); DDPPlusStrategy completed the reduction on every rank and stopped before the "
-            "optimizer step, so replicas are still identical."
-        ),
+        problem=lambda v, f: _r6_problem(v, f),
         fix=_DYNAMIC_FIX,
         resolve=lambda v, f: {"find_unused_parameters": True, "static_graph": False},
     ),

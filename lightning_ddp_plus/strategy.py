@@ -413,12 +413,17 @@ class DDPPlusStrategy(EngineViews, DDPStrategy):
         self._backward_syncs = syncs
         if not syncs:
             ddp.require_backward_grad_sync = False
+        failed = False
         try:
             closure_loss = super().backward(closure_loss, optimizer, *args, **kwargs)
+        except RuntimeError as error:
+            if not (syncs and self.engine.recovers_from(error)):
+                raise
+            failed = True  # the guard completes the reduction, then raises DDPConflictError or skips the step
         finally:
             if not automatic:
                 ddp.require_backward_grad_sync = True
-        if self.engine.after_backward(syncs):
+        if self.engine.after_backward(syncs, failed=failed):
             self._end_epoch_here()
         return closure_loss
 

@@ -179,6 +179,9 @@ class SyncFault:
     step: int
     unused: tuple[tuple[str, ...], ...]
     launched: tuple[tuple[int, int], ...]  # per rank: (buckets launched by the reducer, buckets in all)
+    #: Some rank's backward itself failed (torch: "Your training graph has changed in this iteration" with
+    #: ``static_graph=True``): its gradients are incomplete, so the step cannot be applied as it is.
+    aborted: bool = False
 
     @property
     def unused_everywhere(self) -> tuple[str, ...]:
@@ -247,21 +250,22 @@ class SyncGuard:
         self.log.clear()
 
     def check(
-        self, ddp: DistributedDataParallel, step: int, flags: Sequence[int] = ()
+        self, ddp: DistributedDataParallel, step: int, flags: Sequence[int] = (), aborted: bool = False
     ) -> tuple[SyncFault | None, list[int]]:
-        """After a synced backward: complete this rank's reduction if it did not finish, and agree with the other
-        ranks. ``flags`` travel in the same all-reduce (their maximum over ranks is returned), so that another
-        per-step decision (uneven inputs) costs no collective of its own."""
+        """After a synced backward (``aborted``: one that raised on this rank): complete this rank's reduction if it
+        did not finish, and agree with the other ranks. ``flags`` travel in the same all-reduce (their maximum over
+        ranks is returned), so that another per-step decision (uneven inputs) costs no collective of its own."""
         self.checks += 1
         launched = len(self.log.entries)
-        completion = None if reducer_finished(ddp) else complete_reduction(ddp, self.log)
+        completion = None if reducer_finished(ddp) and not aborted else complete_reduction(ddp, self.log)
         self.log.clear()
-        agreed = self.channel.maximum([int(completion is not None), *flags])
+        agreed = self.channel.maximum([int(completion is not None), int(aborted), *flags])
         if not agreed[0]:
-            return None, agreed[1:]
-        return self._fault(step, completion or Completion(launched, launched, ())), agreed[1:]
+            return None, agreed[2:]
+        fault = self._fault(step, completion or Completion(launched, launched, ()), aborted=bool(agreed[1]))
+        return fault, agreed[2:]
 
-    def _fault(self, step: int, completion: Completion) -> SyncFault:
+    def _fault(self, step: int, completion: Completion, aborted: bool) -> SyncFault:
         missing = {id(p) for p in completion.without_gradient}
         local = [int(id(p) in missing) for _, p in self._parameters]
         rows = self.channel.gather([*local, completion.launched, completion.buckets])
@@ -272,4 +276,5 @@ class SyncGuard:
             step=step,
             unused=tuple(tuple(name for (name, _), on in zip(self._parameters, row) if on) for row in rows),
             launched=tuple((row[-2], row[-1]) for row in rows),
+            aborted=aborted,
         )

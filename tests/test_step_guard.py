@@ -113,6 +113,18 @@ GUARD_CASES = [
         "model": {"variant": "warmup"},
     },
     {"name": "warmup_guard_off", "strategy": {"sync_guard": False}, "model": {"variant": "warmup"}},
+    {"name": "late_static", "strategy": {"static_graph": True}, "model": {"variant": "late_start"}},
+    {"name": "late_static_one_rank", "strategy": {"static_graph": True}, "model": {"variant": "late_start_one_rank"}},
+    {
+        "name": "late_static_one_rank_resolve",
+        "strategy": {**RESOLVE, "static_graph": True},
+        "model": {"variant": "late_start_one_rank"},
+    },
+    {
+        "name": "late_static_guard_off",
+        "strategy": {"static_graph": True, "sync_guard": False},
+        "model": {"variant": "late_start"},
+    },
     {"name": "manual_reference", **REFERENCE, "model": {"variant": "warmup", "manual": True}},
     {"name": "manual_defaults", "model": {"variant": "warmup", "manual": True}},
     {"name": "manual_resolve", "strategy": RESOLVE, "model": {"variant": "warmup", "manual": True}},
@@ -215,6 +227,28 @@ def test_which_check_catches_which_model(guard_runs):
         guard_runs["warmup_guard_off"]["error"] == "RuntimeError"
         and _replica_gap(guard_runs["warmup_guard_off"]) > 1e-4
     )
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", ["late_static", "late_static_one_rank"])
+def test_a_static_graph_that_gains_a_parameter_stops_every_rank(guard_runs, name):
+    run = guard_runs[name]
+    assert run["error"] == "DDPConflictError", run["message"]
+    assert "[R6]" in run["message"] and "at optimizer step 3 the backward used a parameter" in run["message"]
+    assert run["optimizer_steps"] == 2 and _replica_gap(run) == 0.0
+    # torch's own error, without the guard: raised inside the backward (on one rank only, the others would wait)
+    off = guard_runs["late_static_guard_off"]
+    assert off["error"] == "RuntimeError" and "Your training graph has changed" in off["message"]
+    assert "this is rule R6" in off["message"]
+
+
+@pytest.mark.multiprocess
+def test_resolve_skips_the_failed_step_on_every_rank_and_trains_on(guard_runs):
+    run = guard_runs["late_static_one_rank_resolve"]
+    assert run["error"] is None, run["message"]
+    assert run["settings"] == {"find_unused_parameters": True, "static_graph": False}
+    assert run["findings"] == ["R6"] and run["global_step"] == [6, 6]
+    assert _replica_gap(run) == 0.0
 
 
 UNEVEN_CASES = [

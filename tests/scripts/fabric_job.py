@@ -21,10 +21,24 @@ def counting_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.
     return default_hooks.allreduce_hook(state, bucket)
 
 
+class WarmupNet(nn.Module):
+    """Body -> head, and an auxiliary head that ``forward(x, aux=True)`` also returns (used on some steps only)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.head, self.aux = nn.Sequential(nn.Linear(8, 16), nn.ReLU()), nn.Linear(16, 1), nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor, aux: bool = False) -> torch.Tensor:
+        h = self.body(x)
+        return self.head(h) + (self.aux(h) if aux else 0)
+
+
 def make_model(case: dict) -> nn.Module:
     torch.manual_seed(1)
     if case.get("checkpoint_net"):
         return CheckpointNet(checkpointing="reentrant")
+    if "warmup" in case:
+        return WarmupNet()
     return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
 
 
@@ -43,6 +57,8 @@ def run_case(case: dict) -> dict:
     x, y = regression_data(case.get("num_samples", 40)).tensors
     rank = fabric.global_rank
     batches = [(x[rank::2][i : i + 4], y[rank::2][i : i + 4]) for i in range(0, len(x) // 2, 4)]
+    if "uneven" in case:
+        batches = batches[: case["uneven"][rank]]
     outcome = {"error": None, "message": None, "steps": 0}
     try:
         if case.get("idiom") == "no_backward_sync":
@@ -57,7 +73,10 @@ def run_case(case: dict) -> dict:
                     outcome["steps"] += 1
         else:
             for xb, yb in fabric.strategy.micro_batches(batches):
-                fabric.backward(nn.functional.mse_loss(model(xb), yb))
+                if "warmup" in case:  # the auxiliary head trains for the first `warmup` steps only
+                    fabric.backward(nn.functional.mse_loss(model(xb, aux=outcome["steps"] < case["warmup"]), yb))
+                else:
+                    fabric.backward(nn.functional.mse_loss(model(xb), yb))
                 if fabric.strategy.sync_gradients:
                     optimizer.step()
                     optimizer.zero_grad()

@@ -36,6 +36,7 @@ class GuardNet(L.LightningModule):
 
     - ``warmup``: an auxiliary head whose loss counts for the first ``warmup_steps`` optimizer steps only;
     - ``tower_one_rank``: a tower that rank 0 skips at optimizer step 4 (0-based global step 3), rank 1 never;
+    - ``late_start`` (``late_start_one_rank``): an auxiliary head that joins at optimizer step 3 (on rank 0 only);
     - ``multitask``: two heads, batch ``i`` trains head ``i % 2``;
     - ``wav2vec2``: a tiny real ``Wav2Vec2ForSequenceClassification`` with ``layerdrop`` (seeded, so that the
       layers dropped are the same on both ranks and in the reference run).
@@ -102,6 +103,11 @@ class GuardNet(L.LightningModule):
             if not (self.global_rank == 0 and self.global_step == 3):
                 h = h + self.extra(h)
             return nn.functional.mse_loss(self.head(h), y)
+        if variant in ("late_start", "late_start_one_rank"):  # a head that joins at step 3 (on rank 0 only)
+            loss = nn.functional.mse_loss(self.head(h), y)
+            if self.global_step >= 2 and (variant == "late_start" or self.global_rank == 0):
+                loss = loss + nn.functional.mse_loss(self.extra(h), y)
+            return loss
         head = self.head if batch_idx % 2 == 0 else self.extra  # multitask
         return nn.functional.mse_loss(head(h), y)
 
