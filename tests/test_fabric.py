@@ -26,6 +26,11 @@ CASES = [
     },
     {"strategy": {"verify_replicas_every_n_steps": 1}, "corrupt_after": 2},
     {"strategy": {"bucket_cap_mb": "auto"}, "num_samples": 160},  # 20 steps: 12 timing 4 sizes, then the choice
+    {"warmup": 2},  # 8: an auxiliary head trained for 2 steps, then dropped (rule R6 at step 3)
+    {"warmup": 2, "strategy": {"checkpointing_conflict": "resolve"}},
+    {"warmup": 2, "strategy": {"find_unused_parameters": True}},  # 10: the reference for 9
+    {"uneven": [5, 3]},  # 11: rank 1 holds 3 batches, rank 0 5
+    {"uneven": [5, 3], "strategy": {"uneven_inputs": "stop"}},
 ]
 
 
@@ -144,6 +149,27 @@ def test_replica_guard(results):
     result = results[6]
     assert result["error"] == "ReplicaDriftError" and "optimizer step 2" in result["message"]
     assert result["steps"] == 2
+
+
+@pytest.mark.multiprocess
+def test_per_step_guard_in_fabric(results):
+    error, resolved, reference = results[8], results[9], results[10]
+    assert error["error"] == "DDPConflictError" and "[R6]" in error["message"], error["message"]
+    assert "at optimizer step 3" in error["message"] and "aux.weight" in error["message"]
+    assert error["steps"] == 2 and error["params"][0] == error["params"][1]
+    assert resolved["error"] is None and resolved["findings"] == ["R6"] and resolved["steps"] == 5
+    assert resolved["params"][0] == resolved["params"][1]
+    gap = max(abs(a - b) for a, b in zip(resolved["params"][0], reference["params"][0]))
+    assert gap < 1e-6
+
+
+@pytest.mark.multiprocess
+def test_uneven_inputs_in_fabric(results):
+    error, stop = results[11], results[12]
+    assert error["error"] == "UnevenInputsError" and "rank 1 has 3 (batch 3 is its last)" in error["message"]
+    assert "rank 0 has 5 batches" in error["message"]  # a list has a length
+    assert error["steps"] == 2 and error["params"][0] == error["params"][1]
+    assert stop["error"] is None and stop["steps"] == 3 and stop["params"][0] == stop["params"][1]
 
 
 @pytest.mark.multiprocess
