@@ -137,14 +137,15 @@ def merge_accumulation_settings(strategy_steps: int | None, trainer_steps: objec
     return strategy_steps
 
 
-def scale_gradients(optimizer: Any, factor: float) -> None:
-    """Multiply the gradients of every parameter ``optimizer`` updates by ``factor`` (see ``gradient_rescale``)."""
+def scale_gradients(parameters: Any, factor: float) -> None:
+    """Multiply the gradients of ``parameters`` (an optimizer: those it updates) by ``factor``."""
     if factor == 1.0:
         return
-    for group in optimizer.param_groups:
-        for parameter in group["params"]:
-            if parameter.grad is not None:
-                parameter.grad.mul_(factor)
+    if hasattr(parameters, "param_groups"):
+        parameters = [parameter for group in parameters.param_groups for parameter in group["params"]]
+    for parameter in parameters:
+        if parameter.grad is not None:
+            parameter.grad.mul_(factor)
 
 
 @dataclass

@@ -30,7 +30,7 @@ from torch import Tensor
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_ddp_plus.accumulation import AccumulationWindow, SyncStats
+from lightning_ddp_plus.accumulation import AccumulationWindow, SyncStats, scale_gradients
 from lightning_ddp_plus.buckets import BucketChoice, BucketTuner
 from lightning_ddp_plus.comm_hooks import HookAssembly, HookCallCounter
 from lightning_ddp_plus.conflicts import (
@@ -195,11 +195,17 @@ class DDPPlusEngine:
         """
         if not self.channel.open:
             return False
+        if self.uneven.mode == "join":
+            return self.uneven.join_batch_starts(self.channel.total, self.channel.gather, epoch, self.channel.size)
         if folded and self.sync_guard.active:
             self.uneven.hold(state)
             self._epoch = epoch
             return False
         return self.uneven.decide(state, self.channel.maximum(uneven_flags(state.last)), self.channel.gather, epoch)
+
+    def loss_weight(self) -> float:
+        """1, or 0 for a padding batch of ``uneven_inputs="join"`` (a rank that ran out repeats its last batch)."""
+        return 0.0 if self.uneven.padding else 1.0
 
     def recovers_from(self, error: BaseException) -> bool:
         """Whether the guard takes over a backward that raised this (a static graph that gained a parameter): the
@@ -213,14 +219,20 @@ class DDPPlusEngine:
         self.window.record_backward(synced)
         if self.telemetry is not None:
             self.telemetry.after_backward(synced)
-        if not synced or not self.sync_guard.active or self._ddp is None:
+        if not synced or self._ddp is None:
             return False
+        stop = self._guard_synced_backward(self._ddp, failed) if self.sync_guard.active else False
+        if self.uneven.mode == "join":
+            scale_gradients(self._ddp.module.parameters(), self.uneven.take_rescale())
+        return stop
+
+    def _guard_synced_backward(self, ddp: DistributedDataParallel, failed: bool) -> bool:
         held = self.uneven.take_held()
         step = self.window.stats.optimizer_steps + 1
         flags = uneven_flags(held.last) if held else [0, 0]
-        fault, maximums = self.sync_guard.check(self._ddp, step, flags, aborted=failed)
+        fault, maximums = self.sync_guard.check(ddp, step, flags, aborted=failed)
         if fault is not None:
-            self._sync_fault(self._ddp, fault)
+            self._sync_fault(ddp, fault)
         if held is None:
             return False
         return self.uneven.decide(held, maximums, self.channel.gather, self._epoch)

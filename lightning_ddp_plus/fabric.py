@@ -41,6 +41,7 @@ from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from lightning_ddp_plus._messages import describe_bad_value
 from lightning_ddp_plus.accumulation import ShortWindow, WindowPosition, scale_gradients
 from lightning_ddp_plus.backend import has_default_backend, resolve_backend_for_device
 from lightning_ddp_plus.engine import DDPPlusEngine, EngineViews
@@ -107,6 +108,15 @@ class DDPPlusFabricStrategy(EngineViews, DDPStrategy):
         **kwargs: Any,
     ) -> None:
         options = DDPPlusOptions.from_arguments(locals(), ddp_kwargs=kwargs)
+        if options.uneven_inputs == "join":
+            raise ValueError(
+                describe_bad_value(
+                    "uneven_inputs",
+                    "join",
+                    "'join' is not available for Fabric yet (the Trainer strategy has it).",
+                    "use 'stop' (every rank ends the iteration of `micro_batches` when the first runs out) or 'error'.",
+                )
+            )
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,

@@ -148,16 +148,6 @@ class DDPPlusOptions:
             raise TypeError(
                 describe_bad_value("sync_guard", sync_guard, "expected True or False.", "write `sync_guard=True`.")
             )
-        if uneven_inputs == "join":
-            raise ValueError(
-                describe_bad_value(
-                    "uneven_inputs",
-                    uneven_inputs,
-                    "'join' (torch's Join, longer ranks training on) is not supported yet: it cannot shadow the "
-                    "collectives that the guard, `sync_dist=True` logging and the replica check add per step.",
-                    "use 'stop' (every rank ends the epoch when the first runs out) or 'error'.",
-                )
-            )
         return cls(
             settings=settings,
             backend=normalize_backend(process_group_backend),
@@ -194,8 +184,8 @@ class DDPPlusOptions:
                 "uneven_inputs",
                 uneven_inputs,
                 UNEVEN_MODES,
-                "use 'error' (default: every rank raises at the first batch one rank lacks) or 'stop' (every rank "
-                "ends the epoch when the first runs out).",
+                "use 'error' (default: every rank raises at the first batch one rank lacks), 'stop' (every rank "
+                "ends the epoch when the first runs out) or 'join' (the longer ranks train on).",
             ),
             start_method=_one_of(
                 "start_method",

@@ -47,7 +47,7 @@ from lightning_ddp_plus.options import ConflictMode, DDPPlusOptions, StartMethod
 from lightning_ddp_plus.restart import ResumeMode, init_process_group, restart_attempt, resume_dataloader, should_resume
 from lightning_ddp_plus.telemetry import DDPTelemetry
 from lightning_ddp_plus.timeout import DEFAULT_TIMEOUT, TimeoutLike
-from lightning_ddp_plus.uneven import RankBatches, UnevenInputs
+from lightning_ddp_plus.uneven import PaddedBatches, RankBatches, UnevenInputs
 from lightning_ddp_plus.wrapper import ddp_kwargs
 
 #: Registered names and their launchers, mirroring Lightning's ``ddp``, ``ddp_spawn``, ``ddp_fork``, ``ddp_notebook``.
@@ -296,7 +296,9 @@ class DDPPlusStrategy(EngineViews, DDPStrategy):
     def process_dataloader(self, dataloader: Any) -> Any:
         module = self.lightning_module
         if module is not None and module._trainer is not None and module.trainer.state.stage == RunningStage.TRAINING:
-            return resume_dataloader(dataloader, module.trainer)
+            dataloader = resume_dataloader(dataloader, module.trainer)
+            if self.options.uneven_inputs == "join":
+                dataloader = PaddedBatches(dataloader, self.engine.uneven.padding_state)
         return dataloader
 
     # ------------------------------------------------------------------ the wrapper
@@ -404,7 +406,7 @@ class DDPPlusStrategy(EngineViews, DDPStrategy):
         closure_loss = self.engine.before_backward(ddp, closure_loss, post_forward=automatic)
         window = self.engine.window
         position = self._position()
-        scale = window.loss_scale(position, divided_by_steps=automatic)
+        scale = window.loss_scale(position, divided_by_steps=automatic) * self.engine.loss_weight()
         if scale != 1.0:
             closure_loss = closure_loss * scale
         # Automatic: the loop decided (block_backward_sync) before the forward; manual: decided now, before Lightning's

@@ -151,12 +151,23 @@ class SideChannel:
                 pass
             self._group = None
 
+    @property
+    def size(self) -> int:
+        return dist.get_world_size(self._group) if self._group is not None else 1
+
     def maximum(self, values: Sequence[int]) -> list[int]:
         """Each value's maximum over the ranks (one all-reduce of a few integers)."""
+        return self._all_reduce(values, dist.ReduceOp.MAX)
+
+    def total(self, values: Sequence[int]) -> list[int]:
+        """Each value's sum over the ranks (one all-reduce of a few integers)."""
+        return self._all_reduce(values, dist.ReduceOp.SUM)
+
+    def _all_reduce(self, values: Sequence[int], op: Any) -> list[int]:
         if self._group is None:
             return list(values)
         tensor = torch.tensor(list(values), dtype=torch.int64)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self._group)
+        dist.all_reduce(tensor, op=op, group=self._group)
         return tensor.tolist()
 
     def gather(self, values: Sequence[int]) -> list[list[int]]:

@@ -12,11 +12,17 @@ prefetches one). The ranks exchange that one flag per batch, before the batch's 
 - ``"error"`` (default): every rank raises ``UnevenInputsError`` at the first batch that is some rank's last and not
   another's, naming each rank's batch counts and the fixes; replicas are identical (the batch is not trained);
 - ``"stop"``: every rank makes that batch its epoch's last, so all ranks end the epoch together; the batches the
-  longer ranks did not train on are counted and reported once per epoch.
+  longer ranks did not train on are counted and reported once per epoch;
+- ``"join"``: the longer ranks train on. A rank that ran out repeats its last batch with its loss multiplied by 0
+  (``PaddedBatches``), so it runs every collective the others run (the gradient all-reduce, the guard,
+  ``sync_dist=True`` logging, the replica check) and the same optimizer step, scheduler step and ``global_step``,
+  and contributes a zero gradient; the averaged gradient is then rescaled from "sum over all ranks / world size" to
+  the mean over the batches really trained in the window. Replicas and optimizer state stay identical. This is what
+  torch's ``Join`` does for DDP's own collectives, without being blind to the others.
 
-With ``gradient_accumulation_steps=1`` and automatic optimization the flag travels in the per-step guard's
-all-reduce (``sync_guard``), so it costs no collective of its own; otherwise one all-reduce of two integers on the
-guard's gloo group per batch.
+With ``gradient_accumulation_steps=1`` and automatic optimization the ``"error"``/``"stop"`` flag travels in the
+per-step guard's all-reduce (``sync_guard``), so it costs no collective of its own; otherwise, and always with
+``"join"``, one all-reduce of two integers on the guard's gloo group per batch.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
-UnevenInputs = Literal["error", "stop"]
+UnevenInputs = Literal["error", "stop", "join"]
 UNEVEN_MODES: tuple[str, ...] = get_args(UnevenInputs)
 
 
@@ -106,11 +112,59 @@ def stop_text(ranks: list[RankBatches], epoch: int, counted: list[int | None]) -
     )
 
 
+class PaddingState:
+    """What ``PaddedBatches`` yielded (True: a padding batch) and how far the training loop has read, shared by the
+    wrapper and the strategy: Lightning's loop fetches one batch ahead, so the flag of the batch after the one
+    training is known too."""
+
+    def __init__(self) -> None:
+        self.flags: list[bool] = []
+        self.read = 0
+
+    def advance(self) -> tuple[bool, bool]:
+        """At the start of a training batch: (this batch is padding, the next one is)."""
+        now = self.flags[self.read] if self.read < len(self.flags) else True
+        following = self.flags[self.read + 1] if self.read + 1 < len(self.flags) else now
+        self.read += 1
+        return now, following
+
+
+class PaddedBatches:
+    """The training loader, then its last batch again and again, each marked as padding in ``state``: the
+    ``"join"`` epoch of a rank whose shard ran out goes on until every rank's has (the strategy ends it).
+
+    It has no length (Lightning then ends the epoch only when told to), and it forwards attribute reads to the loader,
+    so that Lightning still calls ``sampler.set_epoch`` every epoch.
+    """
+
+    def __init__(self, loader: Any, state: PaddingState) -> None:
+        self.loader, self.state = loader, state
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.loader, name)
+
+    def __iter__(self) -> Any:
+        self.state.flags, self.state.read = [], 0
+        last = None
+        for batch in self.loader:
+            self.state.flags.append(False)
+            last = batch
+            yield batch
+        if last is None:
+            raise UnevenInputsError(
+                "uneven_inputs='join': this rank's training loader is empty, so it has no batch to repeat while the "
+                "others train. Fix: give every rank at least one batch."
+            )
+        while True:
+            self.state.flags.append(True)
+            yield last
+
+
 class UnevenInputsCheck:
     """Owns ``uneven_inputs``: the flag of the batch about to train, the decision, and the epoch's forced end.
 
     Args:
-        mode: ``"error"`` or ``"stop"``.
+        mode: ``"error"``, ``"stop"`` or ``"join"``.
         info: how the once-per-epoch report reaches the user (rank 0 only in a Trainer).
     """
 
@@ -122,9 +176,46 @@ class UnevenInputsCheck:
         self.forced_end: tuple[int, int] | None = None
         #: Per stopped epoch: the batches each rank did not train on (``None``: unknown).
         self.not_trained: dict[int, list[int | None]] = {}
+        #: ``"join"``: the wrapper's flags, whether the batch training now is padding, and per joined epoch every
+        #: rank's (batches trained, padding batches).
+        self.padding_state = PaddingState()
+        self.padding = False
+        self.joined: dict[int, list[tuple[int, int]]] = {}
+        self._window = [0, 0]  # [batch slots, batches really trained] in the current accumulation window
+        self._epoch_counts = (-1, 0, 0)  # (epoch, trained, padded) on this rank
 
     def reset(self) -> None:
         self._held, self.forced_end, self.not_trained = None, None, {}
+        self.padding, self.joined, self._window, self._epoch_counts = False, {}, [0, 0], (-1, 0, 0)
+
+    def join_batch_starts(self, total: Any, gather: Any, epoch: int, world_size: int) -> bool:
+        """``"join"``, before a training batch: one all-reduce (sum) of (this batch is real, the next one is).
+        Returns True when no rank has a real batch after this one: the epoch ends here on every rank."""
+        now_padding, next_padding = self.padding_state.advance()
+        real_now, real_next = total([int(not now_padding), int(not next_padding)])
+        self.padding = now_padding
+        self._window[0] += world_size
+        self._window[1] += real_now
+        last_epoch, trained, padded = self._epoch_counts
+        if last_epoch != epoch:
+            trained = padded = 0
+        self._epoch_counts = (epoch, trained + int(not now_padding), padded + int(now_padding))
+        if real_next:
+            return False
+        rows = gather([self._epoch_counts[1], self._epoch_counts[2]])
+        self.joined[epoch] = [(row[0], row[1]) for row in rows]
+        self.forced_end = (epoch, self._epoch_counts[1] + self._epoch_counts[2])
+        if any(row[1] for row in rows):
+            counts = ", ".join(f"rank {rank}: {t} trained, {p} repeated with weight 0" for rank, (t, p) in enumerate(rows))
+            self._info(f"DDPPlusStrategy(uneven_inputs='join'): epoch {epoch} ended when every rank ran out ({counts}).")
+        return True
+
+    def take_rescale(self) -> float:
+        """At a synced backward with ``"join"``: the factor that turns the all-reduced gradient (sum over every
+        rank's micro-batches of the window / (world size x window)) into the mean over those really trained."""
+        slots, real = self._window
+        self._window = [0, 0]
+        return slots / real if real and real != slots else 1.0
 
     def hold(self, state: RankBatches) -> None:
         """Keep this batch's flag for the guard's all-reduce after its backward."""

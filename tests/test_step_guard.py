@@ -6,6 +6,7 @@ against a ``find_unused_parameters=True`` reference."""
 from __future__ import annotations
 
 import pytest
+import torch
 from torch import nn
 
 from lightning_ddp_plus import DDPPlusStrategy
@@ -86,14 +87,20 @@ def test_fault_of_parameters_no_rank_used():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"uneven_inputs": "join"}, "'join' \\(torch's Join"),
-        ({"uneven_inputs": "Stop"}, "allowed: error, stop"),
+        ({"uneven_inputs": "Stop"}, "allowed: error, stop, join"),
         ({"sync_guard": "yes"}, "`sync_guard='yes'` is not valid"),
     ],
 )
 def test_bad_values_are_refused_at_construction(kwargs, message):
     with pytest.raises((TypeError, ValueError), match=message):
         DDPPlusStrategy(**kwargs)
+
+
+def test_join_is_refused_by_the_fabric_strategy():
+    from lightning_ddp_plus import DDPPlusFabricStrategy
+
+    with pytest.raises(ValueError, match="not available for Fabric yet"):
+        DDPPlusFabricStrategy(uneven_inputs="join")
 
 
 # ---------------------------------------------------------------- real 2-rank jobs
@@ -288,6 +295,33 @@ UNEVEN_CASES = [
         "model": {"batches": [4, 6], "warmup_steps": 99},
     },
     {"name": "even", "model": {"batches": [5, 5], "warmup_steps": 99}},
+    {"name": "join", "strategy": {"uneven_inputs": "join"}, "model": {"batches": [6, 4], "warmup_steps": 99}},
+    {
+        "name": "join_2_epochs",
+        "strategy": {"uneven_inputs": "join"},
+        "epochs": 2,
+        "model": {"batches": [6, 4], "warmup_steps": 99},
+    },
+    {
+        "name": "join_longer_rank_1",
+        "strategy": {"uneven_inputs": "join", "verify_replicas_every_n_steps": 1},
+        "model": {"batches": [3, 6], "warmup_steps": 99},
+    },
+    {
+        "name": "join_k2",
+        "strategy": {"uneven_inputs": "join", "accumulate_grad_batches": 2},
+        "model": {"batches": [7, 5], "warmup_steps": 99},
+    },
+    {
+        "name": "join_manual",
+        "strategy": {"uneven_inputs": "join"},
+        "model": {"batches": [6, 4], "warmup_steps": 99, "manual": True},
+    },
+    {
+        "name": "join_sync_dist",
+        "strategy": {"uneven_inputs": "join"},
+        "model": {"batches": [6, 4], "warmup_steps": 99, "sync_dist": True},
+    },
 ]
 
 
@@ -327,3 +361,47 @@ def test_uneven_stop_ends_every_epoch_together(uneven_runs, name, trained, steps
     assert run["error"] is None, run["message"]
     assert run["trained"] == trained and run["optimizer_steps"] == steps
     assert _replica_gap(run) == 0.0
+
+
+def join_reference(batches: list[int], k: int = 1, epochs: int = 1) -> list[float]:
+    """One process: every optimizer step's gradient is the mean over the batches really trained in its window (a
+    rank that ran out contributes none), SGD with momentum as in the job."""
+    from torch.utils.data import DataLoader
+
+    from tests.helpers import flat_parameters
+    from tests.scripts.step_guard_job import GuardNet, Shard
+
+    model = GuardNet(variant="warmup", batches=tuple(batches), warmup_steps=99)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    shards = [list(DataLoader(Shard(rank, n * 4), 4)) for rank, n in enumerate(batches)]
+    longest = max(batches)
+    for _ in range(epochs):
+        for start in range(0, longest, k):
+            real = [(r, b) for b in range(start, min(start + k, longest)) for r in range(2) if b < batches[r]]
+            optimizer.zero_grad()
+            (sum(model.loss(shards[r][b], b) for r, b in real) / len(real)).backward()
+            optimizer.step()
+    return flat_parameters(model).tolist()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    ("name", "batches", "k", "epochs"),
+    [
+        ("join", [6, 4], 1, 1),
+        ("join_2_epochs", [6, 4], 1, 2),
+        ("join_longer_rank_1", [3, 6], 1, 1),
+        ("join_k2", [7, 5], 2, 1),
+        ("join_manual", [6, 4], 1, 1),
+        ("join_sync_dist", [6, 4], 1, 1),
+    ],
+)
+def test_uneven_join_trains_the_longer_shards_with_the_mean_over_real_batches(uneven_runs, name, batches, k, epochs):
+    run = uneven_runs[name]
+    assert run["error"] is None, run["message"]
+    longest = max(batches)
+    assert run["trained"] == [longest * epochs] * 2  # the shorter rank repeats its last batch with weight 0
+    assert run["optimizer_steps"] == -(-longest // k) * epochs
+    assert _replica_gap(run) == 0.0
+    reference = join_reference(batches, k, epochs)
+    assert max(abs(a - b) for a, b in zip(run["params"][0], reference)) < 1e-6
