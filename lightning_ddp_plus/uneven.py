@@ -206,8 +206,12 @@ class UnevenInputsCheck:
         self.joined[epoch] = [(row[0], row[1]) for row in rows]
         self.forced_end = (epoch, self._epoch_counts[1] + self._epoch_counts[2])
         if any(row[1] for row in rows):
-            counts = ", ".join(f"rank {rank}: {t} trained, {p} repeated with weight 0" for rank, (t, p) in enumerate(rows))
-            self._info(f"DDPPlusStrategy(uneven_inputs='join'): epoch {epoch} ended when every rank ran out ({counts}).")
+            counts = ", ".join(
+                f"rank {rank}: {t} trained, {p} repeated with weight 0" for rank, (t, p) in enumerate(rows)
+            )
+            self._info(
+                f"DDPPlusStrategy(uneven_inputs='join'): epoch {epoch} ended when every rank ran out ({counts})."
+            )
         return True
 
     def take_rescale(self) -> float:
