@@ -4,7 +4,7 @@
 
 Benchmarks (each alternates its variants A B A B ... on one process group, reports medians, min/max and ratios):
   overhead   automatic optimization, time per optimizer step: stock, ddp_plus (conflict check on, off; per-step
-             sync guard off), +telemetry, +replica guard (every step)
+             sync guard off; uneven_inputs="join"), +telemetry, +replica guard (every step)
   hooks      ddp_plus with none / fp16 / bf16 / powersgd: bytes and time per step (telemetry on for all)
   setup      time from Trainer.fit to the end of the first optimizer step: stock, ddp_plus validator on / off
   scaling    samples per second with 1 and 2 processes (ddp_plus), and the ratio to 1 process
@@ -100,6 +100,7 @@ def variants(name: str):
             "ddp_plus": plus(),
             "ddp_plus_check_off": plus(checkpointing_conflict="off"),
             "ddp_plus_sync_guard_off": plus(sync_guard=False),
+            "ddp_plus_uneven_join": plus(uneven_inputs="join"),
             "ddp_plus_telemetry": plus(telemetry=True),
             "ddp_plus_guard_every_step": plus(verify_replicas_every_n_steps=1),
         }
