@@ -14,8 +14,6 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
 from lightning_ddp_plus._messages import closest_name, describe_bad_value
-from lightning_ddp_plus.sync_guard import BucketLog, logged_hook
-from lightning_ddp_plus.wrapper import register_replaceable_hook
 
 HookFunction = Callable[[Any, "torch.distributed.GradBucket"], "torch.futures.Future[torch.Tensor]"]
 
@@ -206,21 +204,9 @@ class HookAssembly:
             return getattr(self.hook, "__qualname__", repr(self.hook))
         return "none"
 
-    def register(
-        self,
-        ddp: "torch.nn.parallel.DistributedDataParallel",
-        log: BucketLog | None = None,
-        on_rebuilt: Callable[[Any], None] = lambda ddp: None,
-    ) -> None:
-        """Register the hook on a new wrapper (a fresh default state each time, like a fresh reducer). With ``log``
-        (the per-step guard's), every bucket handed to the hook is logged, and a wrapper without a hook of its own
-        gets torch's plain all-reduce hook so that there is something to log; a hook the user registers on the
-        wrapper later replaces that one (``on_rebuilt`` is told about the new reducer) and is logged too."""
+    def register(self, ddp: "torch.nn.parallel.DistributedDataParallel") -> None:
+        """Register the hook on a new wrapper (a fresh default state each time, like a fresh reducer)."""
         if self.hook is None:
-            if log is not None:
-                register_replaceable_hook(
-                    ddp, logged_hook(default_hooks.allreduce_hook, log), lambda hook: logged_hook(hook, log), on_rebuilt
-                )
             return
         if isinstance(self.hook, CommHook):
             function = self.hook.function
@@ -231,5 +217,4 @@ class HookAssembly:
             function = self.wrapper(function)
         if self.hook in (CommHook.POWERSGD, CommHook.BATCHED_POWERSGD):
             function = bucket_ordered_hook(function)
-        function = counted_hook(function, self.counter)
-        ddp.register_comm_hook(state=self.state, hook=logged_hook(function, log) if log is not None else function)
+        ddp.register_comm_hook(state=self.state, hook=counted_hook(function, self.counter))

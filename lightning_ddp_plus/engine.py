@@ -119,7 +119,7 @@ class DDPPlusEngine:
         self.uneven.reset()
         self.channel.start(self.options.timeout)
         self.sync_guard.attach(ddp)
-        self.hooks.register(ddp, self.sync_guard.log if self.sync_guard.active else None, self._reducer_rebuilt)
+        self.hooks.register(ddp)
         self._handle = ddp.register_forward_pre_hook(self._training_forward_starts)
         self.conflicts.attach(ddp, module)
         self.guard.attach(ddp, module, with_buffers=bool(self.settings.broadcast_buffers))
@@ -256,12 +256,10 @@ class DDPPlusEngine:
         self.settings = dataclasses.replace(self.settings, find_unused_parameters=True, static_graph=False)
         rebuild_reducer(ddp, find_unused_parameters=True, static_graph=False)
         self._reducer_rebuilt(ddp)
-        if fault.aborted:  # incomplete gradients: the optimizer skips parameters whose .grad is None
-            for parameter in ddp.module.parameters():
-                parameter.grad = None
+        if fault.skipped:
             what = (
-                "This step's backward failed on some rank, so its gradients were dropped on every rank: the optimizer "
-                "step skips it (the batch is not trained)."
+                "This step's gradients could not be made exact (a backward failed, or bucket views were reduced in "
+                "place), so they were dropped on every rank: the optimizer step skips it (the batch is not trained)."
             )
         else:
             what = "This step's gradients were averaged on every rank as find_unused_parameters=True averages them."

@@ -26,6 +26,7 @@ The front ends' hooks only call ``DDPPlusEngine.after_backward``; the decision w
 resolve and train on) is the engine's, from ``checkpointing_conflict``.
 """
 
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -33,39 +34,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
 from torch.nn import Parameter
 from torch.nn.parallel import DistributedDataParallel
 
-HookFunction = Callable[[Any, dist.GradBucket], "torch.futures.Future[torch.Tensor]"]
-
-
-class BucketLog:
-    """The buckets the reducer handed to the communication hook since the last ``clear``, with their futures: which
-    buckets this backward launched, and where their averaged gradients will be."""
-
-    def __init__(self) -> None:
-        self.entries: list[tuple[dist.GradBucket, torch.futures.Future]] = []
-
-    def clear(self) -> None:
-        self.entries.clear()
-
-
-def logged_hook(hook: HookFunction, log: BucketLog) -> HookFunction:
-    """Wrap ``hook`` so that every bucket it is handed, and the future it returns, is logged."""
-
-    # Real (not string) annotations: torch's register_comm_hook compares them with dist.GradBucket and Future.
-    def ddp_plus_logged_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        future = hook(state, bucket)
-        log.entries.append((bucket, future))
-        return future
-
-    ddp_plus_logged_hook.__qualname__ = getattr(hook, "__qualname__", repr(hook))
-    return ddp_plus_logged_hook
-
 
 def can_check_reducer(ddp: DistributedDataParallel) -> bool:
-    """Whether this torch lets the guard ask a reducer if it finished (and lets it complete one)."""
+    """Whether this torch lets the guard ask a reducer if it finished, and complete one."""
     reducer = getattr(ddp, "reducer", None)
     return all(
         callable(getattr(reducer, name, None))
@@ -73,13 +47,28 @@ def can_check_reducer(ddp: DistributedDataParallel) -> bool:
     )
 
 
-def reducer_finished(ddp: DistributedDataParallel) -> bool:
-    """Local and cheap: did this rank's reducer launch every bucket and finalize the backward?"""
+def reducer_unfinished(ddp: DistributedDataParallel) -> str | None:
+    """Local and cheap: ``None`` when this rank's reducer launched every bucket and finalized the backward, else the
+    reducer's message (it names the parameters that got no gradient)."""
     try:
         ddp.reducer._check_reducer_finalized()
-    except RuntimeError:
-        return False
-    return True
+    except RuntimeError as error:
+        return str(error)
+    return None
+
+
+#: torch's reducer names the parameters of this backward that got no gradient (``_check_reducer_finalized``).
+_UNMARKED = re.compile(r"Parameter indices which did not receive grad for rank \d+:((?: \d+)+)")
+
+
+def unmarked_parameters(ddp: DistributedDataParallel, message: str) -> tuple[list[Parameter], bool]:
+    """The parameters whose gradient hook did not fire in this backward, from the reducer's own error message, and
+    whether the message said so (else: the parameters without ``.grad``, which is the same without accumulation)."""
+    parameters, _ = ddp._build_params_for_reducer()
+    found = _UNMARKED.search(message)
+    if found is None:
+        return [p for p in parameters if p.grad is None], False
+    return [parameters[int(index)] for index in found.group(1).split()], True
 
 
 @dataclass(frozen=True)
@@ -88,41 +77,71 @@ class Completion:
 
     launched: int  # buckets the reducer had launched
     buckets: int  # buckets in all
-    without_gradient: tuple[Parameter, ...]  # parameters of the unlaunched buckets with no gradient on this rank
+    unmarked: tuple[Parameter, ...]  # parameters that got no gradient in this backward
+    from_message: bool  # ``unmarked`` is torch's own account
 
 
-def _hook_result(value: Any) -> Tensor:
-    return value[0] if isinstance(value, (list, tuple)) else value
-
-
-def complete_reduction(ddp: DistributedDataParallel, log: BucketLog) -> Completion:
-    """Launch the buckets the reducer did not, through its communication hook, and write every bucket's averaged
-    gradients into ``.grad`` (what ``finalize_backward`` would have done). A parameter with no gradient gets the
-    average too (``.grad`` is set); ``restore_missing`` undoes that for parameters no rank used."""
+def complete_reduction(ddp: DistributedDataParallel, message: str) -> Completion:
+    """Launch, through the reducer's communication hook, the buckets its backward did not (torch launches buckets
+    strictly in order, so: from the first bucket holding a parameter that got no gradient), filled with this rank's
+    gradients (zeros where it has none), and wait for them. The main group is consistent afterwards; the values that
+    reach ``.grad`` are settled by ``settle_gradients`` once the ranks agree."""
+    unmarked, from_message = unmarked_parameters(ddp, message)
+    missing = {id(p) for p in unmarked}
     buckets = ddp.reducer._get_zeros_like_grad_buckets()  # every bucket, in launch order, with zeroed buffers
-    launched = len(log.entries)
-    pending = list(log.entries)
-    missing: list[Parameter] = []
-    for bucket in buckets[launched:]:
+    first = next(
+        (index for index, bucket in enumerate(buckets) if any(id(p) in missing for p in bucket.parameters())),
+        len(buckets),
+    )
+    # without a hook of its own the reducer divides by the world size while copying gradients into a bucket
+    divisor = ddp.process_group.size() if not ddp._comm_hooks else 1
+    works = []
+    for bucket in buckets[first:]:
         for view, parameter in zip(bucket.gradients(), bucket.parameters()):
-            if parameter.grad is None:
-                missing.append(parameter)
-            else:
+            if parameter.grad is not None:
                 view.copy_(parameter.grad)
-        pending.append((bucket, ddp.reducer._run_comm_hook(bucket)))
-    for bucket, future in pending:
-        result = _hook_result(future.wait()).reshape(-1)
-        offset = 0
-        for parameter in bucket.parameters():
-            size = parameter.numel()
-            value = result[offset : offset + size].view_as(parameter)
-            offset += size
-            if parameter.grad is None:
-                parameter.grad = value.clone()
-            elif parameter.grad.data_ptr() != value.data_ptr():  # a bucket view already holds the result
-                parameter.grad.copy_(value)
-    log.clear()
-    return Completion(launched=launched, buckets=len(buckets), without_gradient=tuple(missing))
+        if divisor > 1:
+            bucket.buffer().div_(divisor)
+        works.append(ddp.reducer._run_comm_hook(bucket))
+    for work in works:
+        work.wait()
+    return Completion(launched=first, buckets=len(buckets), unmarked=tuple(unmarked), from_message=from_message)
+
+
+def settle_gradients(
+    ddp: DistributedDataParallel, finished_ranks: list[int], no_rank_had: list[Parameter], exact: bool
+) -> bool:
+    """After a fault, on every rank: give ``.grad`` the exact average of this step. Returns False when it cannot be
+    known here (``exact`` False: some rank's backward failed, or bucket views were reduced in place), in which case
+    every gradient is dropped (the optimizer skips the step).
+
+    A rank whose reducer finished holds the exact average (every unfinished rank sent its own gradients for the
+    buckets it completed), so its gradients are broadcast. When none finished, every rank still holds its local
+    gradients (``finalize_backward`` never ran), so they are averaged once more, by hand. A parameter no rank gave a
+    gradient keeps ``.grad`` None, as with ``find_unused_parameters=True``.
+    """
+    parameters = [p for p in ddp.module.parameters() if p.requires_grad]
+    if not exact:
+        for parameter in parameters:
+            parameter.grad = None
+        return False
+    skip = {id(p) for p in no_rank_had}
+    kept = [p for p in parameters if id(p) not in skip]
+    for parameter in kept:
+        if parameter.grad is None:
+            parameter.grad = torch.zeros_like(parameter)
+    flat = torch._utils._flatten_dense_tensors([p.grad for p in kept])
+    if finished_ranks:
+        dist.broadcast(flat, src=finished_ranks[0], group=ddp.process_group)  # the side channel's ranks: the world
+    else:
+        flat.div_(ddp.process_group.size())  # as the reducer does, before the sum
+        dist.all_reduce(flat, group=ddp.process_group)
+    for parameter, value in zip(kept, torch._utils._unflatten_dense_tensors(flat, [p.grad for p in kept])):
+        parameter.grad.copy_(value)
+    for parameter in parameters:
+        if id(parameter) in skip:
+            parameter.grad = None
+    return True
 
 
 class SideChannel:
@@ -189,10 +208,13 @@ class SyncFault:
 
     step: int
     unused: tuple[tuple[str, ...], ...]
-    launched: tuple[tuple[int, int], ...]  # per rank: (buckets launched by the reducer, buckets in all)
+    #: per rank: (buckets its reducer launched, buckets in all), or ``None`` where the reducer finished
+    launched: tuple[tuple[int, int] | None, ...]
     #: Some rank's backward itself failed (torch: "Your training graph has changed in this iteration" with
     #: ``static_graph=True``): its gradients are incomplete, so the step cannot be applied as it is.
     aborted: bool = False
+    #: The step's gradients could not be made exact and were dropped on every rank (the optimizer skips them).
+    skipped: bool = False
 
     @property
     def unused_everywhere(self) -> tuple[str, ...]:
@@ -202,21 +224,21 @@ class SyncFault:
     def describe(self) -> str:
         """Per rank, in words.
 
-        >>> SyncFault(step=4, unused=(("aux.weight",), ()), launched=((1, 3), (3, 3))).describe()
-        'rank 0: aux.weight (reducer launched 1 of 3 buckets); rank 1: none (launched 3 of 3)'
+        >>> SyncFault(step=4, unused=(("aux.weight",), ()), launched=((1, 3), None)).describe()
+        'rank 0: aux.weight (its reducer launched 1 of 3 buckets); rank 1: none (its reducer finished)'
         """
         parts = []
-        for rank, (names, (launched, total)) in enumerate(zip(self.unused, self.launched)):
-            if names:
-                shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
-                parts.append(f"rank {rank}: {shown} (reducer launched {launched} of {total} buckets)")
-            else:
-                parts.append(f"rank {rank}: none (launched {launched} of {total})")
+        for rank, (names, counts) in enumerate(zip(self.unused, self.launched)):
+            shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "") or "none"
+            state = (
+                "its reducer finished" if counts is None else f"its reducer launched {counts[0]} of {counts[1]} buckets"
+            )
+            parts.append(f"rank {rank}: {shown} ({state})")
         return "; ".join(parts)
 
 
 class SyncGuard:
-    """Owns the bucket log, the side channel and the check after each synced backward.
+    """Owns the side channel's per-step check after each synced backward, and what a fault does to ``.grad``.
 
     Args:
         enabled: ``DDPPlusStrategy(sync_guard=...)``.
@@ -227,7 +249,6 @@ class SyncGuard:
     def __init__(self, enabled: bool, channel: SideChannel, warn: Callable[[str], None]) -> None:
         self.enabled = enabled
         self._warn = warn
-        self.log = BucketLog()
         self.channel = channel
         self._parameters: list[tuple[str, Parameter]] = []
         self._active = False
@@ -240,7 +261,6 @@ class SyncGuard:
         return self._active
 
     def attach(self, ddp: DistributedDataParallel) -> None:
-        self.log.clear()
         self._active = False
         self.checks = 0
         if not self.enabled or not self.channel.open:
@@ -258,7 +278,6 @@ class SyncGuard:
 
     def detach(self) -> None:
         self._active = False
-        self.log.clear()
 
     def check(
         self, ddp: DistributedDataParallel, step: int, flags: Sequence[int] = (), aborted: bool = False
@@ -267,25 +286,31 @@ class SyncGuard:
         did not finish, and agree with the other ranks. ``flags`` travel in the same all-reduce (their maximum over
         ranks is returned), so that another per-step decision (uneven inputs) costs no collective of its own."""
         self.checks += 1
-        launched = len(self.log.entries)
-        completion = None if reducer_finished(ddp) and not aborted else complete_reduction(ddp, self.log)
-        self.log.clear()
+        message = reducer_unfinished(ddp)
+        completion = complete_reduction(ddp, message or "") if message is not None or aborted else None
         agreed = self.channel.maximum([int(completion is not None), int(aborted), *flags])
         if not agreed[0]:
             return None, agreed[2:]
-        fault = self._fault(step, completion or Completion(launched, launched, ()), aborted=bool(agreed[1]))
-        return fault, agreed[2:]
+        return self._fault(ddp, step, completion, aborted=bool(agreed[1])), agreed[2:]
 
-    def _fault(self, step: int, completion: Completion, aborted: bool) -> SyncFault:
-        missing = {id(p) for p in completion.without_gradient}
-        local = [int(id(p) in missing) for _, p in self._parameters]
-        rows = self.channel.gather([*local, completion.launched, completion.buckets])
-        for index, (_, parameter) in enumerate(self._parameters):
-            if all(row[index] for row in rows):  # as find_unused_parameters=True: no rank used it, .grad untouched
-                parameter.grad = None
+    def _fault(
+        self, ddp: DistributedDataParallel, step: int, completion: Completion | None, aborted: bool
+    ) -> SyncFault:
+        unmarked = {id(p) for p in completion.unmarked} if completion is not None else set()
+        local = [int(id(p) in unmarked) for _, p in self._parameters]
+        no_grad = [int(p.grad is None) for _, p in self._parameters]
+        counts = [completion.launched, completion.buckets] if completion is not None else [-1, -1]
+        rows = self.channel.gather([*local, *no_grad, *counts])
+        size = len(self._parameters)
+        finished = [rank for rank, row in enumerate(rows) if row[-1] < 0]
+        no_rank_had = [p for index, (_, p) in enumerate(self._parameters) if all(row[size + index] for row in rows)]
+        # exact unless some backward failed, or bucket views were reduced in place on ranks that all stopped early
+        exact = not aborted and (bool(finished) or not ddp.gradient_as_bucket_view)
+        applied = settle_gradients(ddp, finished, no_rank_had, exact)
         return SyncFault(
             step=step,
-            unused=tuple(tuple(name for (name, _), on in zip(self._parameters, row) if on) for row in rows),
-            launched=tuple((row[-2], row[-1]) for row in rows),
+            unused=tuple(tuple(name for (name, _), on in zip(self._parameters, row[:size]) if on) for row in rows),
+            launched=tuple(None if row[-1] < 0 else (row[-2], row[-1]) for row in rows),
             aborted=aborted,
+            skipped=not applied,
         )

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import inspect
 import weakref
-from collections.abc import Callable, Generator
+from collections.abc import Generator
 from contextlib import contextmanager
 from typing import Any
 
@@ -106,29 +106,3 @@ def replay_forward(ddp: DistributedDataParallel, loss: Tensor, forward_synced: b
         # What DDP's forward does with its output: a static graph's first backward queues the delayed all-reduce.
         loss = _DDPSink.apply(weakref.ref(ddp), loss)[0]
     return loss
-
-
-def register_replaceable_hook(
-    ddp: DistributedDataParallel,
-    default: Callable,
-    wrap_user_hook: Callable[[Callable], Callable],
-    on_rebuilt: Callable[[DistributedDataParallel], None],
-) -> None:
-    """Register ``default`` as ``ddp``'s communication hook, so that a hook the user registers later on the wrapper
-    (``trainer.model.register_comm_hook(state, hook)`` in a callback, as with stock DDP) replaces it.
-
-    torch allows one hook per reducer and cannot remove one, so the user's call gets a new reducer first (as
-    ``rebuild_reducer``, no collective), and their hook is registered wrapped in ``wrap_user_hook``.
-    """
-    ddp.register_comm_hook(state=None, hook=default)
-    register = ddp.register_comm_hook
-
-    def register_comm_hook(state: object, hook: Callable) -> None:
-        if ddp._comm_hooks and ddp._comm_hooks[0][0] is default:
-            ddp._comm_hooks = []
-            rebuild_reducer(ddp, ddp.find_unused_parameters, ddp.static_graph)
-            on_rebuilt(ddp)
-        del ddp.register_comm_hook  # the class's method from here on
-        register(state, wrap_user_hook(hook))
-
-    ddp.register_comm_hook = register_comm_hook  # type: ignore[method-assign]
