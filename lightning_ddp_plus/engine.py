@@ -200,6 +200,8 @@ class DDPPlusEngine:
         if folded and self.sync_guard.active:
             self.uneven.hold(state)
             self._epoch = epoch
+            if state.last:
+                self.sync_guard.announce()
             return False
         return self.uneven.decide(state, self.channel.maximum(uneven_flags(state.last)), self.channel.gather, epoch)
 

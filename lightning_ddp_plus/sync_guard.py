@@ -237,6 +237,16 @@ class SyncFault:
         return "; ".join(parts)
 
 
+def _store_for_agreement(ddp: DistributedDataParallel) -> Any:
+    """The job's store, when the gradient group is gloo (whose waits block the host), else ``None``."""
+    try:
+        if dist.get_backend(ddp.process_group) != "gloo":
+            return None
+        return dist.distributed_c10d._get_default_store()
+    except (RuntimeError, ValueError, AttributeError):
+        return None
+
+
 class SyncGuard:
     """Owns the side channel's per-step check after each synced backward, and what a fault does to ``.grad``.
 
@@ -252,6 +262,9 @@ class SyncGuard:
         self.channel = channel
         self._parameters: list[tuple[str, Parameter]] = []
         self._active = False
+        self._store: Any = None
+        self._fit = 0
+        self._announced = False
         #: Synced backwards checked in the current fit on this rank.
         self.checks = 0
 
@@ -260,9 +273,15 @@ class SyncGuard:
         """The guard checks every synced backward of the current fit."""
         return self._active
 
+    @property
+    def agrees_through_store(self) -> bool:
+        """The ranks agree through the job's store instead of an all-reduce per step (gloo gradient groups)."""
+        return self._store is not None
+
     def attach(self, ddp: DistributedDataParallel) -> None:
-        self._active = False
+        self._active, self._store, self._announced = False, None, False
         self.checks = 0
+        self._fit += 1
         if not self.enabled or not self.channel.open:
             return
         if not can_check_reducer(ddp):
@@ -274,21 +293,47 @@ class SyncGuard:
             )
             return
         self._parameters = [(name, p) for name, p in ddp.module.named_parameters() if p.requires_grad]
+        self._store = _store_for_agreement(ddp)
         self._active = True
 
     def detach(self) -> None:
         self._active = False
+        self._store = None
+
+    def _key(self) -> str:
+        return f"ddp_plus/guard/{self._fit}/{self.checks + 1}"
+
+    def announce(self) -> None:
+        """Before the next synced backward: this rank has something to say at its check (its batch is its epoch's
+        last), so every rank must take the agreeing all-reduce there."""
+        if not self._announced and self._store is not None:
+            self._store.set(self._key(), "1")
+        self._announced = True
 
     def check(
         self, ddp: DistributedDataParallel, step: int, flags: Sequence[int] = (), aborted: bool = False
     ) -> tuple[SyncFault | None, list[int]]:
         """After a synced backward (``aborted``: one that raised on this rank): complete this rank's reduction if it
         did not finish, and agree with the other ranks. ``flags`` travel in the same all-reduce (their maximum over
-        ranks is returned), so that another per-step decision (uneven inputs) costs no collective of its own."""
-        self.checks += 1
+        ranks is returned), so that another per-step decision (uneven inputs) costs no collective of its own.
+
+        With a gloo gradient group the all-reduce runs only when some rank needs it: a rank with news writes a key
+        to the job's store *before* it launches its missing buckets (or, through ``announce``, before this
+        backward), and a rank whose backward finished can only have finished after those buckets arrived, because
+        gloo's waits block the host; so one store look-up (tens of microseconds) tells it whether to join the
+        all-reduce. An NCCL wait does not block the host, so there the all-reduce runs every step.
+        """
         message = reducer_unfinished(ddp)
-        completion = complete_reduction(ddp, message or "") if message is not None or aborted else None
-        agreed = self.channel.maximum([int(completion is not None), int(aborted), *flags])
+        unfinished = message is not None or aborted
+        if unfinished:
+            self.announce()
+        announced, self._announced = self._announced, False
+        quiet = self._store is not None and not announced and not self._store.check([self._key()])
+        self.checks += 1
+        if quiet:
+            return None, [0] * len(flags)
+        completion = complete_reduction(ddp, message or "") if unfinished else None
+        agreed = self.channel.maximum([int(unfinished), int(aborted), *flags])
         if not agreed[0]:
             return None, agreed[2:]
         return self._fault(ddp, step, completion, aborted=bool(agreed[1])), agreed[2:]

@@ -149,6 +149,19 @@ GUARD_CASES = [
     {"name": "tower_reference", **REFERENCE, "model": {"variant": "tower_one_rank"}},
     {"name": "tower_defaults", "model": {"variant": "tower_one_rank"}},
     {"name": "tower_resolve", "strategy": RESOLVE, "model": {"variant": "tower_one_rank"}},
+    {"name": "tower_defaults_all_reduce", "agreement": "all_reduce", "model": {"variant": "tower_one_rank"}},
+    {
+        "name": "tower_resolve_all_reduce",
+        "agreement": "all_reduce",
+        "strategy": RESOLVE,
+        "model": {"variant": "tower_one_rank"},
+    },
+    {
+        "name": "warmup_resolve_all_reduce",
+        "agreement": "all_reduce",
+        "strategy": RESOLVE,
+        "model": {"variant": "warmup"},
+    },
     {"name": "multitask_reference", **REFERENCE, "model": {"variant": "multitask"}},
     {"name": "multitask_stock", "stock": True, "model": {"variant": "multitask"}},
     {"name": "multitask_defaults", "model": {"variant": "multitask"}},
@@ -180,7 +193,9 @@ def test_stock_applies_an_unaveraged_step_then_fails(guard_runs):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("name", ["warmup_defaults", "warmup_static_graph", "manual_defaults", "tower_defaults"])
+@pytest.mark.parametrize(
+    "name", ["warmup_defaults", "warmup_static_graph", "manual_defaults", "tower_defaults", "tower_defaults_all_reduce"]
+)
 def test_error_stops_every_rank_before_the_optimizer_step(guard_runs, name):
     run = guard_runs[name]
     assert run["error"] == "DDPConflictError", run["message"]
@@ -207,6 +222,8 @@ def test_a_tower_unused_on_one_rank_names_each_rank(guard_runs):
         ("manual_resolve", "manual_reference"),
         ("k2_resolve", "k2_reference"),
         ("tower_resolve", "tower_reference"),
+        ("tower_resolve_all_reduce", "tower_reference"),
+        ("warmup_resolve_all_reduce", "warmup_reference"),
         ("multitask_resolve", "multitask_reference"),
         ("wav2vec2_resolve", "wav2vec2_reference"),
     ],
@@ -295,6 +312,13 @@ UNEVEN_CASES = [
         "model": {"batches": [4, 6], "warmup_steps": 99},
     },
     {"name": "even", "model": {"batches": [5, 5], "warmup_steps": 99}},
+    {"name": "error_all_reduce", "agreement": "all_reduce", "model": {"batches": [6, 4], "warmup_steps": 99}},
+    {
+        "name": "stop_all_reduce",
+        "agreement": "all_reduce",
+        "strategy": {"uneven_inputs": "stop"},
+        "model": {"batches": [6, 4], "warmup_steps": 99},
+    },
     {"name": "join", "strategy": {"uneven_inputs": "join"}, "model": {"batches": [6, 4], "warmup_steps": 99}},
     {
         "name": "join_2_epochs",
@@ -332,7 +356,7 @@ def uneven_runs(tmp_path_factory):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("name", ["error", "error_manual", "error_sync_dist", "error_k2"])
+@pytest.mark.parametrize("name", ["error", "error_manual", "error_sync_dist", "error_k2", "error_all_reduce"])
 def test_uneven_error_names_the_counts_on_every_rank(uneven_runs, name):
     run = uneven_runs[name]
     assert run["error"] == "UnevenInputsError", run["message"]
@@ -353,6 +377,7 @@ def test_uneven_error_names_the_counts_on_every_rank(uneven_runs, name):
         ("stop_sync_dist", [4, 4], 4),
         ("stop_k2", [5, 5], 3),
         ("stop_k3", [4, 4], 2),
+        ("stop_all_reduce", [4, 4], 4),
         ("even", [5, 5], 5),
     ],
 )
