@@ -47,7 +47,7 @@ from lightning_ddp_plus.options import ConflictMode, DDPPlusOptions, StartMethod
 from lightning_ddp_plus.restart import ResumeMode, init_process_group, restart_attempt, resume_dataloader, should_resume
 from lightning_ddp_plus.telemetry import DDPTelemetry
 from lightning_ddp_plus.timeout import DEFAULT_TIMEOUT, TimeoutLike
-from lightning_ddp_plus.uneven import PaddedBatches, RankBatches, UnevenInputs
+from lightning_ddp_plus.uneven import PaddedBatches, RankBatches, UnevenInputs, even_by_construction
 from lightning_ddp_plus.wrapper import ddp_kwargs
 
 #: Registered names and their launchers, mirroring Lightning's ``ddp``, ``ddp_spawn``, ``ddp_fork``, ``ddp_notebook``.
@@ -184,6 +184,7 @@ class DDPPlusStrategy(EngineViews, DDPStrategy):
         )
         self._backward_syncs = True
         self._static_graph_flushed = False
+        self._even_shards: tuple[int, bool] = (-1, False)  # (epoch, every loader has a DistributedSampler)
 
     @classmethod
     def from_training_arguments(
@@ -316,6 +317,7 @@ class DDPPlusStrategy(EngineViews, DDPStrategy):
             ddp = self.engine.wrap(model, device_ids)
         self._ddp_kwargs = ddp_kwargs(self.engine.settings)
         self._static_graph_flushed = False
+        self._even_shards = (-1, False)
         return ddp
 
     @override
@@ -363,6 +365,8 @@ class DDPPlusStrategy(EngineViews, DDPStrategy):
         if module is None or not isinstance(self.model, DistributedDataParallel):
             return
         trainer = module.trainer
+        if self._shards_even(trainer):
+            return
         progress = trainer.fit_loop.epoch_loop.batch_progress
         length = trainer.num_training_batches
         state = RankBatches(
@@ -373,6 +377,13 @@ class DDPPlusStrategy(EngineViews, DDPStrategy):
         folded = module.automatic_optimization and self.gradient_accumulation_steps == 1
         if self.engine.batch_starts(state, trainer.current_epoch, folded):
             self._end_epoch_here()
+
+    def _shards_even(self, trainer: pl.Trainer) -> bool:
+        epoch = trainer.current_epoch
+        if self._even_shards[0] != epoch:
+            combined = trainer.fit_loop._combined_loader
+            self._even_shards = (epoch, even_by_construction(combined.flattened if combined is not None else []))
+        return self._even_shards[1]
 
     def _end_epoch_here(self) -> None:
         assert self.lightning_module is not None

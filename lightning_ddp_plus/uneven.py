@@ -247,3 +247,25 @@ class UnevenInputsCheck:
         self.forced_end = (epoch, state.number)
         self._info(stop_text(ranks, epoch, counted))
         return not state.last
+
+
+def even_by_construction(loaders: Any) -> bool:
+    """Every loader draws from a ``DistributedSampler`` (as Lightning's ``use_distributed_sampler=True`` injects): it
+    pads or drops so that every rank gets the same number of samples, so the ranks need not compare counts.
+
+    >>> from torch.utils.data import DataLoader, DistributedSampler
+    >>> data = list(range(10))
+    >>> even_by_construction([DataLoader(data, sampler=DistributedSampler(data, num_replicas=2, rank=0))])
+    True
+    >>> even_by_construction([DataLoader(data)]), even_by_construction([])
+    (False, False)
+    """
+    from torch.utils.data import DistributedSampler
+
+    loaders = list(loaders or [])
+
+    def distributed(loader: Any) -> bool:
+        samplers = (getattr(loader, "sampler", None), getattr(getattr(loader, "batch_sampler", None), "sampler", None))
+        return any(isinstance(sampler, DistributedSampler) for sampler in samplers)
+
+    return bool(loaders) and all(distributed(loader) for loader in loaders)
