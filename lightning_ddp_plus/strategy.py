@@ -298,7 +298,7 @@ class DDPPlusStrategy(EngineViews, DDPStrategy):
         module = self.lightning_module
         if module is not None and module._trainer is not None and module.trainer.state.stage == RunningStage.TRAINING:
             dataloader = resume_dataloader(dataloader, module.trainer)
-            if self.options.uneven_inputs == "join":
+            if self.options.uneven_inputs == "join" and not even_by_construction([dataloader]):
                 dataloader = PaddedBatches(dataloader, self.engine.uneven.padding_state)
         return dataloader
 

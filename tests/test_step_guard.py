@@ -312,6 +312,11 @@ UNEVEN_CASES = [
         "model": {"batches": [4, 6], "warmup_steps": 99},
     },
     {"name": "even", "model": {"batches": [5, 5], "warmup_steps": 99}},
+    {
+        "name": "join_distributed_sampler",
+        "strategy": {"uneven_inputs": "join"},
+        "model": {"batches": [5, 5], "warmup_steps": 99, "data": "sampler"},
+    },
     {"name": "error_all_reduce", "agreement": "all_reduce", "model": {"batches": [6, 4], "warmup_steps": 99}},
     {
         "name": "stop_all_reduce",
@@ -378,6 +383,7 @@ def test_uneven_error_names_the_counts_on_every_rank(uneven_runs, name):
         ("stop_k2", [5, 5], 3),
         ("stop_k3", [4, 4], 2),
         ("stop_all_reduce", [4, 4], 4),
+        ("join_distributed_sampler", [5, 5], 5),  # even by construction: nothing compared, nothing padded
         ("even", [5, 5], 5),
     ],
 )

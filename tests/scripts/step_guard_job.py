@@ -44,6 +44,8 @@ class GuardNet(L.LightningModule):
     - ``tower_one_rank``: a tower that rank 0 skips at optimizer step 4 (0-based global step 3), rank 1 never;
     - ``late_start`` (``late_start_one_rank``): an auxiliary head that joins at optimizer step 3 (on rank 0 only);
     - ``multitask``: two heads, batch ``i`` trains head ``i % 2``;
+    ``data="sampler"`` trains on a map-style data set instead of per-rank shards (even, by Lightning's sampler).
+
     - ``wav2vec2``: a tiny real ``Wav2Vec2ForSequenceClassification`` with ``layerdrop`` (seeded, so that the
       layers dropped are the same on both ranks and in the reference run).
     """
@@ -57,6 +59,7 @@ class GuardNet(L.LightningModule):
         manual: bool = False,
         layerdrop: float = 0.0,
         sync_dist: bool = False,
+        data: str = "shards",
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -131,6 +134,8 @@ class GuardNet(L.LightningModule):
         return loss
 
     def train_dataloader(self) -> DataLoader:
+        if self.hparams.data == "sampler":  # a map-style data set: Lightning gives each rank a DistributedSampler
+            return DataLoader(regression_data(2 * 4 * self.hparams.batches[0]), batch_size=4)
         return DataLoader(Shard(self.global_rank, self.hparams.batches[self.global_rank] * self.hparams.batch_size), 4)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
