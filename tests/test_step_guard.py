@@ -313,6 +313,17 @@ UNEVEN_CASES = [
     },
     {"name": "even", "model": {"batches": [5, 5], "warmup_steps": 99}},
     {
+        "name": "stop_uneven_validation",
+        "strategy": {"uneven_inputs": "stop"},
+        "epochs": 2,
+        "model": {"batches": [6, 4], "warmup_steps": 99, "val_batches": [3, 1]},
+    },
+    {
+        "name": "join_uneven_validation",
+        "strategy": {"uneven_inputs": "join"},
+        "model": {"batches": [6, 4], "warmup_steps": 99, "val_batches": [1, 3]},
+    },
+    {
         "name": "join_distributed_sampler",
         "strategy": {"uneven_inputs": "join"},
         "model": {"batches": [5, 5], "warmup_steps": 99, "data": "sampler"},
@@ -384,6 +395,8 @@ def test_uneven_error_names_the_counts_on_every_rank(uneven_runs, name):
         ("stop_k3", [4, 4], 2),
         ("stop_all_reduce", [4, 4], 4),
         ("join_distributed_sampler", [5, 5], 5),  # even by construction: nothing compared, nothing padded
+        ("stop_uneven_validation", [8, 8], 8),  # and validation shards of 3 and 1 batches after each epoch
+        ("join_uneven_validation", [6, 6], 6),
         ("even", [5, 5], 5),
     ],
 )

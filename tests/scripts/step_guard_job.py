@@ -60,6 +60,7 @@ class GuardNet(L.LightningModule):
         layerdrop: float = 0.0,
         sync_dist: bool = False,
         data: str = "shards",
+        val_batches: tuple | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -137,6 +138,14 @@ class GuardNet(L.LightningModule):
         if self.hparams.data == "sampler":  # a map-style data set: Lightning gives each rank a DistributedSampler
             return DataLoader(regression_data(2 * 4 * self.hparams.batches[0]), batch_size=4)
         return DataLoader(Shard(self.global_rank, self.hparams.batches[self.global_rank] * self.hparams.batch_size), 4)
+
+    def val_dataloader(self) -> DataLoader | list:
+        if self.hparams.val_batches is None:
+            return []
+        return DataLoader(Shard(self.global_rank, self.hparams.val_batches[self.global_rank] * 4), 4)
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        self.log("val_loss", self.loss(batch, batch_idx), sync_dist=True)  # epoch level: reduced once, at the end
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         # momentum: a parameter no rank used must keep .grad None (as find_unused_parameters=True leaves it), or its
