@@ -19,8 +19,8 @@ Fabric's own idiom, ``with fabric.no_backward_sync(model, enabled=...)``, works 
 first backward is synced, as torch requires).
 
 The per-step guard (``sync_guard``) checks every synced ``fabric.backward``. ``uneven_inputs`` needs
-``micro_batches``: it is where every rank says whether the item it yields is its last, and where ``"stop"`` ends the
-iteration on every rank together.
+``micro_batches``: it is where every rank says whether the item it yields is its last, where ``"stop"`` ends the
+iteration on every rank together, and where ``"join"`` repeats a finished rank's last item with weight 0.
 """
 
 from __future__ import annotations
@@ -41,7 +41,6 @@ from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_ddp_plus._messages import describe_bad_value
 from lightning_ddp_plus.accumulation import ShortWindow, WindowPosition, scale_gradients
 from lightning_ddp_plus.backend import has_default_backend, resolve_backend_for_device
 from lightning_ddp_plus.engine import DDPPlusEngine, EngineViews
@@ -49,9 +48,10 @@ from lightning_ddp_plus.launcher import register_process_group_shutdown
 from lightning_ddp_plus.options import ConflictMode, DDPPlusOptions, StartMethod
 from lightning_ddp_plus.strategy import REGISTERED_NAMES
 from lightning_ddp_plus.timeout import DEFAULT_TIMEOUT, TimeoutLike
-from lightning_ddp_plus.uneven import RankBatches, UnevenInputs
+from lightning_ddp_plus.uneven import RankBatches, UnevenInputs, UnevenInputsError
 
 T = TypeVar("T")
+_END = object()
 
 
 class _SyncControl(_DDPBackwardSyncControl):
@@ -108,15 +108,6 @@ class DDPPlusFabricStrategy(EngineViews, DDPStrategy):
         **kwargs: Any,
     ) -> None:
         options = DDPPlusOptions.from_arguments(locals(), ddp_kwargs=kwargs)
-        if options.uneven_inputs == "join":
-            raise ValueError(
-                describe_bad_value(
-                    "uneven_inputs",
-                    "join",
-                    "'join' is not available for Fabric yet (the Trainer strategy has it).",
-                    "use 'stop' (every rank ends the iteration of `micro_batches` when the first runs out) or 'error'.",
-                )
-            )
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -203,8 +194,13 @@ class DDPPlusFabricStrategy(EngineViews, DDPStrategy):
         """Yield the items of ``iterable`` (e.g. the epoch's loader), marking the last one, so that it closes its
         accumulation window even when the epoch's length is not a multiple of k (or not known). Each call is one
         epoch for ``uneven_inputs``: before each item every rank says whether it is its last; ``"error"`` raises
-        ``UnevenInputsError`` on every rank, ``"stop"`` makes that item the last on every rank."""
+        ``UnevenInputsError`` on every rank, ``"stop"`` makes that item the last on every rank, and with ``"join"``
+        a rank whose items ran out yields its last one again (its loss then counts 0 in ``fabric.backward``) until
+        every rank's have."""
         self._epoch += 1
+        if self.options.uneven_inputs == "join" and self._ddp is not None:
+            yield from self._joined(iterable)
+            return
         length = len(iterable) if hasattr(iterable, "__len__") else None  # type: ignore[arg-type]
         iterator = iter(iterable)
         try:
@@ -228,6 +224,34 @@ class DDPPlusFabricStrategy(EngineViews, DDPStrategy):
         finally:
             self._next_is_last = False
 
+    def _joined(self, iterable: Iterable[T]) -> Iterator[T]:
+        state = self.engine.uneven.padding_state
+        state.flags, state.read = [], 0
+        iterator = iter(iterable)
+        current = next(iterator, _END)
+        if current is _END:
+            raise UnevenInputsError(
+                "uneven_inputs='join': this rank has no item to train on, so none to repeat while the others train. "
+                "Fix: give every rank at least one batch."
+            )
+        following, padding, number = next(iterator, _END), False, 0
+        try:
+            while True:
+                number += 1
+                next_padding = padding or following is _END
+                state.flags[state.read :] = [padding, next_padding]  # what PaddingState.advance reads next
+                ends = self._ends_here(RankBatches(number, last=next_padding))
+                self._next_is_last = ends
+                yield current  # type: ignore[misc]
+                if ends:
+                    return
+                if not next_padding:
+                    current, following = following, next(iterator, _END)
+                padding = next_padding
+        finally:
+            self._next_is_last = False
+            self.engine.uneven.padding = False
+
     def _ends_here(self, state: RankBatches) -> bool:
         return self._ddp is not None and self.engine.batch_starts(state, self._epoch, folded=False)
 
@@ -248,7 +272,7 @@ class DDPPlusFabricStrategy(EngineViews, DDPStrategy):
         tensor = self.engine.before_backward(ddp, tensor, post_forward=True)
         window = self.engine.window
         position = self._position or window.peek(is_last=self._next_is_last)
-        scale = window.loss_scale(position, divided_by_steps=False)
+        scale = window.loss_scale(position, divided_by_steps=False) * self.engine.loss_weight()
         if scale != 1.0:
             tensor = tensor * scale
         synced = self.engine._forward_synced

@@ -66,6 +66,10 @@ def _r4_resolution(view: DDPView, facts: ModelFacts) -> dict[str, object]:
     # unless the graph changes between steps, which static_graph cannot describe.
     if facts.reentrant_parameters and not facts.dynamic_modules:
         return {"static_graph": True}
+    return _find_unused_resolution(view, facts)
+
+
+def _find_unused_resolution(view: DDPView, facts: ModelFacts) -> dict[str, object]:
     return {"find_unused_parameters": True, "static_graph": False}
 
 
@@ -177,9 +181,9 @@ RULES: tuple[Rule, ...] = (
         level="error",
         title="parameters unused on some steps",
         applies=lambda v, f: f.late_step is not None,
-        problem=lambda v, f: _r6_problem(v, f),
+        problem=_r6_problem,
         fix=_DYNAMIC_FIX,
-        resolve=lambda v, f: {"find_unused_parameters": True, "static_graph": False},
+        resolve=_find_unused_resolution,
     ),
     Rule(
         id="R7",
@@ -192,7 +196,7 @@ RULES: tuple[Rule, ...] = (
             f"static_graph={v.static_graph} cannot handle that (the reducer waits for a gradient that never comes)."
         ),
         fix=_DYNAMIC_FIX,
-        resolve=lambda v, f: {"find_unused_parameters": True, "static_graph": False},
+        resolve=_find_unused_resolution,
     ),
     Rule(
         id="A1",

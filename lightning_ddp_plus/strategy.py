@@ -123,8 +123,10 @@ class DDPPlusStrategy(EngineViews, DDPStrategy):
         uneven_inputs: ranks whose shards hold different numbers of batches (an ``IterableDataset`` split by rank,
             ``use_distributed_sampler=False``): ``"error"`` (default) raises ``UnevenInputsError`` on every rank at
             the first batch that is one rank's last and not another's, naming the counts; ``"stop"`` ends the epoch
-            on every rank there and reports, once per epoch, the batches left untrained. Its flag travels in the
-            guard's all-reduce (automatic optimization, no accumulation) or in one of its own per batch.
+            on every rank there and reports, once per epoch, the batches left untrained; ``"join"`` lets the longer
+            ranks train on while the others repeat their last batch with weight 0, the gradient being the mean over
+            the batches really trained. Nothing is compared when every training loader has a ``DistributedSampler``
+            (even by construction).
         **kwargs: further ``DistributedDataParallel`` arguments, checked against its signature.
 
     Example:

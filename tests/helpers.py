@@ -378,3 +378,17 @@ def torchrun_command(script: str, *args: object, max_restarts: int = 1) -> list[
     rendezvous = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}"]
     command = [torchrun, "--nproc-per-node", "2", "--max-restarts", str(max_restarts), *rendezvous]
     return [*command, str(REPO_ROOT / "tests" / "scripts" / script), *map(str, args)]
+
+
+def strategy_outcome(strategy: Any, trainer: L.Trainer) -> dict:
+    """What a job case reports of its strategy: optimizer steps, the conflict findings, the settings in effect
+    (stock ``DDPStrategy`` has no findings or settings of its own)."""
+    stats = getattr(strategy, "sync_stats", None)
+    settings = getattr(strategy, "settings", None)
+    return {
+        "optimizer_steps": stats.optimizer_steps if stats else trainer.global_step,
+        "findings": [finding.rule.id for finding in getattr(strategy, "findings", [])],
+        "settings": None
+        if settings is None
+        else {"static_graph": settings.static_graph, "find_unused_parameters": settings.find_unused_parameters},
+    }

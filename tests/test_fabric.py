@@ -31,6 +31,8 @@ CASES = [
     {"warmup": 2, "strategy": {"find_unused_parameters": True}},  # 10: the reference for 9
     {"uneven": [5, 3]},  # 11: rank 1 holds 3 batches, rank 0 5
     {"uneven": [5, 3], "strategy": {"uneven_inputs": "stop"}},
+    {"uneven": [5, 3], "strategy": {"uneven_inputs": "join"}},  # 13
+    {"uneven": [3, 5], "strategy": {"uneven_inputs": "join", "gradient_accumulation_steps": 2}},
 ]
 
 
@@ -170,6 +172,32 @@ def test_uneven_inputs_in_fabric(results):
     assert "rank 0 has 5 batches" in error["message"]  # a list has a length
     assert error["steps"] == 2 and error["params"][0] == error["params"][1]
     assert stop["error"] is None and stop["steps"] == 3 and stop["params"][0] == stop["params"][1]
+
+
+def join_reference(counts: list[int], k: int = 1) -> torch.Tensor:
+    """One process: each step's gradient is the mean over the batches really trained in its window."""
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    x, y = regression_data(40).tensors
+    batches = [[(x[r::2][i : i + 4], y[r::2][i : i + 4]) for i in range(0, 20, 4)][: counts[r]] for r in range(2)]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    longest = max(counts)
+    for start in range(0, longest, k):
+        real = [batches[r][b] for b in range(start, min(start + k, longest)) for r in range(2) if b < counts[r]]
+        optimizer.zero_grad()
+        (sum(nn.functional.mse_loss(model(xb), yb) for xb, yb in real) / len(real)).backward()
+        optimizer.step()
+    return flat_parameters(model)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("index", "counts", "k", "steps"), [(13, [5, 3], 1, 5), (14, [3, 5], 2, 3)])
+def test_uneven_join_in_fabric(results, index, counts, k, steps):
+    run = results[index]
+    assert run["error"] is None, run["message"]
+    assert run["steps"] == steps and run["params"][0] == run["params"][1]
+    gap = (torch.tensor(run["params"][0]) - join_reference(counts, k)).abs().max()
+    assert gap < 1e-6, gap
 
 
 @pytest.mark.multiprocess

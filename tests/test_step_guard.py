@@ -96,13 +96,6 @@ def test_bad_values_are_refused_at_construction(kwargs, message):
         DDPPlusStrategy(**kwargs)
 
 
-def test_join_is_refused_by_the_fabric_strategy():
-    from lightning_ddp_plus import DDPPlusFabricStrategy
-
-    with pytest.raises(ValueError, match="not available for Fabric yet"):
-        DDPPlusFabricStrategy(uneven_inputs="join")
-
-
 # ---------------------------------------------------------------- real 2-rank jobs
 
 REFERENCE = {"stock": True, "strategy": {"find_unused_parameters": True}}

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_ddp_plus import DDPPlusStrategy
-from tests.helpers import QUIET_TRAINER, CheckpointNet, flat_parameters, job_main
+from tests.helpers import QUIET_TRAINER, CheckpointNet, flat_parameters, job_main, strategy_outcome
 
 
 def run_case(case: dict) -> dict:
@@ -41,19 +41,11 @@ def run_case(case: dict) -> dict:
         gathered = [torch.zeros_like(flat) for _ in range(2)]
         dist.all_gather(gathered, flat)
         params = [t.tolist() for t in gathered]
-    stats = getattr(strategy, "sync_stats", None)
     return {
         **case,
         **outcome,
         "params": params,
-        "optimizer_steps": stats.optimizer_steps if stats else trainer.global_step,
-        "findings": [finding.rule.id for finding in getattr(strategy, "findings", [])],
-        "settings": {
-            "static_graph": strategy.settings.static_graph,
-            "find_unused_parameters": strategy.settings.find_unused_parameters,
-        }
-        if hasattr(strategy, "settings")
-        else None,
+        **strategy_outcome(strategy, trainer),
     }
 
 

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_ddp_plus import DDPPlusStrategy, sync_guard
-from tests.helpers import QUIET_TRAINER, flat_parameters, job_main, regression_data
+from tests.helpers import QUIET_TRAINER, flat_parameters, job_main, regression_data, strategy_outcome
 
 STORE_FOR_AGREEMENT = sync_guard._store_for_agreement
 
@@ -210,7 +210,6 @@ def run_case(case: dict) -> dict:
     )
     rows = [torch.zeros_like(local) for _ in range(2)]
     dist.all_gather(rows, local)
-    stats = getattr(strategy, "sync_stats", None)
     return {
         **case,
         **outcome,
@@ -218,14 +217,7 @@ def run_case(case: dict) -> dict:
         "trained": [int(r[0]) for r in rows],
         "global_step": [int(r[1]) for r in rows],
         "seconds_to_error_by_rank": [None if r[2] < 0 else int(r[2]) / 1e6 for r in rows],
-        "optimizer_steps": stats.optimizer_steps if stats else trainer.global_step,
-        "findings": [finding.rule.id for finding in getattr(strategy, "findings", [])],
-        "settings": {
-            "static_graph": strategy.settings.static_graph,
-            "find_unused_parameters": strategy.settings.find_unused_parameters,
-        }
-        if hasattr(strategy, "settings")
-        else None,
+        **strategy_outcome(strategy, trainer),
     }
 
 
