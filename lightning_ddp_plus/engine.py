@@ -313,8 +313,14 @@ class DDPPlusEngine:
             f"broadcast_buffers={auto}{settings.broadcast_buffers}, {flags}, comm_hook={self.hooks.name}, "
             f"accumulation={self.window.steps} (short_window={self.window.short_window}), "
             f"conflict_check={options.checkpointing_conflict}, verify_replicas_every_n_steps={options.verify_replicas_every_n_steps}, "
-            f"telemetry={self.telemetry is not None}, resume_from_last={options.resume_from_last}{extra}"
+            f"telemetry={self.telemetry is not None}, resume_from_last={options.resume_from_last}, "
+            f"sync_guard={self._guard_description()}, uneven_inputs={options.uneven_inputs}{extra}"
         )
+
+    def _guard_description(self) -> str:
+        if not self.sync_guard.active:
+            return "off"
+        return "on (store)" if self.sync_guard.agrees_through_store else "on (all-reduce per step)"
 
     def explain(self, exception: BaseException) -> None:
         """Append to a torch error which rule it is and the fix, or what a collective timeout means."""
