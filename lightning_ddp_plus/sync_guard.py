@@ -4,26 +4,26 @@ torch's reducer all-reduces its buckets strictly in order. When a parameter gets
 used only during warm-up, LayerDrop, a tower skipped for a batch) and ``find_unused_parameters`` is off, its bucket
 never becomes ready, so neither it nor any later bucket is launched and ``finalize_backward`` never runs: the
 optimizer would apply each rank's own gradients, and torch says so only at the next forward. When that happens on
-some ranks only, the ranks have launched different numbers of bucket all-reduces on the main process group: a rank
-that launched them all waits inside its backward for partners that never come.
+some ranks only, the ranks have launched different numbers of bucket all-reduces on the gradient group: a rank that
+launched them all waits inside its backward for partners that never come.
 
 What the guard does after every backward that should have synchronized:
 
-1. Locally (no communication): ``_check_reducer_finalized()`` says whether this rank's reducer finished.
-2. A rank whose reducer did not finish *completes the reduction itself*: it hands the buckets the reducer never
-   launched to the same communication hook (its local gradients, zeros where a parameter got none, as
-   ``find_unused_parameters=True`` would send), waits for every bucket of this backward, and writes the averaged
-   gradients into ``.grad``. Every rank has then issued the same bucket collectives in the same order, so the main
-   group is consistent again and a rank blocked in its backward is released at once. It needs no knowledge of the
-   other ranks, which is why it can run before any agreement: a finished rank's backward returns only after every
-   unfinished rank has issued its missing buckets.
-3. All ranks agree on one tiny all-reduce on a small gloo group of their own (the main group may still carry bucket
-   all-reduces of this backward in flight, and an NCCL group cannot carry CPU flags): did any rank not finish?
-   Only then, a second exchange tells every rank which parameters each rank left without gradient, so that a
-   parameter no rank used keeps ``.grad`` untouched, as with ``find_unused_parameters=True``.
+1. Locally: ``_check_reducer_finalized()`` says whether this rank's reducer finished, and when not, which
+   parameters got no gradient (torch's own account), hence the first bucket it never launched.
+2. A rank whose reducer did not finish *completes the reduction itself* (``complete_reduction``): it launches that
+   bucket and every later one through the reducer's own path, filled with its local gradients (zeros where a
+   parameter got none, as ``find_unused_parameters=True`` sends), and waits. Every rank has then issued the same
+   bucket collectives in the same order, so the gradient group is consistent again and a rank blocked in its
+   backward is released at once. It needs no knowledge of the other ranks, so it runs before any agreement.
+3. The ranks agree whether any rank did not finish: through the job's store on gloo (see ``SyncGuard.check``), else
+   with one all-reduce of a few integers on a small gloo group of their own (``SideChannel``: the gradient group
+   may still carry this backward's bucket all-reduces, and an NCCL group carries no CPU flags).
+4. Only after a fault: every rank learns which parameters each rank left without gradient, and ``.grad`` gets the
+   exact average (``settle_gradients``).
 
-The front ends' hooks only call ``DDPPlusEngine.after_backward``; the decision what to do with a fault (raise, or
-resolve and train on) is the engine's, from ``checkpointing_conflict``.
+The reducer keeps its builtin all-reduce; the guard registers no hook. The front ends only call
+``DDPPlusEngine.after_backward``; what a fault leads to (raise, or resolve and train on) is the engine's decision.
 """
 
 import re
@@ -61,14 +61,14 @@ def reducer_unfinished(ddp: DistributedDataParallel) -> str | None:
 _UNMARKED = re.compile(r"Parameter indices which did not receive grad for rank \d+:((?: \d+)+)")
 
 
-def unmarked_parameters(ddp: DistributedDataParallel, message: str) -> tuple[list[Parameter], bool]:
-    """The parameters whose gradient hook did not fire in this backward, from the reducer's own error message, and
-    whether the message said so (else: the parameters without ``.grad``, which is the same without accumulation)."""
+def unmarked_parameters(ddp: DistributedDataParallel, message: str) -> list[Parameter]:
+    """The parameters whose gradient hook did not fire in this backward, from the reducer's own error message (a
+    torch whose message does not list them: the parameters without ``.grad``, the same without accumulation)."""
     parameters, _ = ddp._build_params_for_reducer()
     found = _UNMARKED.search(message)
     if found is None:
-        return [p for p in parameters if p.grad is None], False
-    return [parameters[int(index)] for index in found.group(1).split()], True
+        return [p for p in parameters if p.grad is None]
+    return [parameters[int(index)] for index in found.group(1).split()]
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,6 @@ class Completion:
     launched: int  # buckets the reducer had launched
     buckets: int  # buckets in all
     unmarked: tuple[Parameter, ...]  # parameters that got no gradient in this backward
-    from_message: bool  # ``unmarked`` is torch's own account
 
 
 def complete_reduction(ddp: DistributedDataParallel, message: str) -> Completion:
@@ -86,7 +85,7 @@ def complete_reduction(ddp: DistributedDataParallel, message: str) -> Completion
     strictly in order, so: from the first bucket holding a parameter that got no gradient), filled with this rank's
     gradients (zeros where it has none), and wait for them. The main group is consistent afterwards; the values that
     reach ``.grad`` are settled by ``settle_gradients`` once the ranks agree."""
-    unmarked, from_message = unmarked_parameters(ddp, message)
+    unmarked = unmarked_parameters(ddp, message)
     missing = {id(p) for p in unmarked}
     buckets = ddp.reducer._get_zeros_like_grad_buckets()  # every bucket, in launch order, with zeroed buffers
     first = next(
@@ -105,7 +104,7 @@ def complete_reduction(ddp: DistributedDataParallel, message: str) -> Completion
         works.append(ddp.reducer._run_comm_hook(bucket))
     for work in works:
         work.wait()
-    return Completion(launched=first, buckets=len(buckets), unmarked=tuple(unmarked), from_message=from_message)
+    return Completion(launched=first, buckets=len(buckets), unmarked=tuple(unmarked))
 
 
 def settle_gradients(
@@ -215,11 +214,6 @@ class SyncFault:
     aborted: bool = False
     #: The step's gradients could not be made exact and were dropped on every rank (the optimizer skips them).
     skipped: bool = False
-
-    @property
-    def unused_everywhere(self) -> tuple[str, ...]:
-        common = set(self.unused[0]).intersection(*self.unused[1:]) if self.unused else set()
-        return tuple(name for name in self.unused[0] if name in common)
 
     def describe(self) -> str:
         """Per rank, in words.

@@ -79,9 +79,9 @@ def test_a_module_can_declare_itself_dynamic():
     assert find_dynamic_modules(nn.Sequential(nn.Linear(2, 2), Heads())) == ("1: declares ddp_dynamic_graph = True",)
 
 
-def test_fault_of_parameters_no_rank_used():
-    fault = SyncFault(step=2, unused=(("a", "b"), ("b",)), launched=((0, 2), (1, 2)))
-    assert fault.unused_everywhere == ("b",)
+def test_fault_in_words():
+    fault = SyncFault(step=2, unused=(("a", "b"), ()), launched=((0, 2), None))
+    assert fault.describe() == "rank 0: a, b (its reducer launched 0 of 2 buckets); rank 1: none (its reducer finished)"
 
 
 @pytest.mark.parametrize(
