@@ -16,6 +16,7 @@ from lightning_ddp_plus.replicas import ReplicaDriftError
 from lightning_ddp_plus.settings import DDPSettings
 from lightning_ddp_plus.strategy import REGISTERED_NAMES, DDPPlusStrategy
 from lightning_ddp_plus.timeout import DEFAULT_TIMEOUT, parse_timeout
+from lightning_ddp_plus.uneven import UnevenInputsError
 
 __version__ = "0.2.0"
 
@@ -32,5 +33,6 @@ __all__ = [
     "DDPPlusStrategy",
     "DDPSettings",
     "ReplicaDriftError",
+    "UnevenInputsError",
     "parse_timeout",
 ]

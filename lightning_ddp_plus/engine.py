@@ -9,8 +9,8 @@
 - ``SyncGuard``: after every synced backward, that every rank's reducer all-reduced every bucket;
 - ``UnevenInputsCheck``: ranks whose shards hold different numbers of batches.
 
-The guard and the uneven-inputs check share one small gloo group (``SideChannel``) and, where they can, one
-all-reduce per step.
+The guard and the uneven-inputs check share one small gloo group (``SideChannel``) and, where they can, the guard's
+per-step agreement (a store look-up on gloo).
 
 The Trainer strategy (``strategy.py``) and the Fabric strategy (``fabric.py``) translate their framework's hooks into
 the few calls below: ``wrap`` at setup, ``batch_starts`` before each training batch,
