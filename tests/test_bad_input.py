@@ -40,6 +40,8 @@ BAD = [
     ("conflict-mode", {"checkpointing_conflict": "strict"}, {}, r"checkpointing_conflict='strict'"),
     ("guard-negative", {"verify_replicas_every_n_steps": -1}, {}, r"verify_replicas_every_n_steps=-1"),
     ("telemetry-string", {"telemetry": "yes"}, {}, r"telemetry='yes'"),
+    ("uneven-typo", {"uneven_inputs": "drop"}, {}, r"uneven_inputs='drop'.*allowed: error, stop, join"),
+    ("sync-guard-string", {"sync_guard": "on"}, {}, r"sync_guard='on'.*True or False"),
     ("averaging-zero", {"model_averaging_period": 0}, {}, r"model_averaging_period=0"),
     (
         "unknown-argument",
@@ -107,7 +109,9 @@ def yaml_config(strategy: dict, trainer: dict, root: str) -> str:
 # Arguments a YAML file can express; jsonargparse's own type check may answer first, naming the key. A quoted
 # 'false' or 'yes' is read by jsonargparse as the boolean it spells, which is what a YAML author means.
 YAML_CASES = [
-    case for case in BAD if case[0] not in ("managed-argument", "unknown-argument", "flag-string", "telemetry-string")
+    case
+    for case in BAD
+    if case[0] not in ("managed-argument", "unknown-argument", "flag-string", "telemetry-string", "sync-guard-string")
 ]
 
 

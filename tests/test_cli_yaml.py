@@ -116,6 +116,8 @@ STRATEGY_ARGUMENTS = (
     "gradient_as_bucket_view",
     "ddp_comm_hook",
     "start_method",
+    "sync_guard",
+    "uneven_inputs",
 )
 
 
