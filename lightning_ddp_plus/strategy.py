@@ -118,8 +118,9 @@ class DDPPlusStrategy(EngineViews, DDPStrategy):
         sync_guard: after every backward that should synchronize, check on every rank that torch's reducer
             all-reduced every bucket, and act before the optimizer step (rule R6): no optimizer step is ever applied
             with gradients that were not all-reduced, and a parameter unused on some ranks only ends the step with
-            an error instead of a hang. Costs one all-reduce of a few integers per optimizer step on a small gloo
-            group of its own. Default on.
+            an error instead of a hang. The ranks agree through the job's store on gloo (one look-up per step),
+            and with one all-reduce of a few integers per step on a small gloo group of their own on other
+            backends. Default on.
         uneven_inputs: ranks whose shards hold different numbers of batches (an ``IterableDataset`` split by rank,
             ``use_distributed_sampler=False``): ``"error"`` (default) raises ``UnevenInputsError`` on every rank at
             the first batch that is one rank's last and not another's, naming the counts; ``"stop"`` ends the epoch

@@ -6,8 +6,8 @@ rank with fewer batches. The rank that runs out leaves the epoch, and the others
 never joins: gloo fails with "Connection closed by peer", NCCL hangs until the collective timeout.
 
 Every rank knows one batch ahead whether the batch it is about to train on is its epoch's last (Lightning's loop
-prefetches one). The ranks exchange that one flag per batch, before the batch's backward, and decide together
-(``uneven_decision``, a pure function):
+prefetches one). The ranks exchange that one flag per batch, before the batch's optimizer step, and decide
+together (``shards_differ`` and ``surplus`` are the pure decisions):
 
 - ``"error"`` (default): every rank raises ``UnevenInputsError`` at the first batch that is some rank's last and not
   another's, naming each rank's batch counts and the fixes; replicas are identical (the batch is not trained);
@@ -21,8 +21,9 @@ prefetches one). The ranks exchange that one flag per batch, before the batch's 
   torch's ``Join`` does for DDP's own collectives, without being blind to the others.
 
 With ``gradient_accumulation_steps=1`` and automatic optimization the ``"error"``/``"stop"`` flag travels in the
-per-step guard's all-reduce (``sync_guard``), so it costs no collective of its own; otherwise, and always with
-``"join"``, one all-reduce of two integers on the guard's gloo group per batch.
+per-step guard's agreement (``sync_guard``: a store look-up on gloo), so it costs no collective of its own;
+otherwise, and always with ``"join"``, one all-reduce of two integers on the guard's gloo group per batch. Nothing is
+exchanged when every training loader has a ``DistributedSampler`` (``even_by_construction``).
 """
 
 from __future__ import annotations
