@@ -43,6 +43,7 @@ from typing_extensions import override
 
 from lightning_ddp_plus.accumulation import ShortWindow, WindowPosition, scale_gradients
 from lightning_ddp_plus.backend import has_default_backend, resolve_backend_for_device
+from lightning_ddp_plus.checkpoint_io import AtomicCheckpoints
 from lightning_ddp_plus.engine import DDPPlusEngine, EngineViews
 from lightning_ddp_plus.launcher import register_process_group_shutdown
 from lightning_ddp_plus.options import ConflictMode, DDPPlusOptions, StartMethod
@@ -68,7 +69,7 @@ class _SyncControl(_DDPBackwardSyncControl):
         return super().no_backward_sync(module, enabled)
 
 
-class DDPPlusFabricStrategy(EngineViews, DDPStrategy):
+class DDPPlusFabricStrategy(AtomicCheckpoints, EngineViews, DDPStrategy):
     """Fabric's ``DDPStrategy`` with every DDP knob typed and validated, on the engine ``DDPPlusStrategy`` uses.
 
     Arguments are those of ``DDPPlusStrategy`` (see there); ``gradient_accumulation_steps`` works as described in this
@@ -105,6 +106,7 @@ class DDPPlusFabricStrategy(EngineViews, DDPStrategy):
         start_method: StartMethod = "popen",
         sync_guard: bool = True,
         uneven_inputs: UnevenInputs = "error",
+        atomic_checkpoints: bool = True,
         **kwargs: Any,
     ) -> None:
         options = DDPPlusOptions.from_arguments(locals(), ddp_kwargs=kwargs)

@@ -69,6 +69,7 @@ class DDPPlusOptions:
     resume_from_last: ResumeMode = "on_restart"
     sync_guard: bool = True
     uneven_inputs: UnevenInputs = "error"
+    atomic_checkpoints: bool = True
 
     @classmethod
     def from_arguments(cls, arguments: dict[str, Any], ddp_kwargs: dict[str, Any]) -> DDPPlusOptions:
@@ -100,6 +101,7 @@ class DDPPlusOptions:
         resume_from_last: ResumeMode = "on_restart",
         sync_guard: bool = True,
         uneven_inputs: UnevenInputs = "error",
+        atomic_checkpoints: bool = True,
         **ddp_kwargs: Any,
     ) -> DDPPlusOptions:
         """Validate every argument; each bad value raises with the argument, the value, what is allowed and the fix."""
@@ -148,6 +150,15 @@ class DDPPlusOptions:
             raise TypeError(
                 describe_bad_value("sync_guard", sync_guard, "expected True or False.", "write `sync_guard=True`.")
             )
+        if not isinstance(atomic_checkpoints, bool):
+            raise TypeError(
+                describe_bad_value(
+                    "atomic_checkpoints",
+                    atomic_checkpoints,
+                    "expected True or False.",
+                    "write `atomic_checkpoints=True`.",
+                )
+            )
         return cls(
             settings=settings,
             backend=normalize_backend(process_group_backend),
@@ -180,6 +191,7 @@ class DDPPlusOptions:
                 "use 'on_restart' (a restarted torchrun attempt resumes), 'always' or 'never'.",
             ),
             sync_guard=sync_guard,
+            atomic_checkpoints=atomic_checkpoints,
             uneven_inputs=_one_of(
                 "uneven_inputs",
                 uneven_inputs,

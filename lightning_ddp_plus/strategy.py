@@ -33,8 +33,10 @@ from torch.nn.parallel.distributed import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_ddp_plus import resume
 from lightning_ddp_plus.accumulation import ShortWindow, WindowPosition, scale_gradients, window_position
 from lightning_ddp_plus.backend import has_default_backend, resolve_backend_for_device
+from lightning_ddp_plus.checkpoint_io import AtomicCheckpoints
 from lightning_ddp_plus.comm_hooks import CommHook, HookFunction
 from lightning_ddp_plus.engine import DDPPlusEngine, EngineViews
 from lightning_ddp_plus.launcher import (
@@ -59,7 +61,7 @@ REGISTERED_NAMES: tuple[tuple[str, StartMethod], ...] = (
 )
 
 
-class DDPPlusStrategy(EngineViews, DDPStrategy):
+class DDPPlusStrategy(AtomicCheckpoints, EngineViews, DDPStrategy):
     """Multi-process data-parallel training with every DDP knob as an explicit, typed, validated argument.
 
     Bad values fail here, at construction, or (where the device matters) when the ``Trainer`` is built, always before
@@ -128,6 +130,10 @@ class DDPPlusStrategy(EngineViews, DDPStrategy):
             ranks train on while the others repeat their last batch with weight 0, the gradient being the mean over
             the batches really trained. Nothing is compared when every training loader has a ``DistributedSampler``
             (even by construction).
+        atomic_checkpoints: write every checkpoint to a temporary file beside its target, fsync it, rename it over
+            the target and fsync the directory, so a kill, a full disk or a node crash during a save leaves the
+            previous file whole; a checkpoint IO you pass is wrapped (see ``lightning_ddp_plus.checkpoint_io``).
+            Default on.
         **kwargs: further ``DistributedDataParallel`` arguments, checked against its signature.
 
     Example:
@@ -166,6 +172,7 @@ class DDPPlusStrategy(EngineViews, DDPStrategy):
         resume_from_last: ResumeMode = "on_restart",
         sync_guard: bool = True,
         uneven_inputs: UnevenInputs = "error",
+        atomic_checkpoints: bool = True,
         **kwargs: Any,
     ) -> None:
         options = DDPPlusOptions.from_arguments(locals(), ddp_kwargs=kwargs)
@@ -186,6 +193,8 @@ class DDPPlusStrategy(EngineViews, DDPStrategy):
             **ddp_kwargs(self.engine.settings),
         )
         self._backward_syncs = True
+        self._resume_request = "never"
+        self._resume_path: str | None = None
         self._static_graph_flushed = False
         self._even_shards: tuple[int, bool] = (-1, False)  # (epoch, every loader has a DistributedSampler)
 
@@ -255,22 +264,57 @@ class DDPPlusStrategy(EngineViews, DDPStrategy):
         return self._resume_arguments(trainer, function, args)
 
     def _resume_arguments(self, trainer: pl.Trainer, function: Callable, args: tuple) -> tuple:
-        if trainer.state.fn != TrainerFn.FITTING or not should_resume(self.options.resume_from_last):
+        """A resume (``resume_from_last``, or the user's ``ckpt_path="last"``) becomes ``NEWEST_READABLE``, which
+        ``resume_start`` resolves on all ranks together (see ``lightning_ddp_plus.resume``)."""
+        if trainer.state.fn != TrainerFn.FITTING:
             return args
         parameters = list(inspect.signature(function).parameters)
         index = parameters.index("ckpt_path") if "ckpt_path" in parameters else None
-        if (
-            index is None
-            or index >= len(args)
-            or args[index] is not None
-            or trainer._checkpoint_connector._user_managed
-        ):
+        if index is None or index >= len(args) or trainer._checkpoint_connector._user_managed:
             return args
-        rank_zero_info(
-            f"DDPPlusStrategy: attempt {restart_attempt()} resumes from the last checkpoint (ckpt_path='last')."
-        )
-        # Lightning resolves "last" to ModelCheckpoint's last.ckpt, or warns and starts afresh when there is none
-        return (*args[:index], "last", *args[index + 1 :])
+        if args[index] == "last":
+            request = "last"
+        elif args[index] is None and should_resume(self.options.resume_from_last):
+            request = self.options.resume_from_last
+            rank_zero_info(f"DDPPlusStrategy: attempt {restart_attempt()} resumes from the newest readable checkpoint.")
+        else:
+            return args
+        self._resume_request = request
+        self._install_resume_choice(trainer)
+        return (*args[:index], resume.NEWEST_READABLE, *args[index + 1 :])
+
+    def _install_resume_choice(self, trainer: pl.Trainer) -> None:
+        connector = trainer._checkpoint_connector
+        resume_start = type(connector).resume_start.__get__(connector)
+
+        def resume_start_with_choice(checkpoint_path: Any = None, *args: Any, **kwargs: Any) -> None:
+            if checkpoint_path == resume.NEWEST_READABLE:
+                checkpoint_path = self._choose_resume(trainer)
+            resume_start(checkpoint_path, *args, **kwargs)
+
+        connector.resume_start = resume_start_with_choice
+
+    def _choose_resume(self, trainer: pl.Trainer) -> Any:
+        choice = resume.choose(trainer, self.checkpoint_io) if self.is_global_zero else None
+        choice = self.broadcast(choice)  # one rank decides, so every rank loads the same file
+
+        def lightning_last() -> Any:
+            return trainer._checkpoint_connector._parse_ckpt_path(
+                TrainerFn.FITTING, "last", model_provided=True, model_connected=True
+            )
+
+        directories, _ = resume.checkpoint_directories(trainer)
+        path = resume.resolve(choice, self._resume_request, directories, lightning_last, rank_zero_warn, rank_zero_info)
+        self._resume_path = None if path is None else str(path)
+        return path
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        chosen_here = self._resume_path is not None and str(checkpoint_path) == self._resume_path
+        if not chosen_here or args or kwargs.get("weights_only") is not None:  # a weights_only you set wins
+            return super().load_checkpoint(checkpoint_path, *args, **kwargs)
+        torch.cuda.empty_cache()
+        return resume.load(self.checkpoint_io, str(checkpoint_path), rank_zero_warn)
 
     @override
     def setup_environment(self) -> None:

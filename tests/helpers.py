@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -392,3 +394,23 @@ def strategy_outcome(strategy: Any, trainer: L.Trainer) -> dict:
         if settings is None
         else {"static_graph": settings.static_graph, "find_unused_parameters": settings.find_unused_parameters},
     }
+
+
+def mount_unavailable_reason() -> str | None:
+    """Why a tmpfs cannot be mounted here (it needs root), or ``None``."""
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        return "mounting a tmpfs needs root"
+    return None
+
+
+@contextlib.contextmanager
+def small_filesystem(parent: Path, size: str) -> Any:
+    """A tmpfs of ``size`` (``mount``'s units, e.g. ``20m``) mounted at a new directory under ``parent``: a small or
+    separate filesystem, unmounted and removed on exit, even after an error."""
+    mountpoint = Path(tempfile.mkdtemp(prefix="tmpfs-", dir=parent))
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mountpoint)], check=True)
+    try:
+        yield mountpoint
+    finally:
+        subprocess.run(["umount", "-l", str(mountpoint)], check=False)
+        mountpoint.rmdir()

@@ -1,0 +1,250 @@
+"""Atomic checkpoint writes, the readability check, and the choice of the checkpoint a resume uses: real files, real
+faults (a small tmpfs as the temp dir, a full tmpfs, a SIGKILL during a save), no processes beyond a forked saver."""
+
+import errno
+import os
+import signal
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.fabric.plugins import TorchCheckpointIO
+from lightning.pytorch.plugins import AsyncCheckpointIO
+
+from lightning_ddp_plus import DDPPlusStrategy, resume
+from lightning_ddp_plus.checkpoint_files import choose_resume, resume_candidates, unreadable_reason
+from lightning_ddp_plus.checkpoint_io import (
+    TEMPORARY_SUFFIX,
+    AtomicCheckpointIO,
+    CheckpointSaveError,
+    atomic,
+    remove_stale_temporaries,
+)
+from tests.helpers import mount_unavailable_reason, small_filesystem
+
+needs_mount = pytest.mark.skipif(mount_unavailable_reason() is not None, reason=str(mount_unavailable_reason()))
+
+
+def checkpoint_of(megabytes: float, step: int = 0) -> dict:
+    return {"state_dict": {"w": torch.full((int(megabytes * 2**20 / 4),), float(step))}, "global_step": step}
+
+
+def saved_step(path: Path) -> int:
+    return torch.load(path, weights_only=True)["global_step"]
+
+
+@pytest.fixture
+def restore_tempdir():
+    yield
+    tempfile.tempdir = None
+
+
+# ---------------------------------------------------------------------------------------------- atomic writes
+
+
+def test_save_replaces_the_target_whole_and_leaves_no_temporary_file(tmp_path):
+    io = AtomicCheckpointIO()
+    io.save_checkpoint(checkpoint_of(0.1, step=1), tmp_path / "sub" / "last.ckpt")
+    io.save_checkpoint(checkpoint_of(0.1, step=2), tmp_path / "sub" / "last.ckpt")
+    assert saved_step(tmp_path / "sub" / "last.ckpt") == 2
+    assert [p.name for p in (tmp_path / "sub").iterdir()] == ["last.ckpt"]
+    assert oct((tmp_path / "sub" / "last.ckpt").stat().st_mode & 0o777) == oct(0o666 & ~_umask())
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def test_a_failing_save_leaves_the_previous_file_and_no_temporary_file(tmp_path):
+    class Unpicklable:
+        def __reduce__(self):
+            raise RuntimeError("cannot pickle this")
+
+    io = AtomicCheckpointIO()
+    io.save_checkpoint(checkpoint_of(0.1, step=1), tmp_path / "last.ckpt")
+    with pytest.raises(RuntimeError, match="cannot pickle this"):
+        io.save_checkpoint({**checkpoint_of(0.1, step=2), "bad": Unpicklable()}, tmp_path / "last.ckpt")
+    assert saved_step(tmp_path / "last.ckpt") == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]
+
+
+def test_a_symlink_target_is_replaced_and_the_file_it_pointed_to_is_untouched(tmp_path):
+    io = AtomicCheckpointIO()
+    io.save_checkpoint(checkpoint_of(0.1, step=4), tmp_path / "epoch=0-step=4.ckpt")
+    (tmp_path / "last.ckpt").symlink_to("epoch=0-step=4.ckpt")  # ModelCheckpoint(save_last="link")
+    io.save_checkpoint(checkpoint_of(0.1, step=6), tmp_path / "last.ckpt")
+    assert not (tmp_path / "last.ckpt").is_symlink() and saved_step(tmp_path / "last.ckpt") == 6
+    assert saved_step(tmp_path / "epoch=0-step=4.ckpt") == 4
+
+
+def test_a_checkpoint_io_you_pass_is_wrapped_and_writes_to_the_temporary_path(tmp_path):
+    class Recording(TorchCheckpointIO):
+        def __init__(self) -> None:
+            self.paths: list[Path] = []
+
+        def save_checkpoint(self, checkpoint, path, storage_options=None):
+            self.paths.append(Path(path))
+            super().save_checkpoint(checkpoint, path, storage_options)
+
+    recording = Recording()
+    strategy = DDPPlusStrategy(checkpoint_io=recording)
+    assert isinstance(strategy.checkpoint_io, AtomicCheckpointIO)
+    strategy.checkpoint_io.save_checkpoint(checkpoint_of(0.1, step=3), tmp_path / "last.ckpt")
+    assert recording.paths[0].name.endswith(TEMPORARY_SUFFIX) and recording.paths[0].parent == tmp_path
+    assert saved_step(tmp_path / "last.ckpt") == 3 and len(list(tmp_path.iterdir())) == 1
+    # the async plugin keeps its thread and wraps the atomic IO; switching it off keeps Lightning's own IO
+    wrapped = DDPPlusStrategy(checkpoint_io=AsyncCheckpointIO()).checkpoint_io
+    assert isinstance(wrapped, AsyncCheckpointIO) and isinstance(wrapped.checkpoint_io, AtomicCheckpointIO)
+    assert type(DDPPlusStrategy(atomic_checkpoints=False).checkpoint_io) is TorchCheckpointIO
+    assert atomic(strategy.checkpoint_io) is strategy.checkpoint_io
+
+
+def test_temporaries_of_a_killed_save_are_removed_by_the_next_save_in_that_directory(tmp_path):
+    stale = tmp_path / f".last.ckpt.0000{TEMPORARY_SUFFIX}"
+    stale.write_bytes(b"half a checkpoint")
+    os.utime(stale, (1, 1))  # older than this process
+    fresh = tmp_path / f".last.ckpt.1111{TEMPORARY_SUFFIX}"
+    fresh.write_bytes(b"a save in progress")
+    AtomicCheckpointIO().save_checkpoint(checkpoint_of(0.1), tmp_path / "last.ckpt")
+    assert not stale.exists() and fresh.exists()
+    assert remove_stale_temporaries(tmp_path) == []
+
+
+@needs_mount
+def test_a_small_system_temp_dir_does_not_stop_checkpointing(tmp_path, restore_tempdir):
+    """The issue's case: TMPDIR on a 20 MB filesystem, the checkpoint directory on a disk with room, 34 MB."""
+    with small_filesystem(tmp_path, "20m") as small_tmp:
+        tempfile.tempdir = str(small_tmp)
+        checkpoint = checkpoint_of(34)
+        with pytest.raises(OSError) as stock_error:  # Lightning's own checkpoint IO stages the save there
+            TorchCheckpointIO().save_checkpoint(checkpoint, tmp_path / "stock" / "last.ckpt")
+        assert stock_error.value.errno == errno.ENOSPC
+        AtomicCheckpointIO().save_checkpoint(checkpoint, tmp_path / "ours" / "last.ckpt")
+        assert unreadable_reason(tmp_path / "ours" / "last.ckpt") is None
+        assert list(small_tmp.iterdir()) == []
+
+
+@needs_mount
+def test_a_full_disk_names_the_path_keeps_the_previous_checkpoint_and_leaves_no_temporary(tmp_path):
+    with small_filesystem(tmp_path, "20m") as directory:
+        io = AtomicCheckpointIO()
+        io.save_checkpoint(checkpoint_of(12, step=2), directory / "last.ckpt")
+        with pytest.raises(CheckpointSaveError) as error:
+            io.save_checkpoint(checkpoint_of(12, step=4), directory / "last.ckpt")
+        assert error.value.errno == errno.ENOSPC and isinstance(error.value, OSError)
+        message = str(error.value)
+        assert f"Saving the checkpoint {directory / 'last.ckpt'} failed" in message
+        assert "No space left on device" in message and "MiB free of 20.0 MiB" in message
+        assert "point `ModelCheckpoint(dirpath=...)` at a filesystem with room" in message
+        assert saved_step(directory / "last.ckpt") == 2
+        assert [p.name for p in directory.iterdir()] == ["last.ckpt"]
+
+
+def _killed_during_save(directory: Path, checkpoint: dict, delay: float, io: object) -> bool:
+    """Fork a process that saves ``checkpoint`` to ``directory/last.ckpt``; SIGKILL it ``delay`` seconds after it
+    started; return whether it had finished."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the saving process: nothing but the save, then a byte that says it finished
+        try:
+            os.close(read_end)
+            os.write(write_end, b"s")
+            io.save_checkpoint(checkpoint, directory / "last.ckpt")
+            os.write(write_end, b"d")
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    try:
+        assert os.read(read_end, 1) == b"s"
+        time.sleep(delay)
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        return os.read(read_end, 1) == b"d"
+    finally:
+        os.close(read_end)
+
+
+@needs_mount
+def test_sigkill_at_spread_moments_of_a_save_never_leaves_a_torn_checkpoint(tmp_path):
+    """20 tries; the checkpoint directory on a filesystem of its own (a tmpfs), each kill at a different moment."""
+    with small_filesystem(tmp_path, "200m") as directory:
+        io = AtomicCheckpointIO()
+        durations = []
+        for _ in range(3):
+            started = time.perf_counter()
+            io.save_checkpoint(checkpoint_of(16, step=0), directory / "last.ckpt")
+            durations.append(time.perf_counter() - started)
+        duration = min(durations)
+        outcomes = []
+        for attempt in range(1, 21):
+            finished = _killed_during_save(directory, checkpoint_of(16, step=attempt), duration * attempt / 20, io)
+            assert unreadable_reason(directory / "last.ckpt") is None, f"try {attempt}: torn"
+            step = saved_step(directory / "last.ckpt")  # the previous file or the new one, never a part
+            assert step == attempt if finished else step in (attempt - 1, attempt), (attempt, finished, step)
+            outcomes.append((finished, step == attempt))
+            if step != attempt:  # killed before the rename: the previous file, whole; make it this try's
+                io.save_checkpoint(checkpoint_of(16, step=attempt), directory / "last.ckpt")
+            remove_stale_temporaries(directory)  # what the next run's first save does
+        print("kills (finished, renamed):", outcomes)
+        assert sum(not finished for finished, _ in outcomes) >= 8, outcomes  # most kills landed inside a save
+
+
+# ---------------------------------------------------------------------------------------------- readability
+
+
+def test_unreadable_reason_tells_torn_empty_damaged_and_foreign_files(tmp_path):
+    torch.save(checkpoint_of(0.5), tmp_path / "good.ckpt")
+    data = (tmp_path / "good.ckpt").read_bytes()
+    (tmp_path / "torn.ckpt").write_bytes(data[: len(data) // 2])
+    (tmp_path / "empty.ckpt").write_bytes(b"")
+    damaged = bytearray(data)
+    damaged[len(data) // 2] ^= 0xFF  # inside the tensor's record
+    (tmp_path / "damaged.ckpt").write_bytes(bytes(damaged))
+    (tmp_path / "text.ckpt").write_text("not a checkpoint")
+    assert unreadable_reason(tmp_path / "good.ckpt") is None
+    assert unreadable_reason(tmp_path / "torn.ckpt").startswith("is torn or not a torch checkpoint")
+    assert unreadable_reason(tmp_path / "empty.ckpt") == "is empty (0 bytes)"
+    assert "fails its CRC-32 check" in unreadable_reason(tmp_path / "damaged.ckpt")
+    assert unreadable_reason(tmp_path / "text.ckpt").startswith("is torn or not a torch checkpoint")
+    assert unreadable_reason(tmp_path / "missing.ckpt") == "cannot be read (No such file or directory)"
+
+
+def test_candidates_stay_inside_the_run_s_directories(tmp_path):
+    run, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    run.mkdir()
+    elsewhere.mkdir()
+    torch.save(checkpoint_of(0.1), elsewhere / "foreign.ckpt")
+    torch.save(checkpoint_of(0.1), run / "epoch=0-step=2.ckpt")
+    os.utime(run / "epoch=0-step=2.ckpt", (100, 100))
+    (run / "outside.ckpt").symlink_to(elsewhere / "foreign.ckpt")
+    (run / "last.ckpt").symlink_to("gone.ckpt")  # dangling
+    candidates = resume_candidates([run])
+    assert [path.name for path in candidates] == ["last.ckpt", "epoch=0-step=2.ckpt"]
+    choice = choose_resume(candidates)
+    assert choice.path == str(run / "epoch=0-step=2.ckpt") and choice.candidates == 2
+    assert choice.skipped == ((str(run / "last.ckpt"), "cannot be read (No such file or directory)"),)
+
+
+@dataclass
+class OwnConfig:
+    width: int = 4
+
+
+def test_the_resume_loads_weights_only_and_says_when_the_contents_need_more(tmp_path):
+    io = AtomicCheckpointIO()
+    io.save_checkpoint(checkpoint_of(0.1, step=5), tmp_path / "plain.ckpt")
+    io.save_checkpoint(
+        {**checkpoint_of(0.1, step=6), "hyper_parameters": {"config": OwnConfig()}}, tmp_path / "own.ckpt"
+    )
+    warnings: list[str] = []
+    assert resume.load(io, str(tmp_path / "plain.ckpt"), warnings.append)["global_step"] == 5
+    assert warnings == []
+    loaded = resume.load(io, str(tmp_path / "own.ckpt"), warnings.append)
+    assert loaded["hyper_parameters"]["config"] == OwnConfig() and len(warnings) == 1
+    assert "OwnConfig" in warnings[0] and "loaded with `weights_only=False`" in warnings[0]
+    assert "add_safe_globals" in warnings[0]
