@@ -30,6 +30,7 @@ from torch import Tensor
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_ddp_plus import reachability
 from lightning_ddp_plus.accumulation import AccumulationWindow, SyncStats, scale_gradients
 from lightning_ddp_plus.buckets import BucketChoice, BucketTuner
 from lightning_ddp_plus.comm_hooks import HookAssembly, HookCallCounter
@@ -57,9 +58,11 @@ from lightning_ddp_plus.wrapper import rebuild_reducer, replay_forward, wrap_mod
 _COLLECTIVE_TIMEOUT = re.compile(
     r"Timed out waiting \d+ ?ms for (recv|send)|Watchdog caught collective operation timeout|"
     r"ran for \d+ milliseconds before timing out|Socket Timeout|wait timeout after \d+ ?ms|"
-    r"(gloo|nccl|c10d|ProcessGroup)\S*.*(timed out|timeout)",
+    r"(gloo|nccl|c10d|ProcessGroup)\S*.*(timed out|timeout)|Application timeout caused pair closure",
     re.IGNORECASE,
 )
+# A peer's connection ended: that process is gone (an error of its own, a kill) or its node went down.
+_PEER_CLOSED = re.compile(r"Connection (closed|reset) by peer|Broken pipe", re.IGNORECASE)
 
 
 # torch's reducer, inside a backward, when a static graph uses a parameter its first iteration did not.
@@ -331,9 +334,17 @@ class DDPPlusEngine:
             note: str | None = (
                 f"lightning-ddp-plus: a collective waited longer than the process group's timeout "
                 f"({format_timeout(self.options.timeout)}, set by `DDPPlusStrategy(timeout=...)`): another rank is hung, "
-                "crashed or much slower. Fix: find the rank that stopped (its own error or a stack dump); raise `timeout` "
-                "only if that rank is legitimately slow (e.g. data preparation on rank 0)."
+                "crashed or much slower, or cut off. Fix: find the rank that stopped (its own error or a stack dump); "
+                "raise `timeout` only if that rank is legitimately slow (e.g. data preparation on rank 0)."
             )
+            where = reachability.diagnose()
+            note = f"{note}\n{where}" if where else note
+        elif _PEER_CLOSED.search(message):
+            where = reachability.diagnose()
+            note = (
+                "lightning-ddp-plus: a peer closed its connection, so that process ended (an error of its own, a kill "
+                "or its node going down); its log holds the cause. This rank stops too, so the job ends."
+            ) + (f"\n{where}" if where else "")
         else:
             note = explain_torch_error(message)
         if note is not None:

@@ -41,6 +41,7 @@ from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from lightning_ddp_plus import reachability
 from lightning_ddp_plus.accumulation import ShortWindow, WindowPosition, scale_gradients
 from lightning_ddp_plus.backend import has_default_backend, resolve_backend_for_device
 from lightning_ddp_plus.checkpoint_io import AtomicCheckpoints
@@ -164,6 +165,7 @@ class DDPPlusFabricStrategy(AtomicCheckpoints, EngineViews, DDPStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         register_process_group_shutdown()
+        reachability.publish_host()
 
     # ------------------------------------------------------------------ the wrapper
 

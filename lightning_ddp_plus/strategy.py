@@ -33,7 +33,7 @@ from torch.nn.parallel.distributed import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_ddp_plus import resume
+from lightning_ddp_plus import reachability, resume
 from lightning_ddp_plus.accumulation import ShortWindow, WindowPosition, scale_gradients, window_position
 from lightning_ddp_plus.backend import has_default_backend, resolve_backend_for_device
 from lightning_ddp_plus.checkpoint_io import AtomicCheckpoints
@@ -321,6 +321,7 @@ class DDPPlusStrategy(AtomicCheckpoints, EngineViews, DDPStrategy):
         watch_parent()
         super().setup_environment()
         register_process_group_shutdown()
+        reachability.publish_host()
 
     @override
     def _get_process_group_backend(self) -> str:

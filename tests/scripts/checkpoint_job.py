@@ -10,6 +10,7 @@ every rank's parameters, and the files DIR holds afterwards.
 
 import os
 import tempfile
+import time
 import warnings
 from pathlib import Path
 
@@ -53,6 +54,7 @@ def run_case(case: dict) -> dict:
     strategy = DDPPlusStrategy(
         process_group_backend="gloo",
         broadcast_buffers=False,
+        timeout=case.get("timeout", "60s"),
         resume_from_last=case.get("resume_from_last", "never"),
         atomic_checkpoints=case.get("atomic", True),
     )
@@ -60,6 +62,7 @@ def run_case(case: dict) -> dict:
     checkpoint = ModelCheckpoint(
         dirpath=case["dir"], every_n_train_steps=2, save_top_k=-1, save_last=case.get("save_last", True)
     )
+
     trainer = L.Trainer(
         strategy=strategy,
         accelerator="cpu",
@@ -76,7 +79,10 @@ def run_case(case: dict) -> dict:
         warnings.simplefilter("always")
         try:
             trainer.fit(model, ckpt_path=case.get("ckpt_path"))
-        except Exception as error:  # noqa: BLE001 - the outcome is what the test checks
+        except Exception as error:
+            if case.get("reraise"):  # end the process as a user's script would
+                print(f"[{time.time():.3f}] rank {trainer.global_rank} ends with {type(error).__name__}", flush=True)
+                raise
             outcome = {"error": type(error).__name__, "message": str(error)}
     tempfile.tempdir = None
     flat = flat_parameters(model)
