@@ -30,6 +30,15 @@ class BallastRegression(TinyRegression):
         self.register_buffer("ballast", torch.zeros(int(ballast_mb * 2**20 / 4)))
 
 
+class AnnouncedCheckpoint(ModelCheckpoint):
+    """Prints when each save begins and ends (``tests/kill_save_tries.py`` kills rank 0 in between)."""
+
+    def _save_checkpoint(self, trainer, filepath):
+        print(f"[{time.time():.6f}] save begins {os.path.basename(filepath)} pid {os.getpid()}", flush=True)
+        super()._save_checkpoint(trainer, filepath)
+        print(f"[{time.time():.6f}] save ends {os.path.basename(filepath)}", flush=True)
+
+
 class StartStep(L.Callback):
     def __init__(self) -> None:
         self.step = None
@@ -59,7 +68,7 @@ def run_case(case: dict) -> dict:
         atomic_checkpoints=case.get("atomic", True),
     )
     start = StartStep()
-    checkpoint = ModelCheckpoint(
+    checkpoint = (AnnouncedCheckpoint if case.get("announce_saves") else ModelCheckpoint)(
         dirpath=case["dir"], every_n_train_steps=2, save_top_k=-1, save_last=case.get("save_last", True)
     )
 
