@@ -104,6 +104,9 @@ def test_a_cut_link_ends_both_nodes_with_unreachable_and_the_restart_resumes(tmp
         finally:
             for agent in agents:
                 agent.stop()
+    pgrep = ["pgrep", "-f", str(tmp_path / "out.json")]
+    leftover = subprocess.run(pgrep, check=False, capture_output=True, text=True).stdout
+    assert leftover == "", f"processes left: {leftover}"
     rank0, rank1 = (agent.output() for agent in agents)
     seconds_to_error = [at - cut for at in ended]
     print("seconds from the cut to each node's error:", seconds_to_error)

@@ -67,7 +67,7 @@ def main(variant: str) -> None:
     callbacks = []
     if variant == "stock":
         strategy = L.pytorch.strategies.DDPStrategy(
-            process_group_backend="gloo", timeout=timedelta(seconds=30), bucket_cap_mb=1
+            process_group_backend="gloo", timeout=timedelta(seconds=15), bucket_cap_mb=1
         )
         callbacks.append(RegisterTorchHook(state))
     else:
