@@ -235,12 +235,18 @@ def start_ranks(
     except subprocess.TimeoutExpired:
         raise AssertionError(f"ranks timed out after {timeout}s: {args}")
     finally:
-        for process in processes:
-            try:
-                os.killpg(process.pid, 9)
-            except ProcessLookupError:
-                pass
+        kill_process_groups(processes)
     return results
+
+
+def kill_process_groups(processes: list[subprocess.Popen]) -> None:
+    """SIGKILL each process's whole session (started with ``start_new_session=True``) and reap it."""
+    for process in processes:
+        try:
+            os.killpg(process.pid, 9)
+        except ProcessLookupError:
+            pass
+        process.wait()
 
 
 class CheckpointNet(L.LightningModule):

@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lightning_ddp_plus.checkpoint_files import unreadable_reason
-from tests.helpers import REPO_ROOT, clean_environment, free_port, python_script, small_filesystem
+from tests.helpers import REPO_ROOT, clean_environment, free_port, kill_process_groups, python_script, small_filesystem
 
 
 def run(directory: Path, atomic: bool, kill_after: float | None) -> tuple[dict[str, str | None], str]:
@@ -51,12 +51,7 @@ def run(directory: Path, atomic: bool, kill_after: float | None) -> tuple[dict[s
             except subprocess.TimeoutExpired:
                 pass
     finally:
-        for process in processes:
-            try:
-                os.killpg(process.pid, 9)
-            except ProcessLookupError:
-                pass
-            process.wait()
+        kill_process_groups(processes)
     files = {path.name: unreadable_reason(path) for path in sorted(directory.glob("*.ckpt"))}
     return files, "".join(lines)
 

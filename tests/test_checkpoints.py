@@ -15,7 +15,7 @@ import torch
 from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.plugins import AsyncCheckpointIO
 
-from lightning_ddp_plus import DDPPlusStrategy, resume
+from lightning_ddp_plus import DDPPlusFabricStrategy, DDPPlusStrategy, resume
 from lightning_ddp_plus.checkpoint_files import choose_resume, resume_candidates, unreadable_reason
 from lightning_ddp_plus.checkpoint_io import (
     TEMPORARY_SUFFIX,
@@ -102,6 +102,7 @@ def test_a_checkpoint_io_you_pass_is_wrapped_and_writes_to_the_temporary_path(tm
     wrapped = DDPPlusStrategy(checkpoint_io=AsyncCheckpointIO()).checkpoint_io
     assert isinstance(wrapped, AsyncCheckpointIO) and isinstance(wrapped.checkpoint_io, AtomicCheckpointIO)
     assert type(DDPPlusStrategy(atomic_checkpoints=False).checkpoint_io) is TorchCheckpointIO
+    assert isinstance(DDPPlusFabricStrategy().checkpoint_io, AtomicCheckpointIO)  # fabric.save writes atomically too
     assert atomic(strategy.checkpoint_io) is strategy.checkpoint_io
 
 

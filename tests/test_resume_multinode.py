@@ -2,7 +2,6 @@
 two ways users start it, with real processes."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +10,15 @@ import pytest
 import torch
 import yaml
 
-from tests.helpers import REPO_ROOT, clean_environment, console_script, free_port, python_script, start_ranks
+from tests.helpers import (
+    REPO_ROOT,
+    clean_environment,
+    console_script,
+    free_port,
+    kill_process_groups,
+    python_script,
+    start_ranks,
+)
 
 pytestmark = pytest.mark.multiprocess
 
@@ -78,11 +85,7 @@ def run_nodes(commands: list[list[str]], envs: list[dict], timeout: float = 240)
             outputs.append(output)
             assert process.returncode == 0, output[-3000:]
     finally:
-        for process in processes:
-            try:
-                os.killpg(process.pid, 9)
-            except ProcessLookupError:
-                pass
+        kill_process_groups(processes)
     return outputs
 
 
