@@ -330,6 +330,7 @@ class DDPPlusEngine:
         if isinstance(exception, DDPConflictError) or not exception.args or not isinstance(exception.args[0], str):
             return
         message = exception.args[0]
+        diagnose = False
         if _COLLECTIVE_TIMEOUT.search(message):
             note: str | None = (
                 f"lightning-ddp-plus: a collective waited longer than the process group's timeout "
@@ -337,18 +338,21 @@ class DDPPlusEngine:
                 "crashed or much slower, or cut off. Fix: find the rank that stopped (its own error or a stack dump); "
                 "raise `timeout` only if that rank is legitimately slow (e.g. data preparation on rank 0)."
             )
-            where = reachability.diagnose()
-            note = f"{note}\n{where}" if where else note
+            diagnose = True
         elif _PEER_CLOSED.search(message):
-            where = reachability.diagnose()
             note = (
                 "lightning-ddp-plus: a peer closed its connection, so that process ended (an error of its own, a kill "
                 "or its node going down); its log holds the cause. This rank stops too, so the job ends."
-            ) + (f"\n{where}" if where else "")
+            )
+            diagnose = True
         else:
             note = explain_torch_error(message)
         if note is not None:
             exception.args = (f"{message}\n\n{note}", *exception.args[1:])
+        # the probes take up to 2 s, so the note above is in place first, whatever happens to them
+        where = reachability.diagnose() if diagnose else None
+        if where:
+            exception.args = (f"{exception.args[0]}\n{where}", *exception.args[1:])
 
     # ------------------------------------------------------------------ results across processes
 

@@ -27,7 +27,7 @@ def test_killed_rank_restarts_resumes_mid_epoch_and_matches_an_uninterrupted_run
     restarted, output = torchrun_job(tmp_path, "restarted", kill_at=kill_at, k=k)
     assert f"rank 1 kills itself at step {kill_at}" in output
     assert restarted["attempt"] == 1 and f"attempt 1 rank 0 trains from step {kill_at}" in output
-    assert "resumes from the last checkpoint" in output and f"skipping the {kill_at * k} batches" in output
+    assert "resumes from the newest readable checkpoint" in output and f"skipping the {kill_at * k} batches" in output
     assert restarted["global_step"] == whole["global_step"] == 10 // k
     # the restarted attempt trained exactly the micro-batches after the checkpoint, in the uninterrupted order
     after_restart = [value for attempt, value in restarted["seen"] if attempt == 1]
