@@ -15,7 +15,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     ``item._nodeid``, which pytest 9.2 no longer reads), so the group suffix is written where the installed pytest
     keeps the id.
     """
-    if not config.getvalue("loadgroup"):
+    if not config.getoption("loadgroup", default=False):
         return
     for item in items:
         if item.get_closest_marker("multiprocess") is None or item.nodeid.endswith(f"@{GROUP}"):
