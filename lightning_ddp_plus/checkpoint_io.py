@@ -189,7 +189,8 @@ def _torch_save(checkpoint: dict[str, Any]) -> Callable[[Path], None]:
     return write
 
 
-def _accepts(method: Callable, name: str) -> bool:
+def accepts_argument(method: Callable, name: str) -> bool:
+    """Whether ``method`` takes the keyword argument ``name`` (named, or through ``**kwargs``)."""
     try:
         parameters = inspect.signature(method).parameters
     except (TypeError, ValueError):
@@ -250,7 +251,7 @@ class AtomicCheckpointIO(CheckpointIO):
             if not get_filesystem(path).exists(path):
                 raise FileNotFoundError(f"Checkpoint file not found: {path}")
             return _load(path, map_location=location, weights_only=weights_only)
-        if _accepts(self.checkpoint_io.load_checkpoint, "weights_only"):
+        if accepts_argument(self.checkpoint_io.load_checkpoint, "weights_only"):
             return self.checkpoint_io.load_checkpoint(path, map_location=location, weights_only=weights_only)
         return self.checkpoint_io.load_checkpoint(path, map_location=location)
 

@@ -17,7 +17,6 @@ reason: it passed the check and lies in a directory this run's callbacks write t
 
 from __future__ import annotations
 
-import inspect
 import os
 import pickle
 from collections.abc import Callable
@@ -34,7 +33,7 @@ from lightning_ddp_plus.checkpoint_files import (
     resume_candidates,
     unreadable_reason,
 )
-from lightning_ddp_plus.checkpoint_io import AtomicCheckpointIO, is_local_path
+from lightning_ddp_plus.checkpoint_io import AtomicCheckpointIO, accepts_argument, is_local_path
 
 #: Who asked for the resume: the strategy's ``resume_from_last`` mode, or ``"last"`` (the user's ``ckpt_path``).
 ResumeRequest = str
@@ -111,18 +110,10 @@ def resolve(
     return None
 
 
-def _accepts_weights_only(checkpoint_io: CheckpointIO) -> bool:
-    try:
-        parameters = inspect.signature(checkpoint_io.load_checkpoint).parameters
-    except (TypeError, ValueError):
-        return False
-    return "weights_only" in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
-
-
 def load(checkpoint_io: CheckpointIO, path: str, warn: Callable[[str], None]) -> dict[str, Any]:
     """Load the chosen checkpoint with ``weights_only=True``, or, when its contents need more and the checkpoint IO
     can say so, with ``weights_only=False`` and a warning (see the module's docstring)."""
-    if not _accepts_weights_only(checkpoint_io):
+    if not accepts_argument(checkpoint_io.load_checkpoint, "weights_only"):
         warn(
             f"DDPPlusStrategy: {type(checkpoint_io).__name__}.load_checkpoint takes no `weights_only`, so {path} is "
             "loaded as that checkpoint IO loads it."
