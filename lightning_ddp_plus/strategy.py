@@ -46,7 +46,14 @@ from lightning_ddp_plus.launcher import (
     watch_parent,
 )
 from lightning_ddp_plus.options import ConflictMode, DDPPlusOptions, StartMethod
-from lightning_ddp_plus.restart import ResumeMode, init_process_group, restart_attempt, resume_dataloader, should_resume
+from lightning_ddp_plus.restart import (
+    ResumeMode,
+    init_process_group,
+    restart_attempt,
+    resume_dataloader,
+    should_resume,
+    under_torchrun,
+)
 from lightning_ddp_plus.telemetry import DDPTelemetry
 from lightning_ddp_plus.timeout import DEFAULT_TIMEOUT, TimeoutLike
 from lightning_ddp_plus.uneven import PaddedBatches, RankBatches, UnevenInputs, even_by_construction
@@ -274,7 +281,7 @@ class DDPPlusStrategy(AtomicCheckpoints, EngineViews, DDPStrategy):
             return args
         if args[index] == "last":
             request = "last"
-        elif args[index] is None and should_resume(self.options.resume_from_last):
+        elif args[index] is None and should_resume(self.options.resume_from_last, self.timeout):
             request = self.options.resume_from_last
             rank_zero_info(f"DDPPlusStrategy: attempt {restart_attempt()} resumes from the newest readable checkpoint.")
         else:
@@ -330,7 +337,7 @@ class DDPPlusStrategy(AtomicCheckpoints, EngineViews, DDPStrategy):
     @override
     def setup_distributed(self) -> None:
         resolve_backend_for_device(self.options.backend, self.root_device.type)  # present in this torch?
-        if restart_attempt() is None:
+        if not under_torchrun():
             super().setup_distributed()
             return
         # under torchrun: a store of its own per attempt (see restart.py), else Lightning's setup

@@ -114,6 +114,7 @@ def test_a_cut_link_ends_both_nodes_with_unreachable_and_the_restart_resumes(tmp
     assert "A peer is unreachable from rank 0 (host 10.231.0.1): 10.231.0.2 (rank 1:" in rank0
     assert "rank 1 (host 10.231.0.2) cannot reach the master node 10.231.0.1" in rank1
     # the restarted attempt resumed from the step-8 checkpoint (the link went down at step 10) and finished
-    assert "attempt 1 rank 0 trains from step 8" in rank0 and "attempt 1 rank 1 trains from step 8" in rank1
-    assert [agent.process.returncode for agent in agents] == [0, 0], rank0[-3000:]
+    both = f"node 0:\n{rank0[-3000:]}\nnode 1:\n{rank1[-3000:]}"
+    assert "attempt 1 rank 0 trains from step 8" in rank0 and "attempt 1 rank 1 trains from step 8" in rank1, both
+    assert [agent.process.returncode for agent in agents] == [0, 0], both
     assert '"global_step": 30' in (tmp_path / "out.json").read_text()

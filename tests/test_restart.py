@@ -1,14 +1,18 @@
 """Elastic restart under ``torchrun --max-restarts 1``: rank 1 is killed with SIGKILL mid-epoch; the restarted attempt
 forms its process group, resumes by itself from the last checkpoint at the batch where it was taken, and ends with the
-parameters and ``global_step`` of an uninterrupted run (real processes, gloo)."""
+parameters and ``global_step`` of an uninterrupted run (real processes, gloo). Also with one agent per node, where
+the node whose rank is slow to end is restarted by its agent as a membership change."""
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from tests.helpers import run_job, torchrun_command
+from tests.helpers import REPO_ROOT, clean_environment, free_port, kill_process_groups, run_job, torchrun_command
 
 pytestmark = pytest.mark.multiprocess
 
@@ -21,9 +25,22 @@ def torchrun_job(tmp_path, name: str, kill_at: int, k: int) -> tuple[dict, str]:
     return json.loads(out.read_text()), result.stdout
 
 
+@pytest.fixture(scope="module")
+def whole_runs(tmp_path_factory):
+    """The uninterrupted run for each accumulation ``k``, made once."""
+    runs: dict[int, dict] = {}
+
+    def whole(k: int) -> dict:
+        if k not in runs:
+            runs[k], _ = torchrun_job(tmp_path_factory.mktemp(f"whole-{k}"), "whole", kill_at=-1, k=k)
+        return runs[k]
+
+    return whole
+
+
 @pytest.mark.parametrize(("kill_at", "k"), [(5, 1), (3, 2)])
-def test_killed_rank_restarts_resumes_mid_epoch_and_matches_an_uninterrupted_run(tmp_path, kill_at, k):
-    whole, _ = torchrun_job(tmp_path, "whole", kill_at=-1, k=k)
+def test_killed_rank_restarts_resumes_mid_epoch_and_matches_an_uninterrupted_run(tmp_path, whole_runs, kill_at, k):
+    whole = whole_runs(k)
     restarted, output = torchrun_job(tmp_path, "restarted", kill_at=kill_at, k=k)
     assert f"rank 1 kills itself at step {kill_at}" in output
     assert restarted["attempt"] == 1 and f"attempt 1 rank 0 trains from step {kill_at}" in output
@@ -32,5 +49,41 @@ def test_killed_rank_restarts_resumes_mid_epoch_and_matches_an_uninterrupted_run
     # the restarted attempt trained exactly the micro-batches after the checkpoint, in the uninterrupted order
     after_restart = [value for attempt, value in restarted["seen"] if attempt == 1]
     assert after_restart == [value for _, value in whole["seen"]][kill_at * k :]
+    diff = (torch.tensor(restarted["params"]) - torch.tensor(whole["params"])).abs().max()
+    assert diff <= 1e-6, diff
+
+
+def test_two_agents_agree_on_the_attempt_when_one_restarts_for_a_membership_change(tmp_path, whole_runs):
+    """Rank 1 (node 1) is killed; rank 0 (node 0) takes 4 s to end, so node 1's agent is back in the rendezvous
+    first and node 0's agent restarts its worker as a membership change, without counting a restart: its
+    ``TORCHELASTIC_RESTART_COUNT`` stays 0 while node 1's is 1. Before the ranks agreed through the store, they formed
+    their groups under different prefixes and the job hung (reproduced)."""
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    port, out, ckpt = free_port(), tmp_path / "out.json", tmp_path / "ckpt"
+    env = {**clean_environment(), "PYTHONPATH": str(REPO_ROOT), "DDP_PLUS_NODES": "2", "DDP_PLUS_LINGER_S": "4"}
+    agents = []
+    try:
+        for node in range(2):
+            command = [
+                torchrun, "--nnodes", "2", "--nproc-per-node", "1", "--max-restarts", "1", "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", f"is_host={int(node == 0)}",
+                str(REPO_ROOT / "tests" / "scripts" / "restart_job.py"), str(out), str(ckpt), "3", "1",
+            ]  # fmt: skip
+            log = open(tmp_path / f"node{node}.log", "w")  # noqa: SIM115 (closed with the process)
+            agents.append(
+                subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            )
+            log.close()
+        for agent in agents:
+            agent.wait(timeout=200)
+    finally:
+        kill_process_groups(agents)
+    node0, node1 = ((tmp_path / f"node{node}.log").read_text() for node in range(2))
+    assert [agent.returncode for agent in agents] == [0, 0], node0[-3000:] + node1[-3000:]
+    assert "rank 1 kills itself at step 3" in node1
+    assert "Sending process" in node0  # node 0's agent stopped its lingering worker: the membership restart
+    assert "attempt 1 rank 0 trains from step 3" in node0 and "attempt 1 rank 1 trains from step 3" in node1
+    restarted, whole = json.loads(out.read_text()), whole_runs(1)
+    assert restarted["global_step"] == whole["global_step"] == 10
     diff = (torch.tensor(restarted["params"]) - torch.tensor(whole["params"])).abs().max()
     assert diff <= 1e-6, diff

@@ -16,9 +16,10 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_ddp_plus import DDPPlusStrategy
+from lightning_ddp_plus.restart import restart_attempt
 from tests.helpers import TinyRegression
 
-attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+attempt = restart_attempt() or 0  # the job's attempt, which the ranks agree on (not one agent's restart count)
 
 
 class Clock(L.Callback):

@@ -17,9 +17,10 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_ddp_plus import DDPPlusStrategy
+from lightning_ddp_plus.restart import restart_attempt
 from tests.helpers import TinyRegression
 
-attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+attempt = restart_attempt() or 0  # the job's attempt, which the ranks agree on (not one agent's restart count)
 
 
 class Record(L.Callback):
@@ -34,6 +35,11 @@ class Record(L.Callback):
             f"[{time.time():.3f}] attempt {attempt} rank {trainer.global_rank} trains from step {trainer.global_step}",
             flush=True,
         )
+
+    def on_exception(self, trainer, pl_module, exception):
+        # a rank that is slow to end (a long teardown) lets torchrun's agent of the other node rejoin first
+        if trainer.global_rank == 0:
+            time.sleep(float(os.environ.get("DDP_PLUS_LINGER_S", "0")))
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if (
@@ -50,6 +56,7 @@ class Record(L.Callback):
 def main() -> None:
     out, ckpt_dir, kill_at, k = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     record = Record(kill_at, k)
+    nodes = int(os.environ.get("DDP_PLUS_NODES", "1"))
     stock = os.environ.get("DDP_PLUS_TRY_STOCK") == "1"  # tests/restart_tries.py --stock: the comparison
     strategy = (
         L.pytorch.strategies.DDPStrategy(process_group_backend="gloo")
@@ -59,7 +66,8 @@ def main() -> None:
     trainer = L.Trainer(
         strategy=strategy,
         accelerator="cpu",
-        devices=2,
+        devices=2 // nodes,
+        num_nodes=nodes,
         max_epochs=1,
         accumulate_grad_batches=k,
         logger=False,
