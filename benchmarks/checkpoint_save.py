@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lightning.fabric.plugins import TorchCheckpointIO
 
-from lightning_ddp_plus.checkpoint_io import AtomicCheckpointIO
+from lightning_ddp_plus.persistence.io import AtomicCheckpointIO
 
 
 def one_save(io: object, checkpoint: dict, path: Path) -> tuple[float, int]:

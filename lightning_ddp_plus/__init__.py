@@ -1,5 +1,9 @@
 """lightning-ddp-plus: DistributedDataParallel for PyTorch Lightning, correct, explainable and fast.
 
+The public names are importable from here; the subpackages are the architecture: ``frontends`` (the Trainer and
+Fabric strategies, the Hugging Face port, the command line) delegate to ``engine``, whose components live in
+``sync``, ``conflicts``, ``diagnostics``, ``processes`` and ``persistence``, all built on ``config``.
+
 Importing the package registers the strategy names ``ddp_plus``, ``ddp_plus_spawn``, ``ddp_plus_fork`` and
 ``ddp_plus_notebook`` with Lightning's strategy registry (``Trainer(strategy="ddp_plus")``) and with Fabric's
 (``Fabric(strategy="ddp_plus")``).
@@ -8,15 +12,19 @@ Importing the package registers the strategy names ``ddp_plus``, ``ddp_plus_spaw
 from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_ddp_plus.backend import KNOWN_BACKENDS
-from lightning_ddp_plus.comm_hooks import CommHook
-from lightning_ddp_plus.errors import DDPConflictError
-from lightning_ddp_plus.fabric import DDPPlusFabricStrategy
-from lightning_ddp_plus.replicas import ReplicaDriftError
-from lightning_ddp_plus.settings import DDPSettings
-from lightning_ddp_plus.strategy import REGISTERED_NAMES, DDPPlusStrategy
-from lightning_ddp_plus.timeout import DEFAULT_TIMEOUT, parse_timeout
-from lightning_ddp_plus.uneven import UnevenInputsError
+from lightning_ddp_plus.config.backend import KNOWN_BACKENDS
+from lightning_ddp_plus.config.settings import DDPSettings
+from lightning_ddp_plus.config.timeout import DEFAULT_TIMEOUT, parse_timeout
+from lightning_ddp_plus.conflicts.errors import DDPConflictError
+from lightning_ddp_plus.diagnostics.replicas import ReplicaDriftError
+from lightning_ddp_plus.diagnostics.telemetry import DDPTelemetry
+from lightning_ddp_plus.frontends.fabric import DDPPlusFabricStrategy
+from lightning_ddp_plus.frontends.hf import HFStyleDDPPlusStrategy
+from lightning_ddp_plus.frontends.strategy import REGISTERED_NAMES, DDPPlusStrategy
+from lightning_ddp_plus.persistence.files import CheckpointResumeError
+from lightning_ddp_plus.persistence.io import AtomicCheckpointIO, CheckpointSaveError
+from lightning_ddp_plus.sync.comm_hooks import CommHook
+from lightning_ddp_plus.sync.uneven import UnevenInputsError
 
 __version__ = "0.2.0"
 
@@ -27,11 +35,16 @@ __all__ = [
     "DEFAULT_TIMEOUT",
     "KNOWN_BACKENDS",
     "REGISTERED_NAMES",
+    "AtomicCheckpointIO",
+    "CheckpointResumeError",
+    "CheckpointSaveError",
     "CommHook",
     "DDPConflictError",
     "DDPPlusFabricStrategy",
     "DDPPlusStrategy",
     "DDPSettings",
+    "DDPTelemetry",
+    "HFStyleDDPPlusStrategy",
     "ReplicaDriftError",
     "UnevenInputsError",
     "parse_timeout",

@@ -1,3 +1,3 @@
-from lightning_ddp_plus.cli import main
+from lightning_ddp_plus.frontends.cli import main
 
 main()

@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lightning_ddp_plus.checkpoint_files import unreadable_reason
+from lightning_ddp_plus.persistence.files import unreadable_reason
 from tests.helpers import REPO_ROOT, clean_environment, free_port, kill_process_groups, python_script, small_filesystem
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from lightning_ddp_plus import DDPPlusStrategy
-from lightning_ddp_plus.accumulation import (
+from lightning_ddp_plus.sync.accumulation import (
     WindowPosition,
     gradient_rescale,
     loss_scale,

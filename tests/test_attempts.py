@@ -1,5 +1,5 @@
 """The ranks of one torchrun attempt agree on its number through the store that outlives the attempts
-(``lightning_ddp_plus.restart.agree_on_attempt``), whatever order they start in (threads on one real store)."""
+(``lightning_ddp_plus.processes.restart.agree_on_attempt``), whatever order they start in (threads on one real store)."""
 
 import threading
 from datetime import timedelta
@@ -7,7 +7,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from lightning_ddp_plus.restart import agree_on_attempt
+from lightning_ddp_plus.processes.restart import agree_on_attempt
 
 TIMEOUT = timedelta(seconds=10)
 

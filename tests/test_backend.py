@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from lightning_ddp_plus.backend import KNOWN_BACKENDS, normalize_backend, resolve_backend_for_device
+from lightning_ddp_plus.config.backend import KNOWN_BACKENDS, normalize_backend, resolve_backend_for_device
 
 
 def always(_: str) -> bool:

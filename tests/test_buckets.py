@@ -6,7 +6,7 @@ import torch
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
 from lightning_ddp_plus import DDPPlusStrategy
-from lightning_ddp_plus.buckets import AUTO_BUCKET_CANDIDATES_MB, TIMED_ITERATIONS
+from lightning_ddp_plus.sync.buckets import AUTO_BUCKET_CANDIDATES_MB, TIMED_ITERATIONS
 from tests.helpers import run_case_job
 
 TUNING_STEPS = len(AUTO_BUCKET_CANDIDATES_MB) * (1 + TIMED_ITERATIONS)

@@ -102,7 +102,7 @@ def test_a_full_checkpoint_disk_ends_the_job_keeps_what_was_saved_and_a_later_re
         assert f"CheckpointSaveError: [Errno 28] Saving the checkpoint {directory}/epoch=0-step=8.ckpt failed" in rank0
         assert "No space left on device" in rank0 and f"on the filesystem of {directory})" in rank0
         assert "rank 1 ends with" in outputs[1].stdout
-        from lightning_ddp_plus.checkpoint_files import unreadable_reason
+        from lightning_ddp_plus.persistence.files import unreadable_reason
 
         kept = {path.name: unreadable_reason(path) for path in directory.iterdir()}
         assert kept == {f"epoch=0-step={step}.ckpt": None for step in (2, 4, 6)}  # whole, and no temporary file

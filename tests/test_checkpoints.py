@@ -15,9 +15,10 @@ import torch
 from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.plugins import AsyncCheckpointIO
 
-from lightning_ddp_plus import DDPPlusFabricStrategy, DDPPlusStrategy, resume
-from lightning_ddp_plus.checkpoint_files import choose_resume, resume_candidates, unreadable_reason
-from lightning_ddp_plus.checkpoint_io import (
+from lightning_ddp_plus import DDPPlusFabricStrategy, DDPPlusStrategy
+from lightning_ddp_plus.persistence import resume
+from lightning_ddp_plus.persistence.files import choose_resume, resume_candidates, unreadable_reason
+from lightning_ddp_plus.persistence.io import (
     TEMPORARY_SUFFIX,
     AtomicCheckpointIO,
     CheckpointSaveError,

@@ -1,7 +1,7 @@
 import pytest
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
-from lightning_ddp_plus.comm_hooks import CommHook, parse_comm_hook
+from lightning_ddp_plus.sync.comm_hooks import CommHook, parse_comm_hook
 
 
 @pytest.mark.parametrize(

@@ -7,12 +7,12 @@ import torch
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
-from lightning_ddp_plus.accumulation import AccumulationWindow, WindowPosition
-from lightning_ddp_plus.comm_hooks import CommHook, HookAssembly
-from lightning_ddp_plus.conflicts import ConflictCheck
-from lightning_ddp_plus.errors import DDPConflictError
-from lightning_ddp_plus.replicas import ReplicaGuard
-from lightning_ddp_plus.rules import DDPView
+from lightning_ddp_plus.conflicts.check import ConflictCheck
+from lightning_ddp_plus.conflicts.errors import DDPConflictError
+from lightning_ddp_plus.conflicts.rules import DDPView
+from lightning_ddp_plus.diagnostics.replicas import ReplicaGuard
+from lightning_ddp_plus.sync.accumulation import AccumulationWindow, WindowPosition
+from lightning_ddp_plus.sync.comm_hooks import CommHook, HookAssembly
 from tests.helpers import CheckpointNet
 
 

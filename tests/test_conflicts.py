@@ -14,9 +14,9 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
 from lightning_ddp_plus import DDPPlusStrategy
-from lightning_ddp_plus.conflicts import pack_facts, unpack_facts
-from lightning_ddp_plus.facts import ForwardProbe, InputGradRepair, ModelFacts, static_facts
-from lightning_ddp_plus.rules import RULES, DDPView, evaluate, resolved_view, rule_for_torch_error
+from lightning_ddp_plus.conflicts.check import pack_facts, unpack_facts
+from lightning_ddp_plus.conflicts.facts import ForwardProbe, InputGradRepair, ModelFacts, static_facts
+from lightning_ddp_plus.conflicts.rules import RULES, DDPView, evaluate, resolved_view, rule_for_torch_error
 from tests.helpers import CheckpointNet, flat_parameters, reference_parameters, run_case_job
 
 REENTRANT = frozenset({"reentrant"})

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from lightning_ddp_plus import DDPPlusStrategy, DDPSettings
-from lightning_ddp_plus.replicas import fingerprints, first_mismatch
+from lightning_ddp_plus.diagnostics.replicas import fingerprints, first_mismatch
 from tests.helpers import TinyRegression, run_case_job
 
 

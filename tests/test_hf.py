@@ -10,7 +10,7 @@ from lightning.pytorch.cli import LightningCLI
 from torch import nn
 
 from lightning_ddp_plus import DDPPlusStrategy
-from lightning_ddp_plus.hf import HF_DEFAULTS, HFStyleDDPPlusStrategy, port_training_arguments
+from lightning_ddp_plus.frontends.hf import HF_DEFAULTS, HFStyleDDPPlusStrategy, port_training_arguments
 from tests.helpers import _LAUNCH_VARIABLES, REPO_ROOT
 
 
@@ -135,7 +135,7 @@ def test_hf_names_in_yaml(tmp_path, monkeypatch):
     config = tmp_path / "hf.yaml"
     config.write_text(
         "trainer:\n  accelerator: cpu\n  devices: 1\n  logger: false\n  strategy:\n"
-        "    class_path: lightning_ddp_plus.hf.HFStyleDDPPlusStrategy\n"
+        "    class_path: lightning_ddp_plus.HFStyleDDPPlusStrategy\n"
         "    init_args: {gradient_accumulation_steps: 4, ddp_find_unused_parameters: null, ddp_timeout: 3600,\n"
         "                gradient_checkpointing: true, ddp_bucket_cap_mb: 50}\n"
         "model:\n  class_path: tests.helpers.TinyRegression\n"

@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from lightning_ddp_plus.report import ReportError, find_metrics, read_telemetry
+from lightning_ddp_plus.diagnostics.report import ReportError, find_metrics, read_telemetry
 from tests.helpers import console_script, run_job
 
 

@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from lightning_ddp_plus import DDPPlusStrategy
-from lightning_ddp_plus.facts import ModelFacts, find_dynamic_modules
-from lightning_ddp_plus.rules import DDPView, evaluate, resolved_view, rule_for_torch_error
-from lightning_ddp_plus.sync_guard import SyncFault
+from lightning_ddp_plus.conflicts.facts import ModelFacts, find_dynamic_modules
+from lightning_ddp_plus.conflicts.rules import DDPView, evaluate, resolved_view, rule_for_torch_error
+from lightning_ddp_plus.conflicts.sync_guard import SyncFault
 from tests.helpers import run_case_job
 
 

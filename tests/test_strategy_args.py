@@ -11,8 +11,8 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 
 import lightning_ddp_plus
 from lightning_ddp_plus import REGISTERED_NAMES, DDPPlusStrategy
-from lightning_ddp_plus.comm_hooks import CommHook
-from lightning_ddp_plus.wrapper import HAS_FORWARD_SYNC_BUFFERS
+from lightning_ddp_plus.sync.comm_hooks import CommHook
+from lightning_ddp_plus.sync.wrapper import HAS_FORWARD_SYNC_BUFFERS
 
 
 def test_is_a_lightning_ddp_strategy_with_documented_defaults():
@@ -176,7 +176,7 @@ def test_broadcast_buffers_maps_without_deprecation_warning(monkeypatch):
     # The mapped kwargs are what torch receives; constructing DDP with them must not warn about broadcast_buffers.
     import torch.distributed as dist
 
-    from lightning_ddp_plus.launcher import register_process_group_shutdown
+    from lightning_ddp_plus.processes.launcher import register_process_group_shutdown
     from tests.helpers import free_port
 
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")

@@ -2,7 +2,7 @@ from datetime import timedelta
 
 import pytest
 
-from lightning_ddp_plus.timeout import DEFAULT_TIMEOUT, format_timeout, parse_timeout
+from lightning_ddp_plus.config.timeout import DEFAULT_TIMEOUT, format_timeout, parse_timeout
 
 
 @pytest.mark.parametrize(

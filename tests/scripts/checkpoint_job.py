@@ -20,7 +20,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_ddp_plus import DDPPlusStrategy
-from lightning_ddp_plus.checkpoint_files import unreadable_reason
+from lightning_ddp_plus.persistence.files import unreadable_reason
 from tests.helpers import TinyRegression, flat_parameters, job_main
 
 

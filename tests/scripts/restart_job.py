@@ -17,7 +17,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_ddp_plus import DDPPlusStrategy
-from lightning_ddp_plus.restart import restart_attempt
+from lightning_ddp_plus.processes.restart import restart_attempt
 from tests.helpers import TinyRegression
 
 attempt = restart_attempt() or 0  # the job's attempt, which the ranks agree on (not one agent's restart count)

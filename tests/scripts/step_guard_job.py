@@ -16,7 +16,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, IterableDataset
 
-from lightning_ddp_plus import DDPPlusStrategy, sync_guard
+from lightning_ddp_plus import DDPPlusStrategy
+from lightning_ddp_plus.conflicts import sync_guard
 from tests.helpers import QUIET_TRAINER, flat_parameters, job_main, regression_data, strategy_outcome
 
 STORE_FOR_AGREEMENT = sync_guard._store_for_agreement

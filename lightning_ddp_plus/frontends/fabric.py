@@ -41,16 +41,16 @@ from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_ddp_plus import reachability
-from lightning_ddp_plus.accumulation import ShortWindow, WindowPosition, scale_gradients
-from lightning_ddp_plus.backend import has_default_backend, resolve_backend_for_device
-from lightning_ddp_plus.checkpoint_io import AtomicCheckpoints
-from lightning_ddp_plus.engine import DDPPlusEngine, EngineViews
-from lightning_ddp_plus.launcher import register_process_group_shutdown
-from lightning_ddp_plus.options import ConflictMode, DDPPlusOptions, StartMethod
-from lightning_ddp_plus.strategy import REGISTERED_NAMES
-from lightning_ddp_plus.timeout import DEFAULT_TIMEOUT, TimeoutLike
-from lightning_ddp_plus.uneven import RankBatches, UnevenInputs, UnevenInputsError
+from lightning_ddp_plus.config.backend import has_default_backend, resolve_backend_for_device
+from lightning_ddp_plus.config.timeout import DEFAULT_TIMEOUT, TimeoutLike
+from lightning_ddp_plus.engine.engine import DDPPlusEngine, EngineViews
+from lightning_ddp_plus.engine.options import ConflictMode, DDPPlusOptions, StartMethod
+from lightning_ddp_plus.frontends.strategy import REGISTERED_NAMES
+from lightning_ddp_plus.persistence.io import AtomicCheckpoints
+from lightning_ddp_plus.processes import reachability
+from lightning_ddp_plus.processes.launcher import register_process_group_shutdown
+from lightning_ddp_plus.sync.accumulation import ShortWindow, WindowPosition, scale_gradients
+from lightning_ddp_plus.sync.uneven import RankBatches, UnevenInputs, UnevenInputsError
 
 T = TypeVar("T")
 _END = object()
@@ -77,7 +77,7 @@ class DDPPlusFabricStrategy(AtomicCheckpoints, EngineViews, DDPStrategy):
     module's docstring.
 
     Example:
-        >>> from lightning_ddp_plus.fabric import DDPPlusFabricStrategy
+        >>> from lightning_ddp_plus.frontends.fabric import DDPPlusFabricStrategy
         >>> DDPPlusFabricStrategy(gradient_accumulation_steps=4, timeout="10m").timeout
         datetime.timedelta(seconds=600)
     """

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
-from lightning_ddp_plus._messages import closest_name, describe_bad_value
+from lightning_ddp_plus.config.messages import closest_name, describe_bad_value
 
 HookFunction = Callable[[Any, "torch.distributed.GradBucket"], "torch.futures.Future[torch.Tensor]"]
 

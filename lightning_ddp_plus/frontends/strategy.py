@@ -33,20 +33,22 @@ from torch.nn.parallel.distributed import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_ddp_plus import reachability, resume
-from lightning_ddp_plus.accumulation import ShortWindow, WindowPosition, scale_gradients, window_position
-from lightning_ddp_plus.backend import has_default_backend, resolve_backend_for_device
-from lightning_ddp_plus.checkpoint_io import AtomicCheckpoints
-from lightning_ddp_plus.comm_hooks import CommHook, HookFunction
-from lightning_ddp_plus.engine import DDPPlusEngine, EngineViews
-from lightning_ddp_plus.launcher import (
+from lightning_ddp_plus.config.backend import has_default_backend, resolve_backend_for_device
+from lightning_ddp_plus.config.timeout import DEFAULT_TIMEOUT, TimeoutLike
+from lightning_ddp_plus.config.training_arguments import port_training_arguments
+from lightning_ddp_plus.diagnostics.telemetry import DDPTelemetry
+from lightning_ddp_plus.engine.engine import DDPPlusEngine, EngineViews
+from lightning_ddp_plus.engine.options import ConflictMode, DDPPlusOptions, StartMethod
+from lightning_ddp_plus.persistence import resume
+from lightning_ddp_plus.persistence.io import AtomicCheckpoints
+from lightning_ddp_plus.processes import reachability
+from lightning_ddp_plus.processes.launcher import (
     KillChildrenOnFailureLauncher,
     ResultsReturningLauncher,
     register_process_group_shutdown,
     watch_parent,
 )
-from lightning_ddp_plus.options import ConflictMode, DDPPlusOptions, StartMethod
-from lightning_ddp_plus.restart import (
+from lightning_ddp_plus.processes.restart import (
     ResumeMode,
     init_process_group,
     restart_attempt,
@@ -54,10 +56,10 @@ from lightning_ddp_plus.restart import (
     should_resume,
     under_torchrun,
 )
-from lightning_ddp_plus.telemetry import DDPTelemetry
-from lightning_ddp_plus.timeout import DEFAULT_TIMEOUT, TimeoutLike
-from lightning_ddp_plus.uneven import PaddedBatches, RankBatches, UnevenInputs, even_by_construction
-from lightning_ddp_plus.wrapper import ddp_kwargs
+from lightning_ddp_plus.sync.accumulation import ShortWindow, WindowPosition, scale_gradients, window_position
+from lightning_ddp_plus.sync.comm_hooks import CommHook, HookFunction
+from lightning_ddp_plus.sync.uneven import PaddedBatches, RankBatches, UnevenInputs, even_by_construction
+from lightning_ddp_plus.sync.wrapper import ddp_kwargs
 
 #: Registered names and their launchers, mirroring Lightning's ``ddp``, ``ddp_spawn``, ``ddp_fork``, ``ddp_notebook``.
 REGISTERED_NAMES: tuple[tuple[str, StartMethod], ...] = (
@@ -139,7 +141,7 @@ class DDPPlusStrategy(AtomicCheckpoints, EngineViews, DDPStrategy):
             (even by construction).
         atomic_checkpoints: write every checkpoint to a temporary file beside its target, fsync it, rename it over
             the target and fsync the directory, so a kill, a full disk or a node crash during a save leaves the
-            previous file whole; a checkpoint IO you pass is wrapped (see ``lightning_ddp_plus.checkpoint_io``).
+            previous file whole; a checkpoint IO you pass is wrapped (see ``lightning_ddp_plus.persistence.io``).
             Default on.
         **kwargs: further ``DistributedDataParallel`` arguments, checked against its signature.
 
@@ -210,14 +212,12 @@ class DDPPlusStrategy(AtomicCheckpoints, EngineViews, DDPStrategy):
         cls, args: Any, model: Any | None = None, **overrides: Any
     ) -> tuple[DDPPlusStrategy, dict[str, Any]]:
         """Port Hugging Face ``TrainingArguments`` (or an object / mapping with its ``ddp_*`` names): returns the
-        strategy with the same meaning and the ``Trainer`` arguments it implies (see ``lightning_ddp_plus.hf``).
+        strategy with the same meaning and the ``Trainer`` arguments it implies (see ``lightning_ddp_plus.frontends.hf``).
 
         >>> strategy, trainer_kwargs = DDPPlusStrategy.from_training_arguments({"gradient_accumulation_steps": 2, "ddp_timeout": 600})
         >>> strategy.timeout.total_seconds(), strategy.gradient_accumulation_steps, trainer_kwargs
         (600.0, 2, {'accumulate_grad_batches': 2})
         """
-        from lightning_ddp_plus.hf import port_training_arguments
-
         port = port_training_arguments(args, model)
         return cls(**{**port.strategy_kwargs, **overrides}), dict(port.trainer_kwargs)
 
@@ -272,7 +272,7 @@ class DDPPlusStrategy(AtomicCheckpoints, EngineViews, DDPStrategy):
 
     def _resume_arguments(self, trainer: pl.Trainer, function: Callable, args: tuple) -> tuple:
         """A resume (``resume_from_last``, or the user's ``ckpt_path="last"``) becomes ``NEWEST_READABLE``, which
-        ``resume_start`` resolves on all ranks together (see ``lightning_ddp_plus.resume``)."""
+        ``resume_start`` resolves on all ranks together (see ``lightning_ddp_plus.persistence.resume``)."""
         if trainer.state.fn != TrainerFn.FITTING:
             return args
         parameters = list(inspect.signature(function).parameters)

@@ -6,7 +6,7 @@ import math
 import re
 from datetime import timedelta
 
-from lightning_ddp_plus._messages import describe_bad_value
+from lightning_ddp_plus.config.messages import describe_bad_value
 
 #: torch's and Lightning's default for non-NCCL process groups, and ours for every backend.
 DEFAULT_TIMEOUT = timedelta(seconds=1800)

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_ddp_plus._messages import closest_name, describe_bad_value
+from lightning_ddp_plus.config.messages import closest_name, describe_bad_value
 
 # Arguments the strategy owns or sets itself; passing them through ``**kwargs`` would fight the strategy.
 _MANAGED_BY_STRATEGY = {
@@ -98,7 +98,7 @@ class DDPSettings:
             (what stock ``DDPStrategy`` gets). A number: every bucket that size (torch drops the small first bucket
             when a size is given). ``"auto"``: start with torch's default, time the candidate sizes in
             ``AUTO_BUCKET_CANDIDATES_MB`` during the first optimizer steps and keep the fastest (see
-            ``lightning_ddp_plus.buckets``).
+            ``lightning_ddp_plus.sync.buckets``).
         broadcast_buffers: broadcast rank 0's buffers (e.g. BatchNorm running statistics) at the start of every
             forward and when DDP wraps the model. ``False`` keeps every rank's buffers local, at wrap time too.
             ``"auto"``: on when the model has buffers that training changes, off otherwise (see ``resolve_auto``).

@@ -24,7 +24,7 @@ from typing import Any
 
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 
-from lightning_ddp_plus.checkpoint_files import (
+from lightning_ddp_plus.persistence.files import (
     NEWEST_READABLE,
     CheckpointResumeError,
     ResumeChoice,
@@ -33,7 +33,7 @@ from lightning_ddp_plus.checkpoint_files import (
     resume_candidates,
     unreadable_reason,
 )
-from lightning_ddp_plus.checkpoint_io import AtomicCheckpointIO, accepts_argument, is_local_path
+from lightning_ddp_plus.persistence.io import AtomicCheckpointIO, accepts_argument, is_local_path
 
 #: Who asked for the resume: the strategy's ``resume_from_last`` mode, or ``"last"`` (the user's ``ckpt_path``).
 ResumeRequest = str

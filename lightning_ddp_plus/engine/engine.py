@@ -30,11 +30,9 @@ from torch import Tensor
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_ddp_plus import reachability
-from lightning_ddp_plus.accumulation import AccumulationWindow, SyncStats, scale_gradients
-from lightning_ddp_plus.buckets import BucketChoice, BucketTuner
-from lightning_ddp_plus.comm_hooks import HookAssembly, HookCallCounter
-from lightning_ddp_plus.conflicts import (
+from lightning_ddp_plus.config.settings import DDPSettings
+from lightning_ddp_plus.config.timeout import format_timeout
+from lightning_ddp_plus.conflicts.check import (
     ConflictCheck,
     agree_across_ranks,
     conflict_error,
@@ -42,17 +40,19 @@ from lightning_ddp_plus.conflicts import (
     finding_records,
     findings_from_records,
 )
-from lightning_ddp_plus.errors import DDPConflictError
-from lightning_ddp_plus.facts import ModelFacts, running_stat_buffers
-from lightning_ddp_plus.options import DDPPlusOptions
-from lightning_ddp_plus.replicas import ReplicaGuard
-from lightning_ddp_plus.rules import DDPView, Finding, evaluate
-from lightning_ddp_plus.settings import DDPSettings
-from lightning_ddp_plus.sync_guard import SideChannel, SyncFault, SyncGuard
-from lightning_ddp_plus.telemetry import SyncTelemetry
-from lightning_ddp_plus.timeout import format_timeout
-from lightning_ddp_plus.uneven import RankBatches, UnevenInputsCheck, uneven_flags
-from lightning_ddp_plus.wrapper import rebuild_reducer, replay_forward, wrap_module
+from lightning_ddp_plus.conflicts.errors import DDPConflictError
+from lightning_ddp_plus.conflicts.facts import ModelFacts, running_stat_buffers
+from lightning_ddp_plus.conflicts.rules import DDPView, Finding, evaluate
+from lightning_ddp_plus.conflicts.sync_guard import SideChannel, SyncFault, SyncGuard
+from lightning_ddp_plus.diagnostics.replicas import ReplicaGuard
+from lightning_ddp_plus.diagnostics.telemetry import SyncTelemetry
+from lightning_ddp_plus.engine.options import DDPPlusOptions
+from lightning_ddp_plus.processes import reachability
+from lightning_ddp_plus.sync.accumulation import AccumulationWindow, SyncStats, scale_gradients
+from lightning_ddp_plus.sync.buckets import BucketChoice, BucketTuner
+from lightning_ddp_plus.sync.comm_hooks import HookAssembly, HookCallCounter
+from lightning_ddp_plus.sync.uneven import RankBatches, UnevenInputsCheck, uneven_flags
+from lightning_ddp_plus.sync.wrapper import rebuild_reducer, replay_forward, wrap_module
 
 # Messages of collective timeouts (gloo, NCCL, the c10d store), not of other timeouts such as a DataLoader's.
 _COLLECTIVE_TIMEOUT = re.compile(

@@ -16,9 +16,9 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.nn import Module
 
-from lightning_ddp_plus.errors import DDPConflictError
-from lightning_ddp_plus.facts import PARAMETER_FACTS, ForwardProbe, InputGradRepair, ModelFacts
-from lightning_ddp_plus.rules import RULES, DDPView, Finding, evaluate, resolved_view, rule_for_torch_error
+from lightning_ddp_plus.conflicts.errors import DDPConflictError
+from lightning_ddp_plus.conflicts.facts import PARAMETER_FACTS, ForwardProbe, InputGradRepair, ModelFacts
+from lightning_ddp_plus.conflicts.rules import RULES, DDPView, Finding, evaluate, resolved_view, rule_for_torch_error
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from lightning_ddp_plus.rules import Finding
+    from lightning_ddp_plus.conflicts.rules import Finding
 
 
 class DDPConflictError(RuntimeError):

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_ddp_plus.wrapper import set_bucket_cap
+from lightning_ddp_plus.sync.wrapper import set_bucket_cap
 
 #: The sizes ``"auto"`` tries, in MiB; ``None`` is torch's default (25 MiB with a 1 MiB first bucket).
 AUTO_BUCKET_CANDIDATES_MB: tuple[float | None, ...] = (None, 1, 5, 100)

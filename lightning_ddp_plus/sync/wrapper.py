@@ -18,7 +18,7 @@ from torch import Tensor
 from torch.nn import Module
 from torch.nn.parallel.distributed import DistributedDataParallel, _DDPSink, _find_tensors
 
-from lightning_ddp_plus.settings import DDPSettings
+from lightning_ddp_plus.config.settings import DDPSettings
 
 #: torch 2.13 added ``forward_sync_buffers`` and deprecated ``broadcast_buffers``; older releases only know the latter.
 HAS_FORWARD_SYNC_BUFFERS = "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters

@@ -21,11 +21,11 @@ def main(args: list[str] | None = None) -> None:
         sys.path.insert(0, os.getcwd())
     argv = sys.argv[1:] if args is None else list(args)
     if argv[:1] == ["check"]:
-        from lightning_ddp_plus.check import run_check
+        from lightning_ddp_plus.diagnostics.check_command import run_check
 
         sys.exit(run_check(argv[1:]))
     if argv[:1] == ["report"]:
-        from lightning_ddp_plus.report import main as run_report
+        from lightning_ddp_plus.diagnostics.report import main as run_report
 
         sys.exit(run_report(argv[1:]))
     from lightning.pytorch.cli import LightningCLI

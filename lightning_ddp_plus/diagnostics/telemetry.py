@@ -18,7 +18,7 @@ from typing import Any
 import lightning.pytorch as pl
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_ddp_plus.comm_hooks import CommHook, HookAssembly
+from lightning_ddp_plus.sync.comm_hooks import CommHook, HookAssembly
 
 _NS_PER_MS = 1e6
 _TIMINGS = {

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from lightning_ddp_plus.facts import ModelFacts
+from lightning_ddp_plus.conflicts.facts import ModelFacts
 
 Level = Literal["error", "advice"]
 

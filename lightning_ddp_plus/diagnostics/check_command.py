@@ -15,9 +15,9 @@ from typing import Any
 import lightning.pytorch as pl
 from torch import Tensor
 
-from lightning_ddp_plus.accumulation import merge_accumulation_settings
-from lightning_ddp_plus.facts import ForwardProbe, ModelFacts, static_facts
-from lightning_ddp_plus.rules import DDPView, Finding, evaluate
+from lightning_ddp_plus.conflicts.facts import ForwardProbe, ModelFacts, static_facts
+from lightning_ddp_plus.conflicts.rules import DDPView, Finding, evaluate
+from lightning_ddp_plus.sync.accumulation import merge_accumulation_settings
 
 
 def settings_view(trainer: pl.Trainer) -> DDPView:

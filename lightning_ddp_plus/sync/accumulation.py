@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-from lightning_ddp_plus._messages import describe_bad_value
+from lightning_ddp_plus.config.messages import describe_bad_value
 
 #: ``"mean"``: a short last window's gradient is the mean over the micro-batches it really had (as the HF Trainer).
 #: ``"lightning"``: Lightning's rule, every window's gradient sum is divided by k, so a short window is shrunk by r/k.

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import torch.distributed
 
-from lightning_ddp_plus._messages import closest_name, describe_bad_value
+from lightning_ddp_plus.config.messages import closest_name, describe_bad_value
 
 #: Backends a user may name. ``None`` or ``"auto"`` picks one from the accelerator.
 KNOWN_BACKENDS = ("nccl", "gloo", "mpi", "ucc", "xccl", "hccl", "cncl")

@@ -12,14 +12,14 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal, get_args
 
-from lightning_ddp_plus._messages import describe_bad_value
-from lightning_ddp_plus.accumulation import SHORT_WINDOW_MODES, ShortWindow, check_accumulation_steps
-from lightning_ddp_plus.backend import normalize_backend
-from lightning_ddp_plus.comm_hooks import CommHook, HookFunction, parse_comm_hook
-from lightning_ddp_plus.restart import RESUME_MODES, ResumeMode
-from lightning_ddp_plus.settings import DDPSettings
-from lightning_ddp_plus.timeout import TimeoutLike, parse_timeout
-from lightning_ddp_plus.uneven import UNEVEN_MODES, UnevenInputs
+from lightning_ddp_plus.config.backend import normalize_backend
+from lightning_ddp_plus.config.messages import describe_bad_value
+from lightning_ddp_plus.config.settings import DDPSettings
+from lightning_ddp_plus.config.timeout import TimeoutLike, parse_timeout
+from lightning_ddp_plus.processes.restart import RESUME_MODES, ResumeMode
+from lightning_ddp_plus.sync.accumulation import SHORT_WINDOW_MODES, ShortWindow, check_accumulation_steps
+from lightning_ddp_plus.sync.comm_hooks import CommHook, HookFunction, parse_comm_hook
+from lightning_ddp_plus.sync.uneven import UNEVEN_MODES, UnevenInputs
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 ConflictMode = Literal["error", "warn", "resolve", "off"]
