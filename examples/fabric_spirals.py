@@ -20,8 +20,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from examples.spirals import make_spirals
 from lightning_ddp_plus import DDPPlusFabricStrategy
+from lightning_ddp_plus.demo.spirals import make_spirals
 
 
 def main() -> None:

@@ -18,8 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `examples.*` 
 import lightning as L
 from torch import Tensor, nn
 
-from examples.spirals import SpiralClassifier, SpiralDataModule
 from lightning_ddp_plus import DDPPlusStrategy
+from lightning_ddp_plus.demo.spirals import SpiralClassifier, SpiralDataModule
 
 
 class ManualAccumulationClassifier(SpiralClassifier):

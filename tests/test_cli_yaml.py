@@ -153,3 +153,18 @@ def test_console_script_help_shows_types_and_defaults():
         assert f"--trainer.strategy.{name}" in text
     assert "type: str | null, default: null" in text  # process_group_backend
     assert "type: Union[float, Literal['auto'], null], default: null" in text  # bucket_cap_mb
+
+
+def test_demo_writes_the_shipped_config_and_never_overwrites(tmp_path):
+    from lightning_ddp_plus.demo import DEMO_CONFIG
+    from lightning_ddp_plus.frontends.cli import main
+
+    # the repository's configs/cpu.yaml is the shipped file itself, so the two cannot drift
+    assert (Path(__file__).parents[1] / "configs" / "cpu.yaml").resolve() == DEMO_CONFIG.resolve()
+    target = tmp_path / "cpu.yaml"
+    main(["demo", "--write-config", str(target)])
+    assert target.read_text() == DEMO_CONFIG.read_text()
+    target.write_text("edited")
+    with pytest.raises(SystemExit, match="exists; name a new file"):
+        main(["demo", "--write-config", str(target)])
+    assert target.read_text() == "edited"

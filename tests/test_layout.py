@@ -11,13 +11,14 @@ PACKAGE = Path(lightning_ddp_plus.__file__).parent
 #: What each subpackage may import of this package (its docstring says the same); the top level may import all.
 ALLOWED = {
     "config": set(),
+    "demo": set(),
     "sync": {"config"},
     "conflicts": {"config"},
     "processes": {"config"},
     "persistence": {"config", "processes"},
     "diagnostics": {"config", "sync", "conflicts"},
     "engine": {"config", "sync", "conflicts", "diagnostics", "processes", "persistence"},
-    "frontends": {"config", "sync", "conflicts", "diagnostics", "processes", "persistence", "engine"},
+    "frontends": {"config", "sync", "conflicts", "diagnostics", "processes", "persistence", "engine", "demo"},
 }
 
 

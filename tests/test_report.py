@@ -11,7 +11,7 @@ from tests.helpers import console_script, run_job
 
 @pytest.mark.multiprocess
 def test_report_of_a_real_run(tmp_path):
-    from examples.spirals import SpiralClassifier
+    from lightning_ddp_plus.demo.spirals import SpiralClassifier
 
     logs = tmp_path / "logs"
     flags = [

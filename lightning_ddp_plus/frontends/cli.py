@@ -1,5 +1,6 @@
 """The ``ddp-plus`` console script: LightningCLI with the strategy names registered.
 
+``ddp-plus demo`` trains the main job shipped with the package (``--write-config FILE`` writes its config instead);
 ``ddp-plus fit --config configs/cpu.yaml`` trains; ``fit``, ``validate``, ``test`` and ``predict`` work as in
 LightningCLI. ``ddp-plus check --config FILE`` runs the conflict checks without training (exit status 1 on an
 error-level finding); ``ddp-plus report LOGDIR`` draws the ``ddp/`` telemetry a run logged with CSVLogger. The current
@@ -20,6 +21,11 @@ def main(args: list[str] | None = None) -> None:
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     argv = sys.argv[1:] if args is None else list(args)
+    if argv[:1] == ["demo"]:
+        argv = demo_arguments(argv[1:])
+        if not argv:
+            return
+        args = argv
     if argv[:1] == ["check"]:
         from lightning_ddp_plus.diagnostics.check_command import run_check
 
@@ -31,6 +37,30 @@ def main(args: list[str] | None = None) -> None:
     from lightning.pytorch.cli import LightningCLI
 
     LightningCLI(args=args, save_config_kwargs={"overwrite": True})
+
+
+def demo_arguments(argv: list[str]) -> list[str]:
+    """``ddp-plus demo [--write-config FILE] [LightningCLI arguments]`` as ``fit`` arguments, or ``[]`` once the
+    config is written. Lightning's popen launcher runs the same command line for every rank, so each rank gets here.
+
+    >>> demo_arguments(["--trainer.max_epochs", "1"])[-2:]
+    ['--trainer.max_epochs', '1']
+    """
+    from lightning_ddp_plus.demo import DEMO_CONFIG
+
+    if argv[:1] == ["--write-config"]:
+        if len(argv) != 2:
+            sys.exit(
+                "ddp-plus demo --write-config takes one argument, the file to write, e.g. `--write-config cpu.yaml`"
+            )
+        target = argv[1]
+        if os.path.exists(target):  # never overwrite a config someone edited
+            sys.exit(f"ddp-plus demo --write-config: {target} exists; name a new file or remove it first")
+        with open(target, "w") as file:
+            file.write(DEMO_CONFIG.read_text())
+        print(f"wrote {target}; train with `ddp-plus fit --config {target}`")
+        return []
+    return ["fit", "--config", str(DEMO_CONFIG), *argv]
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@
 ``torchmetrics`` metric: its state is summed over all ranks before ``compute()``, so the logged figure is the
 accuracy over the whole validation set, not rank 0's half.
 
-Run it on 2 CPU processes with ``ddp-plus fit --config configs/cpu.yaml``.
+Run it on 2 CPU processes with ``ddp-plus demo`` (or ``ddp-plus fit --config configs/cpu.yaml`` in the repository).
 """
 
 from __future__ import annotations
