@@ -139,3 +139,18 @@ def test_hook_assembly_gives_powersgd_a_fresh_default_state_per_wrapper():
     assert hook.__qualname__ == "counted(bucket_ordered(powerSGD_hook))" and assembly.name == "powersgd"
     custom = HookAssembly(functools.partial(print), state="s", wrapper=None)
     assert custom.name.startswith("functools.partial") or custom.name
+
+
+def test_ddp_is_built_on_a_side_stream_of_the_models_own_device(monkeypatch):
+    """With the CUDA device faked (no GPU here): the stream is made for the named device, not the current one."""
+    from contextlib import nullcontext
+
+    from lightning_ddp_plus.sync.wrapper import wrapping_stream
+
+    made = []
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: made.append(device) or f"stream on {device}")
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: nullcontext(stream))
+    with wrapping_stream(torch.device("cuda", 3), [3]) as stream:
+        assert stream == "stream on cuda:3"
+    assert made == [torch.device("cuda", 3)]
+    assert isinstance(wrapping_stream(torch.device("cpu"), None), nullcontext)

@@ -193,6 +193,21 @@ def test_what_a_forward_does_wins_over_attributes():
     assert probe.facts(loss).checkpointing == {"non_reentrant"}
 
 
+def test_a_torch_whose_checkpointing_the_probe_cannot_see_gets_a_warning_not_silence(monkeypatch):
+    """A torch whose non-reentrant hook is not the class the probe knows (here its work moved to a base class, as
+    torch 2.14 did with ``_checkpoint_internal_hook``): the probe must say that it is blind to non-reentrant
+    checkpointing rather than report none."""
+
+    class MovedHook(torch.utils.checkpoint._checkpoint_hook):
+        pass  # no __init__ of its own
+
+    monkeypatch.setattr(torch.utils.checkpoint, "_checkpoint_hook", MovedHook)
+    model = HFStyleModel(use_reentrant=False)
+    with pytest.warns(UserWarning, match="cannot observe non-reentrant gradient checkpointing on this torch"):
+        with ForwardProbe(model) as probe:
+            probe.facts(torch.utils.checkpoint.checkpoint(model.layer, torch.randn(2, 2), use_reentrant=False).sum())
+
+
 def test_plain_model_has_no_checkpointing_and_batchnorm_buffers_are_found():
     facts = static_facts(CheckpointNet(norm="batch"))
     assert not facts.checkpointed

@@ -15,12 +15,14 @@ regions), through a ``TorchFunctionMode`` that is active only inside reentrant r
 loss's autograd graph. What a forward really does wins over what attributes suggest; attributes (Hugging Face flags,
 torch's ``CheckpointWrapper``) are only read when no forward can be observed (``static_facts``).
 
-The probe patches ``torch.utils.checkpoint`` only between ``start()`` and ``stop()`` (one forward), restores it even
+The probe patches ``torch.utils.checkpoint`` (reentrant: ``CheckpointFunction.apply``; non-reentrant: the
+saved-tensors hook class each region enters) only between ``start()`` and ``stop()`` (one forward), restores it even
 if the forward raises, and registers its module hooks on the probed model only.
 """
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping
@@ -36,6 +38,26 @@ from typing_extensions import Self
 
 REENTRANT = "reentrant"
 NON_REENTRANT = "non_reentrant"
+
+
+def non_reentrant_hook_class() -> type | None:
+    """The saved-tensors hook that non-reentrant ``torch.utils.checkpoint`` enters for each region, where this torch
+    has one we can see (a class of its own with an ``__init__`` taking the region's frame), else ``None``."""
+    hook_class = getattr(torch_checkpoint, "_checkpoint_hook", None)
+    hooks = getattr(torch.autograd.graph, "saved_tensors_hooks", None)
+    if not isinstance(hook_class, type) or hooks is None or not issubclass(hook_class, hooks):
+        return None
+    return hook_class if "__init__" in hook_class.__dict__ else None
+
+
+def warn_blind_to_non_reentrant() -> None:
+    warnings.warn(
+        f"lightning-ddp-plus: torch {torch.__version__} has no `torch.utils.checkpoint._checkpoint_hook` for the "
+        "conflict check's probe to see, so it cannot observe non-reentrant gradient checkpointing on this torch: "
+        "the checks about it (static_graph with checkpointing, reused parameters) are incomplete. Please report "
+        "your torch version to lightning-ddp-plus; set the conflict findings you rely on by hand meanwhile.",
+        stacklevel=3,
+    )
 
 
 @dataclass(frozen=True)
@@ -279,7 +301,6 @@ class ForwardProbe:
         probe = self
         function_class = torch_checkpoint.CheckpointFunction
         original_apply = function_class.apply
-        original_generator = torch_checkpoint._checkpoint_without_reentrant_generator
 
         def apply(run_function: Any, preserve_rng_state: bool, *args: Any) -> Any:
             args, region = probe._open_region(args)
@@ -294,19 +315,31 @@ class ForwardProbe:
             region.node = next((t.grad_fn for t in _tensors(output) if t.grad_fn is not None), None)
             return output
 
-        def non_reentrant_generator(*args: Any, **kwargs: Any) -> Iterator:
-            probe._kinds.add(NON_REENTRANT)
-            yield from original_generator(*args, **kwargs)
-
         own_apply = function_class.__dict__.get("apply")
-        function_class.apply = apply
+        function_class.apply = apply  # type: ignore[method-assign]
         self._restore.append(
             lambda: setattr(function_class, "apply", own_apply) if own_apply else delattr(function_class, "apply")
         )
-        torch_checkpoint._checkpoint_without_reentrant_generator = non_reentrant_generator
-        self._restore.append(
-            lambda: setattr(torch_checkpoint, "_checkpoint_without_reentrant_generator", original_generator)
-        )
+        self._patch_non_reentrant()
+
+    def _patch_non_reentrant(self) -> None:
+        """See non-reentrant checkpointing by the saved-tensors hook every non-reentrant region enters
+        (``_checkpoint_hook``, torch 2.1 to 2.15 at least), patched on the class so that whichever function of
+        ``torch.utils.checkpoint`` enters it is seen; where this torch has no such hook, warn that the check is
+        blind to it instead of reporting nothing."""
+        hook_class = non_reentrant_hook_class()
+        if hook_class is None:
+            warn_blind_to_non_reentrant()
+            return
+        probe = self
+        original_init = hook_class.__dict__["__init__"]
+
+        def init(hook: Any, *args: Any, **kwargs: Any) -> None:
+            probe._kinds.add(NON_REENTRANT)
+            original_init(hook, *args, **kwargs)
+
+        hook_class.__init__ = init
+        self._restore.append(lambda: setattr(hook_class, "__init__", original_init))
 
     def _open_region(self, args: tuple) -> tuple[tuple, _Region]:
         self._kinds.add(REENTRANT)

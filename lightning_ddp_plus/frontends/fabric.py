@@ -51,6 +51,7 @@ from lightning_ddp_plus.processes import reachability
 from lightning_ddp_plus.processes.launcher import register_process_group_shutdown
 from lightning_ddp_plus.sync.accumulation import ShortWindow, WindowPosition, scale_gradients
 from lightning_ddp_plus.sync.uneven import RankBatches, UnevenInputs, UnevenInputsError
+from lightning_ddp_plus.sync.wrapper import wrapping_stream
 
 T = TypeVar("T")
 _END = object()
@@ -177,7 +178,7 @@ class DDPPlusFabricStrategy(AtomicCheckpoints, EngineViews, DDPStrategy):
                 "telemetry now follow it (one module per strategy is supported)."
             )
         device_ids = self._determine_ddp_device_ids()
-        with torch.cuda.stream(torch.cuda.Stream()) if device_ids is not None else nullcontext():
+        with wrapping_stream(self.root_device, device_ids):
             self._ddp = self.engine.wrap(module, device_ids)
         self._position = self._last_position = None
         rank_zero_info(

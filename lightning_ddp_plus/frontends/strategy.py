@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Generator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -59,7 +59,7 @@ from lightning_ddp_plus.processes.restart import (
 from lightning_ddp_plus.sync.accumulation import ShortWindow, WindowPosition, scale_gradients, window_position
 from lightning_ddp_plus.sync.comm_hooks import CommHook, HookFunction
 from lightning_ddp_plus.sync.uneven import PaddedBatches, RankBatches, UnevenInputs, even_by_construction
-from lightning_ddp_plus.sync.wrapper import ddp_kwargs
+from lightning_ddp_plus.sync.wrapper import ddp_kwargs, wrapping_stream
 
 #: Registered names and their launchers, mirroring Lightning's ``ddp``, ``ddp_spawn``, ``ddp_fork``, ``ddp_notebook``.
 REGISTERED_NAMES: tuple[tuple[str, StartMethod], ...] = (
@@ -368,7 +368,7 @@ class DDPPlusStrategy(AtomicCheckpoints, EngineViews, DDPStrategy):
     @override
     def _setup_model(self, model: Module) -> DistributedDataParallel:
         device_ids = self.determine_ddp_device_ids()
-        with torch.cuda.stream(torch.cuda.Stream()) if device_ids is not None else nullcontext():
+        with wrapping_stream(self.root_device, device_ids):
             ddp = self.engine.wrap(model, device_ids)
         self._ddp_kwargs = ddp_kwargs(self.engine.settings)
         self._static_graph_flushed = False

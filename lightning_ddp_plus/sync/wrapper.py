@@ -10,7 +10,7 @@ from __future__ import annotations
 import inspect
 import weakref
 from collections.abc import Generator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -27,6 +27,21 @@ HAS_FORWARD_SYNC_BUFFERS = "forward_sync_buffers" in inspect.signature(Distribut
 def ddp_kwargs(settings: DDPSettings) -> dict[str, Any]:
     """The settings as keyword arguments for the installed torch's ``DistributedDataParallel``."""
     return settings.to_ddp_kwargs(forward_sync_buffers=HAS_FORWARD_SYNC_BUFFERS)
+
+
+def wrapping_stream(device: torch.device, device_ids: list[int] | None) -> AbstractContextManager:
+    """Where DDP is built: a side stream of the model's own device (torch's CUDA semantics notes: DDP's constructor
+    broadcasts on it), for any accelerator whose torch module has streams (``torch.cuda``, ``torch.xpu``, ...); no
+    stream on CPU. The device is named, not taken as current, so that a process whose current device is another
+    one still builds on its own.
+
+    >>> wrapping_stream(torch.device("cpu"), None)  # doctest: +ELLIPSIS
+    <contextlib.nullcontext object at ...>
+    """
+    backend = getattr(torch, device.type, None)
+    if device_ids is None or not (hasattr(backend, "Stream") and hasattr(backend, "stream")):
+        return nullcontext()
+    return backend.stream(backend.Stream(device=device))
 
 
 def wrap_module(module: Module, settings: DDPSettings, device_ids: list[int] | None) -> DistributedDataParallel:
