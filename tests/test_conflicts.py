@@ -203,9 +203,9 @@ def test_a_torch_whose_checkpointing_the_probe_cannot_see_gets_a_warning_not_sil
 
     monkeypatch.setattr(torch.utils.checkpoint, "_checkpoint_hook", MovedHook)
     model = HFStyleModel(use_reentrant=False)
-    with pytest.warns(UserWarning, match="cannot observe non-reentrant gradient checkpointing on this torch"):
-        with ForwardProbe(model) as probe:
-            probe.facts(torch.utils.checkpoint.checkpoint(model.layer, torch.randn(2, 2), use_reentrant=False).sum())
+    warning = "cannot observe non-reentrant gradient checkpointing on this torch"
+    with pytest.warns(UserWarning, match=warning), ForwardProbe(model) as probe:
+        probe.facts(torch.utils.checkpoint.checkpoint(model.layer, torch.randn(2, 2), use_reentrant=False).sum())
 
 
 def test_plain_model_has_no_checkpointing_and_batchnorm_buffers_are_found():

@@ -73,7 +73,7 @@ def require_bucket_cap(value: Any) -> float | str | None:
     TypeError: `bucket_cap_mb='Auto'` is not valid: expected a positive number of MiB, None (torch's default) or 'auto'. Fix: did you mean 'auto'?
     """
     if value is None or value == "auto":
-        return value
+        return None if value is None else "auto"
     if isinstance(value, str):
         raise TypeError(
             describe_bad_value(

@@ -66,8 +66,9 @@ def _is_hf_model(model: Any) -> bool:
 
 def _model_checkpointing(model: Any) -> bool:
     for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
-        if isinstance(getattr(model, name, None), bool):
-            return getattr(model, name)
+        flag = getattr(model, name, None)
+        if isinstance(flag, bool):
+            return flag
     return False
 
 

@@ -96,8 +96,8 @@ class ConflictCheck:
         self.model_fixes: list[str] = []
         self._probe: ForwardProbe | None = None
         self._verifying = False
-        self._hooks: list = []
-        self._fix_handles: list = []
+        self._hooks: list[Any] = []
+        self._fix_handles: list[Any] = []
         self._module: Module | None = None
         self._last_facts: ModelFacts | None = None
 
@@ -210,8 +210,9 @@ class ConflictCheck:
                         "model has no enable_input_require_grads(). Apply the fix above in your model."
                     ),
                 )
-            hf_model.enable_input_require_grads()
-            self._fix_handles.append(_Call(hf_model.disable_input_require_grads))
+            hf_model_: Any = hf_model  # a Hugging Face PreTrainedModel, found by its method
+            hf_model_.enable_input_require_grads()
+            self._fix_handles.append(_Call(hf_model_.disable_input_require_grads))
             self.model_fixes.append(f"called {type(hf_model).__name__}.enable_input_require_grads()")
         # The fix acts from the next forward on (this one was repaired in flight); check once that it holds.
         self._verifying = True
@@ -276,11 +277,11 @@ def explain_torch_error(message: str) -> str | None:
     )
 
 
-def finding_records(findings: list[Finding]) -> list[tuple[str, str, dict]]:
+def finding_records(findings: list[Finding]) -> list[tuple[str, str, dict[str, Any]]]:
     """Findings as plain data (rules hold functions, which cannot cross a process boundary)."""
     return [(finding.rule.id, finding.message, dict(finding.changes)) for finding in findings]
 
 
-def findings_from_records(records: list[tuple[str, str, dict]]) -> list[Finding]:
+def findings_from_records(records: list[tuple[str, str, dict[str, Any]]]) -> list[Finding]:
     rules = {rule.id: rule for rule in RULES}
     return [Finding(rule=rules[rule_id], message=message, changes=changes) for rule_id, message, changes in records]

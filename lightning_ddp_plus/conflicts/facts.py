@@ -25,7 +25,7 @@ from __future__ import annotations
 import warnings
 import weakref
 from collections import defaultdict
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -219,7 +219,9 @@ class _ParameterUses(TorchFunctionMode):
         super().__init__()
         self.probe = probe
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         kwargs = kwargs or {}
         # Reading an attribute (`.dtype`, `.shape`, `.data`) or detaching is not a use that carries a gradient.
         if getattr(func, "__name__", "") not in ("__get__", "detach", "detach_") and self.probe._stack:
@@ -260,9 +262,9 @@ class ForwardProbe:
         self._stack: list[int] = []
         self._kinds: set[str] = set()
         self._buffers_before: dict[str, Tensor] | None = None
-        self._outputs: dict[int, tuple[weakref.ref, str]] = {}
-        self._handles: list = []
-        self._restore: list = []
+        self._outputs: dict[int, tuple[weakref.ref[Any], str]] = {}
+        self._handles: list[Any] = []
+        self._restore: list[Any] = []
         self._mode = _ParameterUses(self)
         self.active = False
 
@@ -300,7 +302,7 @@ class ForwardProbe:
     def _patch_checkpoint(self) -> None:
         probe = self
         function_class = torch_checkpoint.CheckpointFunction
-        original_apply = function_class.apply
+        original_apply: Callable[..., Any] = function_class.apply
 
         def apply(run_function: Any, preserve_rng_state: bool, *args: Any) -> Any:
             args, region = probe._open_region(args)
@@ -316,7 +318,7 @@ class ForwardProbe:
             return output
 
         own_apply = function_class.__dict__.get("apply")
-        function_class.apply = apply  # type: ignore[method-assign]
+        setattr(function_class, "apply", apply)  # noqa: B010  (a method mypy would not let us assign)
         self._restore.append(
             lambda: setattr(function_class, "apply", own_apply) if own_apply else delattr(function_class, "apply")
         )
@@ -338,10 +340,10 @@ class ForwardProbe:
             probe._kinds.add(NON_REENTRANT)
             original_init(hook, *args, **kwargs)
 
-        hook_class.__init__ = init
+        hook_class.__init__ = init  # type: ignore[misc]
         self._restore.append(lambda: setattr(hook_class, "__init__", original_init))
 
-    def _open_region(self, args: tuple) -> tuple[tuple, _Region]:
+    def _open_region(self, args: tuple[Any, ...]) -> tuple[tuple[Any, ...], _Region]:
         self._kinds.add(REENTRANT)
         tensors = [a for a in args if isinstance(a, Tensor)]
         region = _Region(
@@ -386,7 +388,7 @@ class ForwardProbe:
         """The observed facts; ``loss`` (what backward will run on) tells which parameters get a gradient."""
         self.stop()
         nodes, graph_parameters = autograd_reach(loss)
-        contexts: dict[int, set] = defaultdict(set)
+        contexts: dict[int, set[Any]] = defaultdict(set[Any])
         for pid in graph_parameters & self._trainable:
             contexts[pid].add("graph")
         reached: list[bool] = []
@@ -427,13 +429,13 @@ class ForwardProbe:
         return tuple(sorted(changed | set(running_stat_buffers(self.module))))
 
 
-def autograd_reach(output: Any) -> tuple[set, set[int]]:
+def autograd_reach(output: Any) -> tuple[set[Any], set[int]]:
     """The backward nodes reachable from ``output``'s tensors, and the ids of the leaf tensors they accumulate into.
 
     A reentrant checkpointed region appears as one node; the parameters it uses are not behind it.
     """
     pending = [t.grad_fn for t in _tensors(output) if t.grad_fn is not None]
-    nodes: set = set()
+    nodes: set[Any] = set()
     leaves: set[int] = set()
     while pending:
         node = pending.pop()
@@ -443,7 +445,7 @@ def autograd_reach(output: Any) -> tuple[set, set[int]]:
         variable = getattr(node, "variable", None)
         if variable is not None:
             leaves.add(id(variable))
-        pending.extend(next_node for next_node, _ in node.next_functions)
+        pending.extend(next_node for next_node, _ in node.next_functions if next_node is not None)
     return nodes, leaves
 
 

@@ -273,7 +273,7 @@ def resolved_view(view: DDPView, findings: list[Finding]) -> DDPView:
     for finding in findings:
         if finding.rule.level == "error":
             changes.update(finding.changes)
-    return replace(view, **changes)
+    return replace(view, **changes)  # type: ignore[arg-type]  # a rule's changes name DDPView fields
 
 
 # Messages of torch 2.13's reducer and the rule each one means.

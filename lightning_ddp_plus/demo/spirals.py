@@ -11,6 +11,7 @@ Run it on 2 CPU processes with ``ddp-plus demo`` (or ``ddp-plus fit --config con
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import lightning as L
 import torch
@@ -60,14 +61,14 @@ class SpiralDataModule(L.LightningDataModule):
         self.save_hyperparameters()
 
     def setup(self, stage: str) -> None:
-        hp = self.hparams
+        hp: Any = self.hparams  # Lightning's AttributeDict
         self.train_set = make_spirals(hp.num_train, hp.num_classes, hp.noise, hp.seed)
         self.val_set = make_spirals(hp.num_val, hp.num_classes, hp.noise, hp.seed + 1)
 
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=True)
+    def train_dataloader(self) -> DataLoader[Any]:
+        return DataLoader(self.train_set, batch_size=self.hparams["batch_size"], shuffle=True)
 
-    def val_dataloader(self) -> DataLoader:
+    def val_dataloader(self) -> DataLoader[Any]:
         return DataLoader(self.val_set, batch_size=256)
 
 
@@ -95,7 +96,8 @@ class SpiralClassifier(L.LightningModule):
         self.val_accuracy_history: list[float] = []
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.net(x)
+        logits: Tensor = self.net(x)
+        return logits
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         x, y = batch
@@ -123,4 +125,4 @@ class SpiralClassifier(L.LightningModule):
             print(f"val_acc per epoch (all {self.trainer.world_size} ranks): {history}")
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
+        return torch.optim.Adam(self.parameters(), lr=self.hparams["lr"])

@@ -164,7 +164,7 @@ class ReplicaGuard:
         if step is None or self._module is None or not dist.is_initialized():
             return
         started = time.perf_counter()
-        tensors = list(self._module.named_parameters())
+        tensors: list[tuple[str, Tensor]] = list(self._module.named_parameters())
         if with_buffers:
             tensors += list(self._module.named_buffers())
         verify_replicas(tensors, step)

@@ -96,7 +96,7 @@ class SyncTelemetry:
         self.current = StepTelemetry()
         self.last: StepTelemetry | None = None
         self.totals = StepTelemetry()
-        self._ddp: weakref.ref | None = None
+        self._ddp: weakref.ref[Any] | None = None
         self._hooks: HookAssembly | None = None
         self._layout: list[int] | None = None
         self._calls = self._handed = self._compressed = 0
@@ -178,7 +178,7 @@ class DDPTelemetry(pl.Callback):
         if telemetry is None or telemetry.last is None or telemetry.last.step == self._logged_step:
             return
         self._logged_step = telemetry.last.step
-        if telemetry.last.step % max(1, trainer.log_every_n_steps) == 0:
+        if telemetry.last.step % max(1, trainer.log_every_n_steps) == 0:  # type: ignore[attr-defined]
             for logger in trainer.loggers:
                 logger.log_metrics(telemetry.last.as_metrics(), step=trainer.global_step)
         if trainer.progress_bar_callback is not None:

@@ -58,7 +58,7 @@ class DDPPlusOptions:
     timeout: timedelta
     comm_hook: CommHook | HookFunction | None
     comm_state: object | None
-    comm_wrapper: Callable | None
+    comm_wrapper: Callable[..., Any] | None
     model_averaging_period: int | None
     gradient_accumulation_steps: int | None
     short_window: ShortWindow
@@ -88,9 +88,9 @@ class DDPPlusOptions:
         broadcast_buffers: bool | Literal["auto"] = True,
         static_graph: bool = False,
         gradient_as_bucket_view: bool = False,
-        ddp_comm_hook: str | Callable | None = None,
+        ddp_comm_hook: str | Callable[..., Any] | None = None,
         ddp_comm_state: object | None = None,
-        ddp_comm_wrapper: Callable | None = None,
+        ddp_comm_wrapper: Callable[..., Any] | None = None,
         model_averaging_period: int | None = None,
         gradient_accumulation_steps: int | None = None,
         short_window: ShortWindow = "mean",

@@ -65,7 +65,7 @@ class _SyncControl(_DDPBackwardSyncControl):
         self.engine = engine
 
     @override
-    def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager:
+    def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager[Any]:
         if enabled and self.engine.window.must_sync_first_backward(self.engine.settings.static_graph):
             return nullcontext()
         return super().no_backward_sync(module, enabled)
@@ -97,9 +97,9 @@ class DDPPlusFabricStrategy(AtomicCheckpoints, EngineViews, DDPStrategy):
         broadcast_buffers: bool | Literal["auto"] = True,
         static_graph: bool = False,
         gradient_as_bucket_view: bool = False,
-        ddp_comm_hook: str | Callable | None = None,
+        ddp_comm_hook: str | Callable[..., Any] | None = None,
         ddp_comm_state: object | None = None,
-        ddp_comm_wrapper: Callable | None = None,
+        ddp_comm_wrapper: Callable[..., Any] | None = None,
         gradient_accumulation_steps: int | None = None,
         short_window: ShortWindow = "mean",
         checkpointing_conflict: ConflictMode = "error",

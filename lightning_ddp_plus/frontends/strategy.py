@@ -168,9 +168,9 @@ class DDPPlusStrategy(AtomicCheckpoints, EngineViews, DDPStrategy):
         broadcast_buffers: bool | Literal["auto"] = True,
         static_graph: bool = False,
         gradient_as_bucket_view: bool = False,
-        ddp_comm_hook: str | Callable | None = None,
+        ddp_comm_hook: str | Callable[..., Any] | None = None,
         ddp_comm_state: object | None = None,
-        ddp_comm_wrapper: Callable | None = None,
+        ddp_comm_wrapper: Callable[..., Any] | None = None,
         model_averaging_period: int | None = None,
         gradient_accumulation_steps: int | None = None,
         short_window: ShortWindow = "mean",
@@ -259,7 +259,9 @@ class DDPPlusStrategy(AtomicCheckpoints, EngineViews, DDPStrategy):
                 self, start_method=self._start_method, before_launch=self._settle_with_trainer
             )
 
-    def _settle_with_trainer(self, trainer: pl.Trainer, function: Callable, args: tuple) -> tuple:
+    def _settle_with_trainer(
+        self, trainer: pl.Trainer, function: Callable[..., Any], args: tuple[Any, ...]
+    ) -> tuple[Any, ...]:
         """The launcher's ``launch`` calls this in every process before anything starts: k is settled once with the
         Trainer's ``accumulate_grad_batches``, which then says what Lightning's loop must do (k in automatic
         optimization, where the loop accumulates; 1 in manual, where Lightning refuses it and the engine accumulates);
@@ -270,7 +272,9 @@ class DDPPlusStrategy(AtomicCheckpoints, EngineViews, DDPStrategy):
         trainer.accumulate_grad_batches = 1 if manual else steps
         return self._resume_arguments(trainer, function, args)
 
-    def _resume_arguments(self, trainer: pl.Trainer, function: Callable, args: tuple) -> tuple:
+    def _resume_arguments(
+        self, trainer: pl.Trainer, function: Callable[..., Any], args: tuple[Any, ...]
+    ) -> tuple[Any, ...]:
         """A resume (``resume_from_last``, or the user's ``ckpt_path="last"``) becomes ``NEWEST_READABLE``, which
         ``resume_start`` resolves on all ranks together (see ``lightning_ddp_plus.persistence.resume``)."""
         if trainer.state.fn != TrainerFn.FITTING:
@@ -299,7 +303,7 @@ class DDPPlusStrategy(AtomicCheckpoints, EngineViews, DDPStrategy):
                 checkpoint_path = self._choose_resume(trainer)
             resume_start(checkpoint_path, *args, **kwargs)
 
-        connector.resume_start = resume_start_with_choice
+        connector.resume_start = resume_start_with_choice  # type: ignore[method-assign]
 
     def _choose_resume(self, trainer: pl.Trainer) -> Any:
         choice = resume.choose(trainer, self.checkpoint_io) if self.is_global_zero else None
@@ -362,8 +366,9 @@ class DDPPlusStrategy(AtomicCheckpoints, EngineViews, DDPStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
-        if self.telemetry is not None and not any(isinstance(c, DDPTelemetry) for c in trainer.callbacks):
-            trainer.callbacks.append(DDPTelemetry())
+        callbacks = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's callback connector
+        if self.telemetry is not None and not any(isinstance(c, DDPTelemetry) for c in callbacks):
+            callbacks.append(DDPTelemetry())
 
     @override
     def _setup_model(self, model: Module) -> DistributedDataParallel:
@@ -455,7 +460,7 @@ class DDPPlusStrategy(AtomicCheckpoints, EngineViews, DDPStrategy):
 
     @contextmanager
     @override
-    def block_backward_sync(self) -> Generator:
+    def block_backward_sync(self) -> Generator[Any, None, None]:
         if self.engine.window.must_sync_first_backward(self.settings.static_graph):
             yield None
             return
@@ -511,7 +516,7 @@ class DDPPlusStrategy(AtomicCheckpoints, EngineViews, DDPStrategy):
             and lightning_module is not None
             and not lightning_module.automatic_optimization
         ):
-            ddp.reducer._delay_all_reduce()
+            ddp.reducer._delay_all_reduce()  # type: ignore[attr-defined]
             self._static_graph_flushed = True
 
     @override
@@ -535,7 +540,7 @@ class DDPPlusStrategy(AtomicCheckpoints, EngineViews, DDPStrategy):
         step = self.engine.after_optimizer_step()
         if lightning_module is not None:
             trainer = lightning_module.trainer
-            if step % max(1, trainer.log_every_n_steps) == 0:
+            if step % max(1, trainer.log_every_n_steps) == 0:  # type: ignore[attr-defined]
                 self._log_sync_stats(trainer)
         return output
 

@@ -25,7 +25,7 @@ from pathlib import Path
 NEWEST_READABLE = "ddp-plus:newest-readable-checkpoint"
 
 
-def unreadable_reason(path: str | os.PathLike) -> str | None:
+def unreadable_reason(path: str | os.PathLike[str]) -> str | None:
     """Why the torch checkpoint at ``path`` cannot be loaded whole, or ``None`` when it can (nothing is unpickled).
 
     >>> import tempfile, torch
@@ -60,7 +60,7 @@ def unreadable_reason(path: str | os.PathLike) -> str | None:
     return None
 
 
-def present_reason(path: str | os.PathLike) -> str | None:
+def present_reason(path: str | os.PathLike[str]) -> str | None:
     """The check for a checkpoint IO whose format is not torch's zip: the file (or directory) exists and is not
     empty; nothing more can be known without loading it."""
     try:
@@ -76,7 +76,9 @@ def _inside(path: Path, directories: tuple[Path, ...]) -> bool:
     return any(real.parent == directory for directory in directories)
 
 
-def resume_candidates(directories: Iterable[str | os.PathLike], files: Iterable[str | os.PathLike] = ()) -> list[Path]:
+def resume_candidates(
+    directories: Iterable[str | os.PathLike[str]], files: Iterable[str | os.PathLike[str]] = ()
+) -> list[Path]:
     """The checkpoints a resume may use, newest first (by modification time; ``last*`` first among equals): the
     ``*.ckpt`` files directly in ``directories`` and the existing ``files``, symlinks only into those directories.
 
@@ -131,7 +133,7 @@ def choose_resume(candidates: list[Path], check: Callable[[Path], str | None] = 
     >>> choose_resume([Path("/nonexistent/last.ckpt")])
     ResumeChoice(path=None, skipped=(('/nonexistent/last.ckpt', 'cannot be read (No such file or directory)'),), candidates=1)
     """
-    skipped = []
+    skipped: list[tuple[str, str]] = []
     for path in candidates:
         reason = check(path)
         if reason is None:

@@ -189,7 +189,7 @@ def _torch_save(checkpoint: dict[str, Any]) -> Callable[[Path], None]:
     return write
 
 
-def accepts_argument(method: Callable, name: str) -> bool:
+def accepts_argument(method: Callable[..., Any], name: str) -> bool:
     """Whether ``method`` takes the keyword argument ``name`` (named, or through ``**kwargs``)."""
     try:
         parameters = inspect.signature(method).parameters
@@ -287,11 +287,13 @@ def atomic(checkpoint_io: CheckpointIO | None) -> CheckpointIO:
     if isinstance(checkpoint_io, AtomicCheckpointIO):
         return checkpoint_io
     if wrapping is not None and isinstance(checkpoint_io, wrapping):
-        inner = checkpoint_io.checkpoint_io
+        async_io: Any = checkpoint_io  # Lightning's AsyncCheckpointIO, whose class this Lightning may lack
+        inner = async_io.checkpoint_io
         if not isinstance(inner, AtomicCheckpointIO):
             # the wrapper's setter ignores a second base IO, so the attribute is set
-            checkpoint_io._checkpoint_io = AtomicCheckpointIO(inner)
-        return checkpoint_io
+            async_io._checkpoint_io = AtomicCheckpointIO(inner)
+        wrapped: CheckpointIO = async_io
+        return wrapped
     return AtomicCheckpointIO(checkpoint_io)
 
 
@@ -305,7 +307,8 @@ class AtomicCheckpoints:
     def checkpoint_io(self) -> CheckpointIO:
         if self.options.atomic_checkpoints:  # type: ignore[attr-defined]
             self._checkpoint_io = atomic(self._checkpoint_io)
-        return super().checkpoint_io  # type: ignore[misc]
+        io: CheckpointIO = super().checkpoint_io  # type: ignore[misc]
+        return io
 
     @checkpoint_io.setter
     def checkpoint_io(self, io: CheckpointIO) -> None:

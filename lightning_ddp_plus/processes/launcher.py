@@ -29,7 +29,7 @@ from typing_extensions import override
 PARENT_PID_VARIABLE = "DDP_PLUS_LAUNCHER_PID"
 
 #: ``before_launch(trainer, function, args) -> args``: may settle Trainer settings and adjust the launched call.
-BeforeLaunch = Callable[[Any, Callable, tuple], tuple]
+BeforeLaunch = Callable[[Any, Callable[..., Any], tuple[Any, ...]], tuple[Any, ...]]
 
 
 class _SettlesBeforeLaunch:
@@ -37,7 +37,7 @@ class _SettlesBeforeLaunch:
 
     before_launch: BeforeLaunch | None = None
 
-    def _settle(self, trainer: Any | None, function: Callable, args: tuple) -> tuple:
+    def _settle(self, trainer: Any | None, function: Callable[..., Any], args: tuple[Any, ...]) -> tuple[Any, ...]:
         if trainer is not None and self.before_launch is not None:
             return self.before_launch(trainer, function, args)
         return args
@@ -51,7 +51,7 @@ class KillChildrenOnFailureLauncher(_SettlesBeforeLaunch, _SubprocessScriptLaunc
         self.before_launch = before_launch
 
     @override
-    def launch(self, function: Callable, *args: Any, trainer: Any | None = None, **kwargs: Any) -> Any:
+    def launch(self, function: Callable[..., Any], *args: Any, trainer: Any | None = None, **kwargs: Any) -> Any:
         args = self._settle(trainer, function, args)
         if not self.cluster_environment.creates_processes_externally:
             os.environ[PARENT_PID_VARIABLE] = str(os.getpid())  # inherited by the children it starts
@@ -71,7 +71,7 @@ class ResultsReturningLauncher(_SettlesBeforeLaunch, _MultiProcessingLauncher):
         self.before_launch = before_launch
 
     @override
-    def launch(self, function: Callable, *args: Any, trainer: Any | None = None, **kwargs: Any) -> Any:
+    def launch(self, function: Callable[..., Any], *args: Any, trainer: Any | None = None, **kwargs: Any) -> Any:
         args = self._settle(trainer, function, args)
         return super().launch(function, *args, trainer=trainer, **kwargs)
 
@@ -104,7 +104,7 @@ def watch_parent(poll_seconds: float = 1.0) -> threading.Thread | None:
     return thread
 
 
-_held_groups: list = []
+_held_groups: list[Any] = []
 _registered = False
 
 

@@ -30,7 +30,7 @@ def outgoing_address(master_addr: str, master_port: int) -> str:
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
             probe.connect((master_addr, master_port))
-            return probe.getsockname()[0]
+            return str(probe.getsockname()[0])
     except OSError:
         return socket.gethostname()
 

@@ -129,7 +129,7 @@ def should_resume(mode: str, timeout: timedelta = timedelta(minutes=5)) -> bool:
     return mode == "on_restart" and (restart_attempt(timeout) or 0) > 0
 
 
-class SkipFirstSampler(Sampler):
+class SkipFirstSampler(Sampler[Any]):
     """``sampler`` without its first ``skip`` indices, on its next pass only (the rest of an interrupted epoch).
 
     >>> sampler = SkipFirstSampler(range(10), skip=4)
@@ -140,7 +140,7 @@ class SkipFirstSampler(Sampler):
     def __init__(self, sampler: Any, skip: int) -> None:
         self.sampler, self.skip = sampler, skip
 
-    def __iter__(self) -> Iterator:
+    def __iter__(self) -> Iterator[Any]:
         skip, self.skip = self.skip, 0
         return itertools.islice(iter(self.sampler), skip, None)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,7 +38,7 @@ def label(cap_mb: float | None) -> str:
     return "25 (1 MiB first bucket)" if cap_mb is None else f"{cap_mb:g}"
 
 
-def backward_ns(logging_data: dict) -> int | None:
+def backward_ns(logging_data: dict[str, Any]) -> int | None:
     """The backward's span, first gradient to last bucket all-reduced, from one iteration's DDP logging data.
 
     >>> backward_ns({"backward_compute_time": 30, "backward_comm_time": 20, "backward_compute_comm_overlap_time": 15})
@@ -105,6 +106,7 @@ class BucketTuner:
             return
         self._iterations += 1
         if self._iterations > 1:  # the first iteration of a reducer buckets in parameter order: not timed
+            assert ddp.logger is not None
             ddp.logger.set_runtime_stats_and_log()  # this iteration's figures now, not at the next forward
             measured = backward_ns(ddp._get_ddp_logging_data())
             if measured is not None:

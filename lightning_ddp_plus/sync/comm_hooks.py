@@ -122,7 +122,8 @@ def _import_hook(path: str) -> HookFunction:
                 "point it at a function `hook(state, bucket)`.",
             )
         )
-    return hook
+    function: HookFunction = hook
+    return function
 
 
 @dataclass
@@ -165,7 +166,7 @@ def bucket_ordered_hook(hook: HookFunction) -> HookFunction:
     link). Waiting for the previous bucket fixes the order; the wait falls at the end of the backward for all but the
     smallest buckets, so little overlap is lost.
     """
-    previous: list[torch.futures.Future] = []
+    previous: list[torch.futures.Future[torch.Tensor]] = []
 
     def ddp_plus_bucket_ordered_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         if bucket.index() > 0 and previous:
@@ -187,7 +188,9 @@ class HookAssembly:
     'fp16'
     """
 
-    def __init__(self, hook: CommHook | HookFunction | None, state: object | None, wrapper: Callable | None) -> None:
+    def __init__(
+        self, hook: CommHook | HookFunction | None, state: object | None, wrapper: Callable[..., Any] | None
+    ) -> None:
         self.hook = hook
         self.user_state = state
         self.wrapper = wrapper

@@ -29,7 +29,7 @@ def ddp_kwargs(settings: DDPSettings) -> dict[str, Any]:
     return settings.to_ddp_kwargs(forward_sync_buffers=HAS_FORWARD_SYNC_BUFFERS)
 
 
-def wrapping_stream(device: torch.device, device_ids: list[int] | None) -> AbstractContextManager:
+def wrapping_stream(device: torch.device, device_ids: list[int] | None) -> AbstractContextManager[Any]:
     """Where DDP is built: a side stream of the model's own device (torch's CUDA semantics notes: DDP's constructor
     broadcasts on it), for any accelerator whose torch module has streams (``torch.cuda``, ``torch.xpu``, ...); no
     stream on CPU. The device is named, not taken as current, so that a process whose current device is another
@@ -38,10 +38,11 @@ def wrapping_stream(device: torch.device, device_ids: list[int] | None) -> Abstr
     >>> wrapping_stream(torch.device("cpu"), None)  # doctest: +ELLIPSIS
     <contextlib.nullcontext object at ...>
     """
-    backend = getattr(torch, device.type, None)
+    backend: Any = getattr(torch, device.type, None)
     if device_ids is None or not (hasattr(backend, "Stream") and hasattr(backend, "stream")):
         return nullcontext()
-    return backend.stream(backend.Stream(device=device))
+    stream: AbstractContextManager[Any] = backend.stream(backend.Stream(device=device))
+    return stream
 
 
 def wrap_module(module: Module, settings: DDPSettings, device_ids: list[int] | None) -> DistributedDataParallel:
@@ -51,7 +52,7 @@ def wrap_module(module: Module, settings: DDPSettings, device_ids: list[int] | N
 
 
 @contextmanager
-def _local_buffers_kept(module: Module, keep: bool) -> Generator:
+def _local_buffers_kept(module: Module, keep: bool) -> Generator[Any, None, None]:
     # `forward_sync_buffers=False` still broadcasts buffers when wrapping; the old `broadcast_buffers=False` kept each
     # rank's own values, which is what the strategy's `broadcast_buffers=False` promises, so put them back.
     local = [buffer.detach().clone() for buffer in module.buffers()] if keep else None
@@ -90,7 +91,7 @@ def set_bucket_cap(ddp: DistributedDataParallel, cap_mb: float | None) -> None:
     if hasattr(ddp, "_bucket_config"):  # torch >= 2.13 keeps the sizes in one config object
         from torch.nn.parallel.distributed import _BucketCapacityConfig
 
-        config = _BucketCapacityConfig.create(cap_mb, None, ddp._use_python_reducer)
+        config = _BucketCapacityConfig.create(cap_mb, None, ddp._use_python_reducer)  # type: ignore[arg-type]
         ddp._bucket_config = config
         ddp.bucket_bytes_cap = config.bucket_bytes_cap
         ddp.bucket_bytes_cap_default = config.first_bucket_bytes_cap < config.bucket_bytes_cap
@@ -111,6 +112,7 @@ def replay_forward(ddp: DistributedDataParallel, loss: Tensor, forward_synced: b
     """
     if not forward_synced:
         return loss
+    assert ddp.logger is not None
     ddp.logger.set_runtime_stats_and_log()
     ddp.reducer.prepare_for_forward()
     if not post_forward:
