@@ -1,6 +1,7 @@
-"""``ddp-plus check``: a conflicting and a clean config, from YAML files on disk, in a real subprocess."""
+"""``ddp-plus check``: a conflicting and a clean config, from YAML files on disk; the first case runs the console
+script in a real subprocess, the others its function in this process."""
 
-from tests.helpers import console_script, run_job
+from tests.helpers import check_in_process, console_script, run_job
 
 CONFIG = """
 trainer:
@@ -16,48 +17,56 @@ model:
 """
 
 
-def check(tmp_path, **values):
+def write_config(tmp_path, **values):
     config = tmp_path / "config.yaml"
     config.write_text(CONFIG.format(**values))
-    return run_job([console_script("ddp-plus"), "check", "--config", str(config)], timeout=120)
+    return config
 
 
 def test_conflicting_config_exits_1_with_the_rule_and_fix(tmp_path):
-    result = check(tmp_path, find_unused="true", checkpointing="reentrant", unused="false")
+    config = write_config(tmp_path, find_unused="true", checkpointing="reentrant", unused="false")
+    result = run_job([console_script("ddp-plus"), "check", "--config", str(config)], timeout=120)
     assert result.returncode == 1, result.stdout[-2000:]
     assert "ERROR [R1]" in result.stdout and "Fix: set static_graph=True" in result.stdout
     assert "one probe forward of training_step" in result.stdout
 
 
-def test_unused_parameters_are_named(tmp_path):
-    result = check(tmp_path, find_unused="false", checkpointing="none", unused="true")
-    assert result.returncode == 1
-    assert "ERROR [R4]" in result.stdout and "spare.weight, spare.bias" in result.stdout
+def test_unused_parameters_are_named(tmp_path, capsys):
+    code, out = check_in_process(
+        write_config(tmp_path, find_unused="false", checkpointing="none", unused="true"), capsys
+    )
+    assert code == 1
+    assert "ERROR [R4]" in out and "spare.weight, spare.bias" in out
 
 
-def test_clean_config_exits_0(tmp_path):
-    result = check(tmp_path, find_unused="false", checkpointing="non_reentrant", unused="false")
-    assert result.returncode == 0, result.stdout[-2000:]
-    assert "result: no findings" in result.stdout
+def test_clean_config_exits_0(tmp_path, capsys):
+    config = write_config(tmp_path, find_unused="false", checkpointing="non_reentrant", unused="false")
+    code, out = check_in_process(config, capsys)
+    assert code == 0, out[-2000:]
+    assert "result: no findings" in out
 
 
-def test_advice_alone_exits_0(tmp_path):
-    result = check(tmp_path, find_unused="true", checkpointing="none", unused="false")
-    assert result.returncode == 0
-    assert "ADVICE [A1]" in result.stdout
+def test_advice_alone_exits_0(tmp_path, capsys):
+    code, out = check_in_process(
+        write_config(tmp_path, find_unused="true", checkpointing="none", unused="false"), capsys
+    )
+    assert code == 0
+    assert "ADVICE [A1]" in out
 
 
-def test_shipped_cpu_config_is_clean():
-    result = run_job([console_script("ddp-plus"), "check", "--config", "configs/cpu.yaml"], timeout=120)
-    assert result.returncode == 0, result.stdout[-2000:]
-    assert "result: no findings" in result.stdout
+def test_shipped_cpu_config_is_clean(capsys):
+    from lightning_ddp_plus.demo import DEMO_CONFIG
+
+    code, out = check_in_process(DEMO_CONFIG, capsys)
+    assert code == 0, out[-2000:]
+    assert "result: no findings" in out
 
 
-def test_invalid_config_exits_1(tmp_path):
+def test_invalid_config_exits_1(tmp_path, capsys):
     config = tmp_path / "bad.yaml"
     config.write_text(
         "trainer:\n  strategy:\n    class_path: lightning_ddp_plus.DDPPlusStrategy\n    init_args: {process_group_backend: ncll}\nmodel:\n  class_path: tests.helpers.CheckpointNet\n"
     )
-    result = run_job([console_script("ddp-plus"), "check", "--config", str(config)], timeout=120)
-    assert result.returncode == 1
-    assert "did you mean 'nccl'" in result.stdout
+    code, out = check_in_process(config, capsys)
+    assert code == 1
+    assert "did you mean 'nccl'" in out

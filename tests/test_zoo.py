@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from tests.helpers import REPO_ROOT, console_script, run_case_job, run_job
+from tests.helpers import REPO_ROOT, check_in_process, run_case_job
 from tests.zoo import MODELS, outcome, zoo_cases
 
 transformers = pytest.importorskip("transformers")
@@ -140,13 +140,13 @@ model:
         ("llama_lora_reentrant", "false", 0, "result: no findings"),
     ],
 )
-def test_check_command_on_zoo_configs(tmp_path, name, find_unused, code, expected):
+def test_check_command_on_zoo_configs(tmp_path, capsys, name, find_unused, code, expected):
     config = tmp_path / "zoo.yaml"
     config.write_text(ZOO_CONFIG.format(name=name, find_unused=find_unused))
-    result = run_job([console_script("ddp-plus"), "check", "--config", str(config)], timeout=180)
-    assert result.returncode == code, result.stdout[-3000:]
-    assert expected in result.stdout
-    assert "one probe forward of training_step" in result.stdout
+    exit_code, out = check_in_process(config, capsys)  # tests/test_check_command.py runs the console script itself
+    assert exit_code == code, out[-3000:]
+    assert expected in out
+    assert "one probe forward of training_step" in out
 
 
 def test_zoo_table_script_prints_the_counts(tmp_path):
