@@ -379,7 +379,7 @@ def print_table(result: dict) -> None:
 
 
 def markdown(report: dict) -> str:
-    """The README's tables: per rate, each variant's time per optimizer step against stock and the two bounds."""
+    """The docs' (docs/benchmarks.md) tables: per rate, each variant's time per optimizer step against stock and the two bounds."""
     lines = []
     for result in report["results"]:
         lines += [

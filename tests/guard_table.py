@@ -1,4 +1,4 @@
-"""Print the README's table of models whose graph changes after the first step: stock, ``ddp_plus`` defaults and
+"""Print the docs' (docs/guides/every-step.md) table of models whose graph changes after the first step: stock, ``ddp_plus`` defaults and
 ``resolve``, each with its outcome, the step, and whether the replicas were identical when it stopped.
 
     python tests/guard_table.py [OUT.md]

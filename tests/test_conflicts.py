@@ -240,7 +240,7 @@ def test_probe_observes_a_real_forward(model_kwargs, kinds, reentrant, reused, u
 
 
 class Patterns(nn.Module):
-    """Every way a forward can use a parameter inside reentrant checkpointing (torch's verdicts: see the README)."""
+    """Every way a forward can use a parameter inside reentrant checkpointing (torch's verdicts: see docs/guides/conflicts.md)."""
 
     def __init__(self, pattern: str, frozen_input: bool = False):
         super().__init__()

@@ -1,7 +1,7 @@
 """Model facts that decide whether a DDP configuration works, observed during a real training forward.
 
 What torch's reducer cares about is where each trainable parameter's gradient is accumulated (measured on torch
-2.13, see the README's rule table):
+2.13, see the rule table in the docs' conflict checks guide):
 
 - the autograd graph of the loss (ordinary use, non-reentrant checkpointing included);
 - a reentrant checkpointed region, whose parameters are hidden from that graph and get their gradient in a separate

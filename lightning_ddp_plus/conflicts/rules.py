@@ -298,7 +298,7 @@ def rule_for_torch_error(message: str) -> Rule | None:
 
 
 def rules_table() -> str:
-    """The rules as a Markdown table (the README's table is this output)."""
+    """The rules as a Markdown table (the docs' conflict-checks guide shows this output, made by ``docs/hooks.py``)."""
     lines = ["| rule | level | when | fix |", "|---|---|---|---|"]
     lines += [f"| {r.id} | {r.level} | {r.title} | {r.fix} |" for r in RULES]
     return "\n".join(lines)

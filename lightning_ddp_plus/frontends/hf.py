@@ -65,8 +65,14 @@ class HFStyleDDPPlusStrategy(DDPPlusStrategy):
         ddp_static_graph: ``None``: ``False``.
         ddp_timeout: collective timeout in seconds.
         gradient_checkpointing: whether the model checkpoints (decides only ``ddp_find_unused_parameters=None``).
-        checkpointing_conflict, ddp_comm_hook, short_window, verify_replicas_every_n_steps, telemetry, start_method:
-            as in ``DDPPlusStrategy`` (its other arguments are not taken here, so that no setting has two names).
+        checkpointing_conflict: as in ``DDPPlusStrategy``.
+        ddp_comm_hook: as in ``DDPPlusStrategy``.
+        short_window: as in ``DDPPlusStrategy``.
+        verify_replicas_every_n_steps: as in ``DDPPlusStrategy``.
+        telemetry: as in ``DDPPlusStrategy``.
+        start_method: as in ``DDPPlusStrategy``.
+
+    ``DDPPlusStrategy``'s other arguments are not taken here, so that no setting has two names.
     """
 
     def __init__(

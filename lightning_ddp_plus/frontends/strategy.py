@@ -105,7 +105,7 @@ class DDPPlusStrategy(AtomicCheckpoints, EngineViews, DDPStrategy):
             ``Trainer(accumulate_grad_batches=...)``: set either (they must agree if both are set; checked when
             ``fit`` starts, before any process is launched).
         checkpointing_conflict: what to do when the DDP settings conflict with the model (gradient checkpointing,
-            reused or unused parameters; see the README's rule table). The first training forward is observed and
+            reused or unused parameters; see the rule table in the docs' conflict checks guide). The first training forward is observed and
             the decision taken at the first backward: ``"error"`` (default) raises ``DDPConflictError`` before any
             gradient is all-reduced or any optimizer step runs; ``"warn"`` warns once per rule and trains as stock
             DDP would; ``"resolve"`` changes the settings (and, for rule R5, the model's input grads) to a working
