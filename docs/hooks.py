@@ -7,6 +7,7 @@ defaults) and its docstring's ``Args:`` section (meanings). An argument without 
 
 from __future__ import annotations
 
+import html
 import inspect
 import re
 from typing import Any
@@ -48,8 +49,11 @@ def arguments_table() -> str:
 
 
 def cell(text: str, code: bool = False) -> str:
-    text = text.replace("``", "`").replace("|", "\\|")
-    return f"`{text}`" if code and text else text
+    """A table cell: RST double backticks as Markdown code; a pipe escaped (as an HTML entity inside code, where a
+    backslash would show)."""
+    if code:
+        return f"<code>{html.escape(text).replace('|', '&#124;')}</code>" if text else ""
+    return text.replace("``", "`").replace("|", "\\|")
 
 
 def rules_table() -> str:
