@@ -208,6 +208,17 @@ def test_a_torch_whose_checkpointing_the_probe_cannot_see_gets_a_warning_not_sil
         probe.facts(torch.utils.checkpoint.checkpoint(model.layer, torch.randn(2, 2), use_reentrant=False).sum())
 
 
+def test_a_torch_without_the_reentrant_function_gets_a_warning_not_a_crash(monkeypatch):
+    monkeypatch.delattr(torch.utils.checkpoint, "CheckpointFunction")  # used only by reentrant calls, none here
+    model = HFStyleModel(use_reentrant=False)
+    with (
+        pytest.warns(UserWarning, match="cannot observe reentrant gradient checkpointing"),
+        ForwardProbe(model) as probe,
+    ):
+        loss = torch.utils.checkpoint.checkpoint(model.layer, torch.randn(2, 2), use_reentrant=False).sum()
+    assert probe.facts(loss).checkpointing == {"non_reentrant"}  # what it can see, it still sees
+
+
 def test_plain_model_has_no_checkpointing_and_batchnorm_buffers_are_found():
     facts = static_facts(CheckpointNet(norm="batch"))
     assert not facts.checkpointed

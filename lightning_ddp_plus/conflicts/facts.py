@@ -50,13 +50,15 @@ def non_reentrant_hook_class() -> type | None:
     return hook_class if "__init__" in hook_class.__dict__ else None
 
 
-def warn_blind_to_non_reentrant() -> None:
+def warn_probe_blind(kind: str, missing: str) -> None:
+    """The probe cannot see ``kind`` checkpointing on this torch (``missing`` is what it looked for): say so once per
+    probe, rather than report no checkpointing."""
     warnings.warn(
-        f"lightning-ddp-plus: torch {torch.__version__} has no `torch.utils.checkpoint._checkpoint_hook` for the "
-        "conflict check's probe to see, so it cannot observe non-reentrant gradient checkpointing on this torch: "
-        "the checks about it (static_graph with checkpointing, reused parameters) are incomplete. Please report "
-        "your torch version to lightning-ddp-plus; set the conflict findings you rely on by hand meanwhile.",
-        stacklevel=3,
+        f"lightning-ddp-plus: torch {torch.__version__} has no {missing} for the conflict check's probe to see, so "
+        f"it cannot observe {kind} gradient checkpointing on this torch: the conflict rules that depend on it are "
+        "incomplete. Please report your torch version to lightning-ddp-plus; meanwhile set find_unused_parameters "
+        "and static_graph as the docs' rule table says for how your model checkpoints.",
+        stacklevel=4,
     )
 
 
@@ -300,8 +302,12 @@ class ForwardProbe:
         self._handles.clear()
 
     def _patch_checkpoint(self) -> None:
+        self._patch_non_reentrant()
         probe = self
-        function_class = torch_checkpoint.CheckpointFunction
+        function_class = getattr(torch_checkpoint, "CheckpointFunction", None)
+        if not isinstance(function_class, type) or not hasattr(function_class, "apply"):
+            warn_probe_blind("reentrant", "`torch.utils.checkpoint.CheckpointFunction`")
+            return
         original_apply: Callable[..., Any] = function_class.apply
 
         def apply(run_function: Any, preserve_rng_state: bool, *args: Any) -> Any:
@@ -322,7 +328,6 @@ class ForwardProbe:
         self._restore.append(
             lambda: setattr(function_class, "apply", own_apply) if own_apply else delattr(function_class, "apply")
         )
-        self._patch_non_reentrant()
 
     def _patch_non_reentrant(self) -> None:
         """See non-reentrant checkpointing by the saved-tensors hook every non-reentrant region enters
@@ -331,7 +336,7 @@ class ForwardProbe:
         blind to it instead of reporting nothing."""
         hook_class = non_reentrant_hook_class()
         if hook_class is None:
-            warn_blind_to_non_reentrant()
+            warn_probe_blind("non-reentrant", "`torch.utils.checkpoint._checkpoint_hook` saved-tensors hook class")
             return
         probe = self
         original_init = hook_class.__dict__["__init__"]
