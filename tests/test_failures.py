@@ -17,7 +17,7 @@ pytestmark = pytest.mark.multiprocess
 
 # The collective timeout also bounds the start-up rendezvous: the popen launcher re-runs the script for rank 1, and
 # importing torch and Lightning took 6-9 s on a slow machine (a 6 s timeout failed there with "1/2 clients joined").
-TIMEOUT_S = 20
+TIMEOUT_S = 12
 CRASH_TIMEOUT_S = 90  # far longer than a crash takes to end the job, so ending before it proves the crash was noticed
 
 
