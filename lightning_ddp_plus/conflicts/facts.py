@@ -331,9 +331,9 @@ class ForwardProbe:
 
     def _patch_non_reentrant(self) -> None:
         """See non-reentrant checkpointing by the saved-tensors hook every non-reentrant region enters
-        (``_checkpoint_hook``: in torch since 2.0, tested on 2.13, 2.14 and 2.15), patched on the class so that whichever function of
-        ``torch.utils.checkpoint`` enters it is seen; where this torch has no such hook, warn that the check is
-        blind to it instead of reporting nothing."""
+        (``_checkpoint_hook``: in torch since 2.0, tested on 2.13, 2.14 and 2.15), patched on the class so that
+        whichever function of ``torch.utils.checkpoint`` enters it is seen; where this torch has no such hook, warn
+        that the check is blind to it instead of reporting nothing."""
         hook_class = non_reentrant_hook_class()
         if hook_class is None:
             warn_probe_blind("non-reentrant", "`torch.utils.checkpoint._checkpoint_hook` saved-tensors hook class")
