@@ -5,7 +5,7 @@
 LightningCLI. ``ddp-plus check --config FILE`` runs the conflict checks without training (exit status 1 on an
 error-level finding); ``ddp-plus report LOGDIR`` draws the ``ddp/`` telemetry a run logged with CSVLogger. The current
 directory is put on ``sys.path`` (as ``python -m`` does) so that a config can name classes from the project it is run
-in, e.g. ``examples.spirals.SpiralClassifier``.
+in, e.g. ``my_project.models.MyModel`` from ``my_project/models.py``.
 """
 
 from __future__ import annotations
