@@ -13,12 +13,23 @@ ALLOWED = {
     "config": set(),
     "demo": set(),
     "sync": {"config"},
+    "sharding": {"config"},
     "conflicts": {"config"},
     "processes": {"config"},
     "persistence": {"config", "processes"},
     "diagnostics": {"config", "sync", "conflicts"},
-    "engine": {"config", "sync", "conflicts", "diagnostics", "processes", "persistence"},
-    "frontends": {"config", "sync", "conflicts", "diagnostics", "processes", "persistence", "engine", "demo"},
+    "engine": {"config", "sync", "sharding", "conflicts", "diagnostics", "processes", "persistence"},
+    "frontends": {
+        "config",
+        "sync",
+        "sharding",
+        "conflicts",
+        "diagnostics",
+        "processes",
+        "persistence",
+        "engine",
+        "demo",
+    },
 }
 
 

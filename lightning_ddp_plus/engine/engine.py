@@ -7,13 +7,14 @@
 - ``SyncTelemetry``: per-step communication figures;
 - ``BucketTuner``: ``bucket_cap_mb="auto"``, timing bucket sizes during the first optimizer steps;
 - ``SyncGuard``: after every synced backward, that every rank's reducer all-reduced every bucket;
-- ``UnevenInputsCheck``: ranks whose shards hold different numbers of batches.
+- ``UnevenInputsCheck``: ranks whose shards hold different numbers of batches;
+- ``optimizer_sharding``: the optimizers wrapped in ``ZeroRedundancyOptimizer`` (``shard_optimizers``).
 
 The guard and the uneven-inputs check share one small gloo group (``SideChannel``) and, where they can, the guard's
 per-step agreement (a store look-up on gloo).
 
 The Trainer strategy (``strategy.py``) and the Fabric strategy (``fabric.py``) translate their framework's hooks into
-the few calls below: ``wrap`` at setup, ``batch_starts`` before each training batch,
+the few calls below: ``wrap`` at setup, ``shard_optimizers`` once the optimizers exist, ``batch_starts`` before each training batch,
 ``before_backward``/``after_backward`` around each backward, ``after_optimizer_step``, ``teardown``.
 """
 
@@ -29,6 +30,7 @@ import torch
 from torch import Tensor
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
 
 from lightning_ddp_plus.config.settings import DDPSettings
 from lightning_ddp_plus.config.timeout import format_timeout
@@ -48,6 +50,7 @@ from lightning_ddp_plus.diagnostics.replicas import ReplicaGuard
 from lightning_ddp_plus.diagnostics.telemetry import SyncTelemetry
 from lightning_ddp_plus.engine.options import DDPPlusOptions
 from lightning_ddp_plus.processes import reachability
+from lightning_ddp_plus.sharding import optimizer as sharding
 from lightning_ddp_plus.sync.accumulation import AccumulationWindow, SyncStats, scale_gradients
 from lightning_ddp_plus.sync.buckets import BucketChoice, BucketTuner
 from lightning_ddp_plus.sync.comm_hooks import HookAssembly, HookCallCounter
@@ -153,6 +156,28 @@ class DDPPlusEngine:
             if self.before_training_forward is not None:
                 self.before_training_forward(ddp)
             self._forward_synced = ddp.require_backward_grad_sync
+
+    def shard_optimizers(self, optimizers: list[Optimizer]) -> list[Optimizer]:
+        """With ``optimizer_sharding``: each optimizer as a ``ShardedOptimizer`` (ZeRO-1), with the overlap hook
+        registered for ``"overlap"``; else the optimizers unchanged."""
+        mode = self.options.optimizer_sharding
+        if not mode:
+            return optimizers
+        overlap = mode == "overlap"
+        if overlap and len(optimizers) != 1:
+            raise ValueError(
+                f"`optimizer_sharding='overlap'` runs one optimizer inside DDP's backward, and {len(optimizers)} were "
+                "given. Fix: use `optimizer_sharding=True` with several optimizers."
+            )
+        sharded = [sharding.shard(optimizer, overlap=overlap) for optimizer in optimizers]
+        if overlap and self._ddp is not None:
+            sharding.register_overlap(self._ddp, sharded[0])
+            self._info(
+                "DDPPlusStrategy: optimizer_sharding='overlap': torch applies no parameter update in the first "
+                f"{sharding.OVERLAP_WARMUP_STEPS[self.settings.static_graph]} optimizer steps, while it learns DDP's "
+                "gradient buckets."
+            )
+        return list(sharded)
 
     # ------------------------------------------------------------------ per micro-batch
 
@@ -317,7 +342,8 @@ class DDPPlusEngine:
             f"accumulation={self.window.steps} (short_window={self.window.short_window}), "
             f"conflict_check={options.checkpointing_conflict}, verify_replicas_every_n_steps={options.verify_replicas_every_n_steps}, "
             f"telemetry={self.telemetry is not None}, resume_from_last={options.resume_from_last}, "
-            f"sync_guard={self._guard_description()}, uneven_inputs={options.uneven_inputs}{extra}"
+            f"sync_guard={self._guard_description()}, uneven_inputs={options.uneven_inputs}, "
+            f"optimizer_sharding={options.optimizer_sharding}{extra}"
         )
 
     def _guard_description(self) -> str:

@@ -17,6 +17,7 @@ from lightning_ddp_plus.config.messages import describe_bad_value
 from lightning_ddp_plus.config.settings import DDPSettings
 from lightning_ddp_plus.config.timeout import TimeoutLike, parse_timeout
 from lightning_ddp_plus.processes.restart import RESUME_MODES, ResumeMode
+from lightning_ddp_plus.sharding.optimizer import OptimizerSharding, check_optimizer_sharding, refusals
 from lightning_ddp_plus.sync.accumulation import SHORT_WINDOW_MODES, ShortWindow, check_accumulation_steps
 from lightning_ddp_plus.sync.comm_hooks import CommHook, HookFunction, parse_comm_hook
 from lightning_ddp_plus.sync.uneven import UNEVEN_MODES, UnevenInputs
@@ -70,6 +71,7 @@ class DDPPlusOptions:
     sync_guard: bool = True
     uneven_inputs: UnevenInputs = "error"
     atomic_checkpoints: bool = True
+    optimizer_sharding: OptimizerSharding = False
 
     @classmethod
     def from_arguments(cls, arguments: dict[str, Any], ddp_kwargs: dict[str, Any]) -> DDPPlusOptions:
@@ -102,6 +104,7 @@ class DDPPlusOptions:
         sync_guard: bool = True,
         uneven_inputs: UnevenInputs = "error",
         atomic_checkpoints: bool = True,
+        optimizer_sharding: OptimizerSharding = False,
         **ddp_kwargs: Any,
     ) -> DDPPlusOptions:
         """Validate every argument; each bad value raises with the argument, the value, what is allowed and the fix."""
@@ -159,8 +162,15 @@ class DDPPlusOptions:
                     "write `atomic_checkpoints=True`.",
                 )
             )
+        sharding = check_optimizer_sharding(optimizer_sharding)
+        conflicts = refusals(sharding, comm_hook, gradient_accumulation_steps, bucket_cap_mb, sync_guard, uneven_inputs)
+        if conflicts:
+            raise ValueError(
+                f"`optimizer_sharding={sharding!r}` cannot run with these settings: " + " ".join(conflicts)
+            )
         return cls(
             settings=settings,
+            optimizer_sharding=sharding,
             backend=normalize_backend(process_group_backend),
             timeout=parse_timeout(timeout),
             comm_hook=comm_hook,

@@ -39,6 +39,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_ddp_plus.config.backend import has_default_backend, resolve_backend_for_device
@@ -49,6 +50,7 @@ from lightning_ddp_plus.frontends.strategy import REGISTERED_NAMES
 from lightning_ddp_plus.persistence.io import AtomicCheckpoints
 from lightning_ddp_plus.processes import reachability
 from lightning_ddp_plus.processes.launcher import register_process_group_shutdown
+from lightning_ddp_plus.sharding.optimizer import OptimizerSharding, check_overlap_backend
 from lightning_ddp_plus.sync.accumulation import ShortWindow, WindowPosition, scale_gradients
 from lightning_ddp_plus.sync.uneven import RankBatches, UnevenInputs, UnevenInputsError
 from lightning_ddp_plus.sync.wrapper import wrapping_stream
@@ -109,6 +111,7 @@ class DDPPlusFabricStrategy(AtomicCheckpoints, EngineViews, DDPStrategy):
         sync_guard: bool = True,
         uneven_inputs: UnevenInputs = "error",
         atomic_checkpoints: bool = True,
+        optimizer_sharding: OptimizerSharding = False,
         **kwargs: Any,
     ) -> None:
         options = DDPPlusOptions.from_arguments(locals(), ddp_kwargs=kwargs)
@@ -151,6 +154,7 @@ class DDPPlusFabricStrategy(AtomicCheckpoints, EngineViews, DDPStrategy):
             self._process_group_backend = resolve_backend_for_device(
                 self.options.backend, device, check_available=self.options.backend is not None
             )
+            check_overlap_backend(self.options.optimizer_sharding, self._process_group_backend)
         super()._configure_launcher()
 
     @override
@@ -187,6 +191,12 @@ class DDPPlusFabricStrategy(AtomicCheckpoints, EngineViews, DDPStrategy):
             )
         )
         return self._ddp
+
+    @override
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """With ``optimizer_sharding``: the optimizer as a ``ShardedOptimizer``. A learning-rate scheduler built on
+        the optimizer before ``fabric.setup`` keeps working (they share the parameter groups)."""
+        return self.engine.shard_optimizers([super().setup_optimizer(optimizer)])[0]
 
     @override
     def teardown(self) -> None:

@@ -56,6 +56,7 @@ from lightning_ddp_plus.processes.restart import (
     should_resume,
     under_torchrun,
 )
+from lightning_ddp_plus.sharding.optimizer import OptimizerSharding, check_overlap_backend
 from lightning_ddp_plus.sync.accumulation import ShortWindow, WindowPosition, scale_gradients, window_position
 from lightning_ddp_plus.sync.comm_hooks import CommHook, HookFunction
 from lightning_ddp_plus.sync.uneven import PaddedBatches, RankBatches, UnevenInputs, even_by_construction
@@ -143,6 +144,15 @@ class DDPPlusStrategy(AtomicCheckpoints, EngineViews, DDPStrategy):
             the target and fsync the directory, so a kill, a full disk or a node crash during a save leaves the
             previous file whole; a checkpoint IO you pass is wrapped (see ``lightning_ddp_plus.persistence.io``).
             Default on.
+        optimizer_sharding: ZeRO stage 1 (``lightning_ddp_plus.sharding.optimizer``): ``True`` wraps every optimizer
+            in torch's ``ZeroRedundancyOptimizer`` with its class, hyperparameters and parameter groups, so each rank
+            keeps the optimizer state of about 1/N of the parameters (whole parameters, so unevenly on small models)
+            and the updated parameters are broadcast after each step; exact, on every backend. ``"overlap"`` runs the
+            step inside the backward with torch's ``hook_with_zero_step`` (NCCL/HCCL only: refused on gloo before
+            launch; torch applies no update in the first 2 steps, 3 with ``static_graph``; refused with a comm hook,
+            accumulation, ``bucket_cap_mb="auto"``, ``sync_guard``, ``uneven_inputs="join"`` and gradient clipping).
+            Checkpoints hold the consolidated, plain optimizer state (gathered on rank 0 at each save). Default
+            ``False``.
         **kwargs: further ``DistributedDataParallel`` arguments, checked against its signature.
 
     Example:
@@ -182,6 +192,7 @@ class DDPPlusStrategy(AtomicCheckpoints, EngineViews, DDPStrategy):
         sync_guard: bool = True,
         uneven_inputs: UnevenInputs = "error",
         atomic_checkpoints: bool = True,
+        optimizer_sharding: OptimizerSharding = False,
         **kwargs: Any,
     ) -> None:
         options = DDPPlusOptions.from_arguments(locals(), ddp_kwargs=kwargs)
@@ -249,6 +260,7 @@ class DDPPlusStrategy(AtomicCheckpoints, EngineViews, DDPStrategy):
             self._process_group_backend = resolve_backend_for_device(
                 self.options.backend, device, check_available=self.options.backend is not None
             )
+            check_overlap_backend(self.options.optimizer_sharding, self._process_group_backend)
         assert self.cluster_environment is not None
         if self._start_method == "popen":
             self._launcher = KillChildrenOnFailureLauncher(
@@ -369,6 +381,18 @@ class DDPPlusStrategy(AtomicCheckpoints, EngineViews, DDPStrategy):
         callbacks = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's callback connector
         if self.telemetry is not None and not any(isinstance(c, DDPTelemetry) for c in callbacks):
             callbacks.append(DDPTelemetry())
+
+    @override
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        super().setup_optimizers(trainer)
+        if self.options.optimizer_sharding == "overlap" and trainer.gradient_clip_val:
+            raise ValueError(
+                f"`optimizer_sharding='overlap'` with `Trainer(gradient_clip_val={trainer.gradient_clip_val})`: the "
+                "overlapped step runs inside the backward, before Lightning clips. Fix: use `optimizer_sharding=True`."
+            )
+        sharded = self.engine.shard_optimizers(self.optimizers)
+        if sharded is not self.optimizers:
+            self.optimizers = sharded
 
     @override
     def _setup_model(self, model: Module) -> DistributedDataParallel:

@@ -1,0 +1,229 @@
+"""``optimizer_sharding``: the optimizers of a DDP run wrapped in torch's ``ZeroRedundancyOptimizer`` (ZeRO stage 1).
+
+Each rank keeps the optimizer state (Adam's two moments, SGD's momentum) of its share of the parameters only and
+steps that share; the updated parameters are then broadcast from the rank that owns them, so every replica holds the
+same parameters after every step, as with plain DDP. Gradients are still all-reduced in full by DDP.
+
+- ``True``: the step runs after the backward, as Lightning's loop calls it. Exact: the same arithmetic as the
+  unsharded optimizer on every parameter.
+- ``"overlap"``: torch's ``ddp_zero_hook.hook_with_zero_step`` runs each rank's share of the step inside the
+  backward, as soon as the gradient buckets it needs are all-reduced. torch skips the parameter update of the first
+  two optimizer steps (three with ``static_graph``) while it learns DDP's buckets; it refuses gloo; and the step has
+  run before anything after the backward can act, so what acts there (gradient clipping, the per-step guard, a
+  short window's rescaling) cannot apply. ``refusals`` names each conflict at construction.
+
+Checkpoints are consolidated: a save gathers every rank's share on rank 0 (``consolidate_state_dict``, a collective
+Lightning calls on every rank), and the file holds the plain optimizer ``state_dict``, loadable by an unsharded run
+and by stock ``DDPStrategy``; a load gives each rank its share, whatever the world size that saved it.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any, Literal
+
+import torch
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_ddp_plus.config.messages import describe_bad_value
+
+OptimizerSharding = bool | Literal["overlap"]
+SHARDING_VALUES: tuple[object, ...] = (False, True, "overlap")
+
+#: torch refuses the overlap hook on these backends ("Gloo backend using Overlapping DDP with ZeRO may meet hangs").
+OVERLAP_REFUSED_BACKENDS = ("gloo",)
+#: Parameter updates torch skips at the start of a run with ``"overlap"`` (while DDP's buckets are not final).
+OVERLAP_WARMUP_STEPS = {False: 2, True: 3}  # by static_graph
+
+
+def check_optimizer_sharding(value: Any) -> OptimizerSharding:
+    """Validate ``optimizer_sharding``.
+
+    >>> check_optimizer_sharding("overlap")
+    'overlap'
+    >>> check_optimizer_sharding("zero1")
+    Traceback (most recent call last):
+    ...
+    ValueError: `optimizer_sharding='zero1'` is not valid: allowed: False, True, 'overlap'. Fix: ...
+    """
+    if value is True or value is False or value == "overlap":
+        return value  # type: ignore[no-any-return]
+    raise ValueError(
+        describe_bad_value(
+            "optimizer_sharding",
+            value,
+            "allowed: False, True, 'overlap'.",
+            "use True (ZeRO-1: each rank keeps 1/N of the optimizer state, the step runs after the backward), "
+            "'overlap' (the step overlaps the backward; NCCL/HCCL only) or False (plain DDP).",
+        )
+    )
+
+
+def refusals(
+    mode: OptimizerSharding,
+    comm_hook: object | None,
+    gradient_accumulation_steps: int | None,
+    bucket_cap_mb: object,
+    sync_guard: bool,
+    uneven_inputs: str,
+) -> list[str]:
+    """Why ``mode`` cannot run with the other settings (empty: it can); the backend is judged later, once known."""
+    if mode != "overlap":
+        return []
+    found = []
+    if comm_hook is not None:
+        found.append(
+            "`ddp_comm_hook` is set, and the overlap is itself DDP's communication hook (it wraps the plain "
+            "all-reduce): remove `ddp_comm_hook`, or use `optimizer_sharding=True`."
+        )
+    if gradient_accumulation_steps not in (None, 1):
+        found.append(
+            f"`gradient_accumulation_steps={gradient_accumulation_steps}`: a short last window's gradients are "
+            "rescaled after its backward, when the overlapped step has already run; use `optimizer_sharding=True`."
+        )
+    if bucket_cap_mb == "auto":
+        found.append(
+            "`bucket_cap_mb='auto'` rebuilds DDP's buckets while timing them, and the overlap assigns each bucket to "
+            "a rank once; set a size (or None)."
+        )
+    if sync_guard:
+        found.append(
+            "`sync_guard=True` acts after the backward, and with the overlap the optimizer step of every bucket "
+            "already all-reduced has run by then, so the guard could no longer keep a step from using gradients that "
+            "were not all-reduced; use `optimizer_sharding=True`, or set `sync_guard=False` knowingly."
+        )
+    if uneven_inputs == "join":
+        found.append("`uneven_inputs='join'` rescales the gradients after the backward; use `optimizer_sharding=True`.")
+    return found
+
+
+def check_overlap_backend(mode: OptimizerSharding, backend: str) -> None:
+    """Refuse ``"overlap"`` before launch on a backend torch refuses it on."""
+    if mode == "overlap" and backend in OVERLAP_REFUSED_BACKENDS:
+        raise ValueError(
+            describe_bad_value(
+                "optimizer_sharding",
+                mode,
+                f"torch's overlap hook refuses the {backend} backend (\"Gloo backend using Overlapping DDP with ZeRO "
+                'may meet hangs", pytorch#62300); it runs on NCCL and HCCL.',
+                "use `optimizer_sharding=True` on gloo (the same memory saving, the step after the backward).",
+            )
+        )
+
+
+class ShardedOptimizer(ZeroRedundancyOptimizer):
+    """``ZeroRedundancyOptimizer`` that shares the parameter-group dicts of the optimizer it replaces.
+
+    A learning-rate scheduler built on the original optimizer (in ``configure_optimizers``, or before
+    ``fabric.setup``) changes ``lr`` in those dicts, and the step reads it from them; a ``load_state_dict`` updates
+    them in place instead of replacing them, so that link survives a checkpoint restore. After ``state_dict`` the
+    shares gathered on rank 0 are released, so a save leaves no full copy of the optimizer state behind.
+    """
+
+    replaced: Optimizer | None = None
+
+    @override
+    def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:  # type: ignore[override]
+        if self.replaced is not None:
+            self.replaced._opt_called = True  # type: ignore[attr-defined]  # a scheduler on it checks this
+        if self._overlap_with_ddp:
+            # the step ran inside the backward (the overlap hook); Lightning's closure still has to run it
+            return closure() if closure is not None else None
+        return super().step(closure=closure, **kwargs)
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        groups = self.param_groups
+        super().load_state_dict(state_dict)
+        for kept, loaded in zip(groups, self.param_groups):
+            kept.update(loaded)
+        self.param_groups = groups
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        try:
+            return super().state_dict()
+        finally:
+            self._all_state_dicts = []
+
+
+def shard(optimizer: Optimizer, overlap: bool = False) -> ShardedOptimizer:
+    """Wrap ``optimizer`` in a ``ShardedOptimizer`` of its class, hyperparameters and parameter groups (the process
+    group must exist). State it already has (it stepped before) is carried over, each rank keeping its share."""
+    if isinstance(optimizer, ShardedOptimizer):
+        return optimizer
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        raise TypeError(
+            describe_bad_value(
+                "optimizer_sharding",
+                True,
+                "this optimizer is already a ZeroRedundancyOptimizer, and the strategy would shard it again.",
+                "return the plain optimizer (e.g. `torch.optim.AdamW(...)`) and let `optimizer_sharding` wrap it.",
+            )
+        )
+    state = optimizer.state_dict() if optimizer.state else None
+    if overlap and len(optimizer.param_groups) != 1:
+        raise ValueError(
+            describe_bad_value(
+                "optimizer_sharding",
+                "overlap",
+                f"the overlap steps torch's functional optimizers, which take one parameter group, and this "
+                f"{type(optimizer).__name__} has {len(optimizer.param_groups)}.",
+                "use `optimizer_sharding=True` (any number of groups), or one group.",
+            )
+        )
+    try:
+        sharded = ShardedOptimizer(
+            optimizer.param_groups,
+            optimizer_class=type(optimizer),
+            overlap_with_ddp=overlap,
+            **constructor_defaults(optimizer),
+        )
+    except (ValueError, TypeError) as error:
+        raise type(error)(
+            f"optimizer_sharding could not wrap {type(optimizer).__name__} in torch's ZeroRedundancyOptimizer: "
+            f"{error}. It needs every parameter of one dense dtype and device type, and an optimizer class that "
+            "takes `cls(param_groups, **hyperparameters)`. Fix: make the parameters one dtype (e.g. "
+            "`model.float()`), or set `optimizer_sharding=False`."
+        ) from error
+    sharded.replaced = optimizer
+    if state is not None:
+        sharded.load_state_dict(state)
+    return sharded
+
+
+def constructor_defaults(optimizer: Optimizer) -> dict[str, Any]:
+    """The optimizer's defaults that its constructor takes: some keep more (torch 2.13's AdamW records
+    ``decoupled_weight_decay``, which only ``Adam`` accepts); the parameter groups still carry every key.
+
+    >>> sorted(constructor_defaults(torch.optim.AdamW([torch.zeros(1, requires_grad=True)])))[:3]
+    ['amsgrad', 'betas', 'capturable']
+    """
+    parameters = inspect.signature(type(optimizer).__init__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return dict(optimizer.defaults)
+    return {name: value for name, value in optimizer.defaults.items() if name in parameters}
+
+
+def register_overlap(ddp: DistributedDataParallel, optimizer: ShardedOptimizer) -> None:
+    """Register torch's hook that runs ``optimizer``'s step inside the backward, around the plain all-reduce."""
+    from torch.distributed.algorithms.ddp_comm_hooks.ddp_zero_hook import hook_with_zero_step
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    ddp.register_comm_hook(ddp.process_group, hook_with_zero_step(allreduce_hook, ddp, optimizer))
+
+
+def state_bytes(optimizer: Optimizer) -> int:
+    """Bytes of the optimizer state this rank holds (its local share for a ``ZeroRedundancyOptimizer``)."""
+    local = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+    return sum(
+        value.numel() * value.element_size()
+        for per_parameter in local.state.values()
+        if per_parameter
+        for value in per_parameter.values()
+        if isinstance(value, torch.Tensor)
+    )

@@ -1,0 +1,156 @@
+"""Optimizer-state sharding cases on one 2-rank process group: ``sharding_job.py OUT_JSON CASES_JSON``.
+
+Every case trains the same model twice on the same data, with ``optimizer_sharding`` as the case says and without,
+and reports the parameters of both, every rank's optimizer-state bytes, and what a mid-run checkpoint held.
+"""
+
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import DDPStrategy
+from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from lightning_ddp_plus import DDPPlusStrategy
+from lightning_ddp_plus.sharding.optimizer import ShardedOptimizer, state_bytes
+from tests.helpers import QUIET_TRAINER, TinyRegression, job_main
+
+
+class Regression(TinyRegression):
+    """TinyRegression with the optimizer, the scheduler and manual optimization a case names."""
+
+    def __init__(self, optimizer: str = "adam", scheduler: bool = False, manual_k: int = 0, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.optimizer_name, self.scheduler, self.manual_k = optimizer, scheduler, manual_k
+        self.automatic_optimization = manual_k == 0
+        self.state_bytes: int | None = None
+
+    def configure_optimizers(self) -> Any:
+        lr = self.hparams.lr
+        if self.optimizer_name == "adam":
+            optimizer: torch.optim.Optimizer = torch.optim.Adam(self.parameters(), lr=lr)
+        elif self.optimizer_name == "adamw":
+            optimizer = torch.optim.AdamW(self.parameters(), lr=lr, weight_decay=0.1)
+        elif self.optimizer_name == "sgd_momentum":
+            optimizer = torch.optim.SGD(self.parameters(), lr=lr, momentum=0.9)
+        else:  # two parameter groups with their own hyperparameters
+            first, second = self.net[0], self.net[2]
+            optimizer = torch.optim.AdamW(
+                [{"params": first.parameters(), "lr": lr}, {"params": second.parameters(), "lr": lr / 2}],
+                weight_decay=0.05,
+            )
+        if not self.scheduler:
+            return optimizer
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 2, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        if self.automatic_optimization:
+            return super().training_step(batch, batch_idx)
+        optimizer = self.optimizers()
+        loss = super().training_step(batch, batch_idx)
+        self.manual_backward(loss)
+        if self.trainer.strategy.sync_gradients:
+            optimizer.step()
+            optimizer.zero_grad()
+            if self.scheduler:
+                self.lr_schedulers().step()
+        return loss
+
+    def on_train_end(self) -> None:
+        self.state_bytes = state_bytes(self.trainer.strategy.optimizers[0])
+
+
+def flat_parameters(model: nn.Module) -> list[float]:
+    return torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()
+
+
+def fit(case: dict, sharding: Any, root: Path, epochs: int, resume: str | None = None, stock: bool = False) -> dict:
+    model = Regression(
+        optimizer=case["optimizer"],
+        scheduler=case.get("scheduler", False),
+        manual_k=case.get("manual_k", 0),
+        num_samples=48,
+        batch_size=4,
+        lr=0.01,
+    )
+    k = case.get("manual_k") or case.get("k", 1)
+    if stock:
+        strategy: Any = DDPStrategy(process_group_backend="gloo")
+    else:
+        strategy = DDPPlusStrategy(optimizer_sharding=sharding, gradient_accumulation_steps=k)
+    checkpoints = ModelCheckpoint(dirpath=root, save_last=True, save_top_k=0)
+    options = {**QUIET_TRAINER, "enable_checkpointing": True}
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=2,
+        max_epochs=epochs,
+        callbacks=[checkpoints],
+        default_root_dir=root,
+        accumulate_grad_batches=k if stock else 1,
+        **options,
+    )
+    trainer.fit(model, ckpt_path=resume)
+    optimizer = trainer.strategy.optimizers[0]
+    gathered: list[Any] = [None, None]
+    dist.all_gather_object(gathered, model.state_bytes)
+    return {
+        "params": flat_parameters(model),
+        "sharded": isinstance(optimizer, ShardedOptimizer),
+        "state_bytes": gathered,
+        "steps": trainer.global_step,
+        "lr": optimizer.param_groups[0]["lr"],
+        "numels": [[p.numel() for p in group["params"]] for group in optimizer.param_groups],
+    }
+
+
+def run_case(case: dict) -> dict:
+    root = Path(case["root"])
+    epochs = case.get("epochs", 2)
+    result: dict = {**case}
+    result["plain"] = fit(case, False, root / "plain", epochs)
+    result["with_sharding"] = fit(case, True, root / "sharded", epochs)
+    if case.get("resume"):
+        # a sharded run saved after epoch 1: resumed sharded, by an unsharded DDPPlusStrategy, by stock DDPStrategy
+        first = fit(case, True, root / "half", 1)
+        saved = root / "half" / "last.ckpt"
+        result["half_steps"] = first["steps"]
+        if dist.get_rank() == 0:
+            # kept before the resumes below overwrite last.ckpt with their own later state
+            (root / "after_epoch_1.ckpt").write_bytes(saved.read_bytes())
+        dist.barrier()
+        kept = root / "after_epoch_1.ckpt"
+        result["resumed_sharded"] = fit(case, True, root / "resume_sharded", epochs, resume=str(kept))
+        result["resumed_plain"] = fit(case, False, root / "resume_plain", epochs, resume=str(kept))
+        result["resumed_stock"] = fit(case, False, root / "resume_stock", epochs, resume=str(kept), stock=True)
+        # a plain checkpoint into a sharded run
+        plain_saved = root / "plain_half"
+        fit(case, False, plain_saved, 1)
+        result["plain_into_sharded"] = fit(
+            case, True, root / "plain_into_sharded", epochs, resume=str(plain_saved / "last.ckpt")
+        )
+        # the consolidated state into a ZeroRedundancyOptimizer of world size 1 (a group of rank 0 alone)
+        alone = dist.new_group([0])
+        if dist.get_rank() == 0:
+            state = torch.load(kept, weights_only=False)["optimizer_states"][0]
+            model = Regression(optimizer=case["optimizer"], num_samples=48, batch_size=4, lr=0.01)
+            zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, process_group=alone, lr=0.01)
+            zero.load_state_dict(state)
+            result["world_size_1_loaded"] = state_bytes(zero)
+            result["checkpoint_state_bytes"] = sum(
+                value.numel() * value.element_size()
+                for per_parameter in state["state"].values()
+                for value in per_parameter.values()
+                if isinstance(value, torch.Tensor)
+            )
+            dist.destroy_process_group(alone)
+    return result
+
+
+if __name__ == "__main__":
+    job_main(run_case)
