@@ -148,7 +148,7 @@ class ShardedOptimizer(ZeroRedundancyOptimizer):
         try:
             return super().state_dict()
         finally:
-            self._all_state_dicts = []
+            self._all_state_dicts: list[dict[str, Any]] = []
 
 
 def shard(optimizer: Optimizer, overlap: bool = False) -> ShardedOptimizer:

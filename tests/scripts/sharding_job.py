@@ -4,6 +4,7 @@ Every case trains the same model twice on the same data, with ``optimizer_shardi
 and reports the parameters of both, every rank's optimizer-state bytes, and what a mid-run checkpoint held.
 """
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +16,9 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from lightning_ddp_plus import DDPPlusStrategy
-from lightning_ddp_plus.sharding.optimizer import ShardedOptimizer, state_bytes
-from tests.helpers import QUIET_TRAINER, TinyRegression, job_main
+from lightning_ddp_plus import DDPPlusFabricStrategy, DDPPlusStrategy
+from lightning_ddp_plus.sharding.optimizer import ShardedOptimizer, register_overlap, shard, state_bytes
+from tests.helpers import QUIET_TRAINER, TinyRegression, job_main, regression_data
 
 
 class Regression(TinyRegression):
@@ -109,7 +110,81 @@ def fit(case: dict, sharding: Any, root: Path, epochs: int, resume: str | None =
     }
 
 
+def fabric_fit(sharding: Any, root: Path, save_after: int | None = None, load: bool = False) -> dict:
+    """Adam with a StepLR built before ``fabric.setup`` (the common Fabric idiom), 2-step accumulation over 12
+    micro-batches; ``fabric.save`` after step ``save_after``, or ``fabric.load`` of that file and the steps left."""
+    fabric = L.Fabric(
+        accelerator="cpu",
+        devices=2,
+        strategy=DDPPlusFabricStrategy(optimizer_sharding=sharding, gradient_accumulation_steps=2),
+    )
+    fabric.launch()
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 2, gamma=0.5)
+    model, optimizer = fabric.setup(model, optimizer)
+    state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 0}
+    if load:
+        fabric.load(root / "fabric.ckpt", state)
+    x, y = regression_data(48).tensors
+    rank = fabric.global_rank
+    batches = [(x[rank::2][i : i + 4], y[rank::2][i : i + 4]) for i in range(0, 24, 4)] * 2
+    steps = state["step"]
+    for xb, yb in fabric.strategy.micro_batches(batches[2 * steps :]):
+        fabric.backward(nn.functional.mse_loss(model(xb), yb))
+        if fabric.strategy.sync_gradients:
+            optimizer.step()
+            optimizer.zero_grad()
+            scheduler.step()
+            steps += 1
+            if steps == save_after:
+                fabric.save(root / "fabric.ckpt", {**state, "step": steps})
+    return {
+        "params": flat_parameters(model),
+        "sharded": isinstance(optimizer.optimizer, ShardedOptimizer),
+        "lr": optimizer.param_groups[0]["lr"],
+        "state_bytes": state_bytes(optimizer.optimizer),
+        "steps": steps,
+    }
+
+
+def run_fabric_case(case: dict) -> dict:
+    root = Path(case["root"])
+    return {
+        **case,
+        "plain": fabric_fit(False, root),
+        "with_sharding": fabric_fit(True, root, save_after=3),
+        "resumed_sharded": fabric_fit(True, root, load=True),
+    }
+
+
+def run_overlap_case(case: dict) -> dict:
+    """What torch itself does with the overlap hook on gloo, reached through the package's own wiring."""
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    ddp = nn.parallel.DistributedDataParallel(model)
+    sharded = shard(torch.optim.Adam(model.parameters(), lr=0.01), overlap=True)
+    try:
+        register_overlap(ddp, sharded)
+    except RuntimeError as error:
+        return {**case, "error": str(error)}
+    return {**case, "error": None}
+
+
 def run_case(case: dict) -> dict:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = run_any_case(case)
+    result["scheduler_warnings"] = [str(w.message) for w in caught if "lr_scheduler" in str(w.message)]
+    return result
+
+
+def run_any_case(case: dict) -> dict:
+    if case.get("overlap"):
+        return run_overlap_case(case)
+    if case.get("fabric"):
+        return run_fabric_case(case)
     root = Path(case["root"])
     epochs = case.get("epochs", 2)
     result: dict = {**case}

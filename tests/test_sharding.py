@@ -1,0 +1,161 @@
+"""Optimizer-state sharding (``optimizer_sharding``): the settings it refuses and why, before any process starts,
+and real 2-rank gloo runs that must match unsharded training to 1e-6 and keep their checkpoints portable."""
+
+import lightning as L
+import pytest
+from lightning.fabric.accelerators import CPUAccelerator as FabricCPUAccelerator
+
+from lightning_ddp_plus import DDPPlusFabricStrategy, DDPPlusStrategy
+from lightning_ddp_plus.sharding.optimizer import check_optimizer_sharding
+from lightning_ddp_plus.sharding.partition import assign_ranks, bytes_per_rank
+from tests.helpers import run_case_job
+from tests.test_strategy_args import FakeCUDAAccelerator, trainer
+
+
+@pytest.mark.parametrize("value", ["zero1", 1, None, "True"])
+def test_a_bad_value_names_what_is_allowed(value):
+    with pytest.raises(ValueError, match=r"`optimizer_sharding=.*allowed: False, True, 'overlap'.*Fix: use True"):
+        DDPPlusStrategy(optimizer_sharding=value)
+    assert check_optimizer_sharding(True) is True
+
+
+@pytest.mark.parametrize(
+    ("settings", "reason"),
+    [
+        ({"ddp_comm_hook": "fp16"}, r"`ddp_comm_hook` is set"),
+        ({"gradient_accumulation_steps": 4}, r"`gradient_accumulation_steps=4`"),
+        ({"bucket_cap_mb": "auto", "sync_guard": False}, r"`bucket_cap_mb='auto'`"),
+        ({}, r"`sync_guard=True` acts after the backward"),
+        ({"uneven_inputs": "join", "sync_guard": False}, r"`uneven_inputs='join'`"),
+    ],
+)
+def test_overlap_refuses_what_would_act_after_its_step(settings, reason):
+    for strategy in (DDPPlusStrategy, DDPPlusFabricStrategy):
+        with pytest.raises(
+            ValueError, match=r"`optimizer_sharding='overlap'` cannot run with these settings: .*" + reason
+        ):
+            strategy(optimizer_sharding="overlap", **settings)
+
+
+def test_sharding_without_overlap_takes_every_other_setting():
+    strategy = DDPPlusStrategy(
+        optimizer_sharding=True, ddp_comm_hook="fp16", gradient_accumulation_steps=4, bucket_cap_mb="auto"
+    )
+    assert strategy.options.optimizer_sharding is True
+
+
+def test_overlap_on_gloo_is_refused_when_the_trainer_is_built():
+    with pytest.raises(ValueError, match=r"overlap hook refuses the gloo backend.*Fix: use `optimizer_sharding=True`"):
+        trainer(DDPPlusStrategy(optimizer_sharding="overlap", sync_guard=False))
+    with pytest.raises(ValueError, match=r"overlap hook refuses the gloo backend"):
+        L.Fabric(
+            strategy=DDPPlusFabricStrategy(optimizer_sharding="overlap", sync_guard=False),
+            accelerator=FabricCPUAccelerator(),
+            devices=2,
+        )
+
+
+def test_overlap_on_nccl_builds_and_says_so():
+    built = trainer(DDPPlusStrategy(optimizer_sharding="overlap", sync_guard=False), accelerator=FakeCUDAAccelerator())
+    assert built.strategy.process_group_backend == "nccl"
+    assert "optimizer_sharding=overlap" in built.strategy.describe()
+    with pytest.raises(ValueError, match="overlap hook refuses the gloo backend"):
+        trainer(
+            DDPPlusStrategy(optimizer_sharding="overlap", sync_guard=False, process_group_backend="gloo"),
+            accelerator=FakeCUDAAccelerator(),
+        )
+
+
+def test_the_partition_is_torchs_sorted_greedy_over_whole_parameters():
+    # largest first, each to the rank with the fewest elements so far, counted across groups
+    assert assign_ranks([[128, 16, 16, 1]], 2) == [[0, 1, 1, 1]]
+    assert assign_ranks([[128, 16], [16, 1]], 2) == [[0, 1], [1, 1]]
+    assert assign_ranks([[4, 4, 4, 4]], 3) == [[0, 1, 2, 0]]
+    assert bytes_per_rank([[3, 1]], [[30, 10]], 4) == [30, 10, 0, 0]
+    with pytest.raises(ValueError, match="world_size must be at least 1"):
+        assign_ranks([[1]], 0)
+
+
+def adam_state_bytes(numel: int) -> int:
+    return 2 * 4 * numel + 4  # exp_avg and exp_avg_sq in float32, and the float32 step
+
+
+CASES = [
+    {"optimizer": "adam", "resume": True},
+    {"optimizer": "adamw", "scheduler": True},
+    {"optimizer": "sgd_momentum"},
+    {"optimizer": "adamw", "k": 4},
+    {"optimizer": "groups", "manual_k": 4, "scheduler": True},
+    {"fabric": True},
+    {"overlap": True},
+]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sharding")
+    cases = [{**case, "root": str(root / str(index))} for index, case in enumerate(CASES)]
+    return run_case_job("sharding_job.py", cases, root / "results.json")
+
+
+def close(a, b, tolerance=1e-6):
+    return max(abs(x - y) for x, y in zip(a, b, strict=True)) <= tolerance
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("index", range(len(CASES) - 1))
+def test_sharded_training_equals_unsharded_training(results, index):
+    case = results[index]
+    plain, sharded = case["plain"], case["with_sharding"]
+    assert sharded["sharded"] and not plain["sharded"]
+    assert sharded["steps"] == plain["steps"] > 0
+    assert close(plain["params"], sharded["params"]), case
+    assert sharded["lr"] == plain["lr"]
+    if case.get("scheduler") or case.get("fabric"):
+        assert sharded["lr"] < 0.01  # the scheduler really changed the rate the sharded step used
+    assert case["scheduler_warnings"] == []
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("index", [0, 4])
+def test_each_rank_keeps_the_state_of_its_share_only(results, index):
+    case = results[index]
+    plain, sharded = case["plain"], case["with_sharding"]
+    numels = plain["numels"]
+    expected = bytes_per_rank(numels, [[adam_state_bytes(n) for n in group] for group in numels], 2)
+    assert sharded["state_bytes"] == expected
+    assert sum(sharded["state_bytes"]) == plain["state_bytes"][0] == plain["state_bytes"][1]
+    largest = max(adam_state_bytes(n) for group in numels for n in group)
+    assert max(sharded["state_bytes"]) <= plain["state_bytes"][0] / 2 + largest
+
+
+@pytest.mark.multiprocess
+def test_sgd_momentum_shards_its_buffers(results):
+    case = results[2]
+    assert sum(case["with_sharding"]["state_bytes"]) == case["plain"]["state_bytes"][0] == 4 * 161
+
+
+@pytest.mark.multiprocess
+def test_a_sharded_checkpoint_is_consolidated_and_portable(results):
+    case = results[0]
+    plain = case["plain"]
+    # the file holds the full, plain optimizer state, and a world size of 1 takes all of it
+    assert case["checkpoint_state_bytes"] == plain["state_bytes"][0] == case["world_size_1_loaded"]
+    assert case["half_steps"] == plain["steps"] // 2
+    for resumed in ("resumed_sharded", "resumed_plain", "resumed_stock", "plain_into_sharded"):
+        assert case[resumed]["steps"] == plain["steps"], resumed
+        assert close(plain["params"], case[resumed]["params"]), resumed
+    assert case["resumed_sharded"]["sharded"] and not case["resumed_stock"]["sharded"]
+
+
+@pytest.mark.multiprocess
+def test_fabric_save_and_load_of_a_sharded_optimizer(results):
+    case = results[5]
+    assert close(case["plain"]["params"], case["resumed_sharded"]["params"])
+    assert case["resumed_sharded"]["steps"] == case["plain"]["steps"] == 6
+    assert case["resumed_sharded"]["lr"] == case["plain"]["lr"]
+
+
+@pytest.mark.multiprocess
+def test_torch_refuses_the_overlap_on_gloo_as_the_strategy_says_before_launch(results):
+    assert results[6]["error"] == "Gloo backend using Overlapping DDP with ZeRO may meet hangs"
