@@ -88,6 +88,7 @@ CASES = [
     {"optimizer": "groups", "manual_k": 4, "scheduler": True},
     {"fabric": True},
     {"overlap": True},
+    {"memory": True},
 ]
 
 
@@ -103,7 +104,7 @@ def close(a, b, tolerance=1e-6):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("index", range(len(CASES) - 1))
+@pytest.mark.parametrize("index", range(len(CASES) - 2))
 def test_sharded_training_equals_unsharded_training(results, index):
     case = results[index]
     plain, sharded = case["plain"], case["with_sharding"]
@@ -159,3 +160,16 @@ def test_fabric_save_and_load_of_a_sharded_optimizer(results):
 @pytest.mark.multiprocess
 def test_torch_refuses_the_overlap_on_gloo_as_the_strategy_says_before_launch(results):
     assert results[6]["error"] == "Gloo backend using Overlapping DDP with ZeRO may meet hangs"
+
+
+@pytest.mark.multiprocess
+def test_the_plans_buckets_gradients_and_shares_are_what_ddp_and_zero_really_hold(results):
+    # a tiny real Llama in DDP on 2 ranks: the bytes the reducer's buckets hold (seen by a comm hook), the gradient
+    # bytes outside them, and each rank's real ZeRO-1 state after a step, against the memory plan's figures
+    case = results[7]
+    trainable = case["plan_trainable"]
+    plain, view = case["bucket_view_False"], case["bucket_view_True"]
+    assert plain["bucket_bytes"] == view["bucket_bytes"] == trainable
+    assert plain["gradient_bytes_outside_buckets"] == trainable  # the plan's gradients row without bucket view
+    assert view["gradient_bytes_outside_buckets"] == 0  # with it: the gradients are the buckets
+    assert case["state_by_rank_False"] == case["state_by_rank_True"] == case["plan_state_by_rank"]

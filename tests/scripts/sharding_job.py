@@ -4,6 +4,7 @@ Every case trains the same model twice on the same data, with ``optimizer_shardi
 and reports the parameters of both, every rank's optimizer-state bytes, and what a mid-run checkpoint held.
 """
 
+import os
 import warnings
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from lightning_ddp_plus import DDPPlusFabricStrategy, DDPPlusStrategy
@@ -159,8 +161,15 @@ def run_fabric_case(case: dict) -> dict:
     }
 
 
+def ensure_group() -> None:
+    """The cases without a Trainer need the job's process group (a Trainer case creates it otherwise)."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", rank=int(os.environ["LOCAL_RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+
+
 def run_overlap_case(case: dict) -> dict:
     """What torch itself does with the overlap hook on gloo, reached through the package's own wiring."""
+    ensure_group()
     torch.manual_seed(1)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
     ddp = nn.parallel.DistributedDataParallel(model)
@@ -172,6 +181,65 @@ def run_overlap_case(case: dict) -> dict:
     return {**case, "error": None}
 
 
+def run_memory_case(case: dict) -> dict:
+    """A tiny real Llama in DDP: the bucket bytes torch's reducer really all-reduces (a counting hook), whether the
+    gradients are views of the buckets, and each rank's real ZeRO-1 optimizer state after a step, next to the plan."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lightning_ddp_plus.memory.plan import measure_model
+
+    ensure_group()
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=500,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    model = LlamaForCausalLM(config)
+    ids = torch.randint(0, 500, (2, 32))
+    figures = measure_model(
+        model, torch.optim.AdamW(model.parameters()), lambda: model(input_ids=ids, labels=ids).loss, ids
+    )
+    result: dict = {
+        **case,
+        "plan_trainable": figures.trainable,
+        "plan_state_by_rank": figures.optimizer_state_by_rank(2),
+    }
+    for bucket_view in (False, True):
+        ddp = nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=bucket_view, bucket_cap_mb=0.25)
+        buffers: dict[int, int] = {}
+
+        def hook(
+            state: Any, bucket: dist.GradBucket, buffers: dict[int, int] = buffers
+        ) -> torch.futures.Future[torch.Tensor]:
+            tensor = bucket.buffer()
+            buffers[tensor.untyped_storage().data_ptr()] = tensor.numel() * tensor.element_size()
+            return default_hooks.allreduce_hook(state, bucket)
+
+        ddp.register_comm_hook(None, hook)
+        optimizer = shard(torch.optim.AdamW(model.parameters()))
+        ddp(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        own_storage = sum(g.numel() * g.element_size() for g in grads if g.untyped_storage().data_ptr() not in buffers)
+        result[f"bucket_view_{bucket_view}"] = {
+            "bucket_bytes": sum(buffers.values()),
+            "buckets": len(buffers),
+            "gradient_bytes_outside_buckets": own_storage,
+            "gradient_bytes": sum(g.numel() * g.element_size() for g in grads),
+        }
+        gathered: list[Any] = [None, None]
+        dist.all_gather_object(gathered, state_bytes(optimizer))
+        result[f"state_by_rank_{bucket_view}"] = gathered
+        model.zero_grad(set_to_none=True)
+        del ddp, optimizer
+    return result
+
+
 def run_case(case: dict) -> dict:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -181,6 +249,8 @@ def run_case(case: dict) -> dict:
 
 
 def run_any_case(case: dict) -> dict:
+    if case.get("memory"):
+        return run_memory_case(case)
     if case.get("overlap"):
         return run_overlap_case(case)
     if case.get("fabric"):

@@ -1,0 +1,206 @@
+"""What one replica of a model takes: parameters, gradients, optimizer state and the activations of one forward.
+
+Parameters, gradients and DDP's buckets follow from the parameters' shapes and dtypes; optimizer state from the
+optimizer's class (a formula for torch's common optimizers, else one step of the class on zero-valued copies of the
+parameters); activations are the tensors one training forward saves for its backward, counted once per storage with
+``torch.autograd.graph.saved_tensors_hooks`` (parameters, buffers and the batch itself excluded: they exist anyway).
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.nn import Module
+from torch.optim import Optimizer
+
+#: Per optimizer class: how many tensors of each parameter's size its state keeps, given the group's settings, and
+#: how many scalar tensors (Adam's ``step``), read off torch.optim.
+_FULL_SIZE_STATE: dict[str, Callable[[dict[str, Any]], int]] = {
+    "Adam": lambda group: 3 if group.get("amsgrad") else 2,
+    "AdamW": lambda group: 3 if group.get("amsgrad") else 2,
+    "SGD": lambda group: 1 if group.get("momentum", 0) else 0,
+    "RMSprop": lambda group: 1 + bool(group.get("momentum", 0)) + bool(group.get("centered")),
+    "Adagrad": lambda group: 1,
+    "Adamax": lambda group: 2,
+    "NAdam": lambda group: 2,
+    "RAdam": lambda group: 2,
+}
+_SCALAR_STATE: dict[str, int] = {
+    "Adam": 1,
+    "AdamW": 1,
+    "SGD": 0,
+    "RMSprop": 1,
+    "Adagrad": 1,
+    "Adamax": 1,
+    "NAdam": 2,
+    "RAdam": 1,
+}
+
+
+#: Classes that create the state of every parameter in their constructor, frozen ones included.
+_EAGER_STATE = frozenset({"Adagrad"})
+
+
+def _scalar_bytes() -> int:
+    # torch keeps ``step`` in the default float dtype's scalar type: float32, or float64 when that is the default
+    return 8 if torch.get_default_dtype() == torch.float64 else 4
+
+
+def tensor_bytes(tensor: Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+@dataclass(frozen=True)
+class ParameterFigures:
+    """One parameter as the plan sees it."""
+
+    numel: int
+    bytes: int
+    trainable: bool
+    optimizer_state: int  # bytes of its optimizer state once the optimizer has stepped
+
+
+def optimizer_state_bytes(optimizer: Optimizer | None) -> list[list[int]]:
+    """Bytes of each parameter's optimizer state after a step, group by group (0 for frozen parameters).
+
+    Exact: a formula for the classes above (checked against real steps in the tests), else one real step of the
+    class on zero-valued copies of the parameters (this costs one copy of the trainable parameters, briefly).
+    """
+    if optimizer is None:
+        return []
+    name = type(optimizer).__name__
+    if name in _FULL_SIZE_STATE and type(optimizer).__module__.startswith("torch.optim"):
+        return [
+            [
+                _FULL_SIZE_STATE[name](group) * tensor_bytes(p) + _SCALAR_STATE[name] * _scalar_bytes()
+                if p.requires_grad or name in _EAGER_STATE
+                else 0
+                for p in group["params"]
+            ]
+            for group in optimizer.param_groups
+        ]
+    return _stepped_copy_state(optimizer)
+
+
+def _stepped_copy_state(optimizer: Optimizer) -> list[list[int]]:
+    from lightning_ddp_plus.sharding.optimizer import constructor_defaults
+
+    groups = []
+    copies = []
+    for group in optimizer.param_groups:
+        params = [torch.zeros_like(p, requires_grad=p.requires_grad) for p in group["params"]]
+        copies.append(params)
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
+    probe = type(optimizer)(groups, **constructor_defaults(optimizer))
+    for params in copies:
+        for p in params:
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+    probe.step()
+    figures = [
+        [
+            sum(tensor_bytes(v) for v in probe.state[p].values() if isinstance(v, Tensor)) if p in probe.state else 0
+            for p in params
+        ]
+        for params in copies
+    ]
+    del probe, copies, groups
+    gc.collect()
+    return figures
+
+
+def parameter_figures(module: Module, optimizer: Optimizer | None) -> list[list[ParameterFigures]]:
+    """Every parameter, in the optimizer's groups (the order ZeRO partitions them in); parameters the optimizer does
+    not hold form a last group with no state. Without an optimizer: one group, no state."""
+    groups: list[list[Tensor]] = [list(group["params"]) for group in optimizer.param_groups] if optimizer else []
+    states = optimizer_state_bytes(optimizer)
+    held = {id(p) for group in groups for p in group}
+    rest = [p for p in module.parameters() if id(p) not in held]
+    figures = [
+        [ParameterFigures(p.numel(), tensor_bytes(p), p.requires_grad, state) for p, state in zip(group, sizes)]
+        for group, sizes in zip(groups, states)
+    ]
+    if rest:
+        figures.append([ParameterFigures(p.numel(), tensor_bytes(p), p.requires_grad, 0) for p in rest])
+    return figures
+
+
+def _storages(value: Any, found: set[int]) -> None:
+    if isinstance(value, Tensor):
+        found.add(value.untyped_storage().data_ptr())
+    elif isinstance(value, dict):
+        for item in value.values():
+            _storages(item, found)
+    elif isinstance(value, list | tuple):
+        for item in value:
+            _storages(item, found)
+
+
+def saved_activation_bytes(module: Module, training_forward: Callable[[], Any], inputs: Any = None) -> int:
+    """Bytes of the tensors one training forward saves for backward, each storage once; the forward's result is
+    dropped without a backward. ``inputs``: the batch (its tensors are not counted)."""
+    excluded: set[int] = set()
+    _storages([*module.parameters(), *module.buffers()], excluded)
+    _storages(inputs, excluded)
+    seen: dict[int, int] = {}
+
+    def pack(tensor: Tensor) -> Tensor:
+        storage = tensor.untyped_storage()
+        pointer = storage.data_ptr()
+        if pointer not in excluded and pointer not in seen:
+            seen[pointer] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        result = training_forward()
+    del result
+    gc.collect()
+    return sum(seen.values())
+
+
+#: The switch's names, newest first (transformers 5 renamed ``gradient_checkpointing_*`` to ``activation_checkpointing_*``).
+_SWITCHES = (
+    ("activation_checkpointing_enable", "activation_checkpointing_disable", "is_activation_checkpointing"),
+    ("gradient_checkpointing_enable", "gradient_checkpointing_disable", "is_gradient_checkpointing"),
+)
+
+
+def _switch(module: Module) -> tuple[Module, tuple[str, str, str]] | None:
+    for names in _SWITCHES:
+        for candidate in module.modules():
+            if callable(getattr(candidate, names[0], None)) and getattr(
+                candidate, "supports_gradient_checkpointing", True
+            ):
+                return candidate, names
+    return None
+
+
+def checkpointing_on(module: Module) -> bool:
+    """Whether the model's own switch says activation checkpointing is on."""
+    found = _switch(module)
+    return found is not None and bool(getattr(found[0], found[1][2], False))
+
+
+def checkpointing_toggle(module: Module) -> tuple[Callable[[], None], Callable[[], None]] | None:
+    """(enable, disable) activation checkpointing, for models that switch it (Hugging Face ``PreTrainedModel``);
+    ``None`` when the model has no such switch. Reentrant checkpointing is used for the count: it saves the inputs
+    of each region through ``save_for_backward``, which the hooks see; the non-reentrant form keeps the same tensors
+    (measured within 6 % of each other on a tiny Llama)."""
+    found = _switch(module)
+    if found is None:
+        return None
+    target, (enable_name, disable_name, _) = found
+
+    def enable() -> None:
+        keyword = enable_name.replace("_enable", "_kwargs")  # activation_checkpointing_kwargs / gradient_...
+        getattr(target, enable_name)(**{keyword: {"use_reentrant": True}})
+
+    def disable() -> None:
+        getattr(target, disable_name)()
+
+    return enable, disable

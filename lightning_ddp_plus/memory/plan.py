@@ -1,0 +1,255 @@
+"""The memory plan: per-rank bytes of each DDP layout for one model, optimizer and training batch.
+
+Per rank, DDP keeps the parameters (and buffers), their gradients, DDP's gradient buckets (a flat copy of the
+gradients, unless ``gradient_as_bucket_view`` makes the gradients views of them), the optimizer state (all of it, or
+with ``optimizer_sharding`` the share torch's partition gives the fullest rank), and the activations one training
+forward saves for its backward. What the plan does not count (the CUDA context, allocator fragmentation,
+communication buffers, the backward's temporaries) is left to ``headroom``, a fraction of the device kept free.
+
+Example (a model measured once, then planned for 8 ranks on an 80 GiB device, with no process started):
+
+>>> import torch
+>>> model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10))
+>>> optimizer = torch.optim.AdamW(model.parameters())
+>>> batch = torch.randn(32, 512)
+>>> figures = measure_model(model, optimizer, lambda: model(batch).sum(), inputs=batch)
+>>> plan = plan_layouts(figures, world_size=8, device_memory=80 * 2**30)
+>>> plan.layout("ddp").optimizer_state == 2 * plan.layout("ddp").gradients + 4 * 4
+True
+>>> plan.decision.layout
+'ddp'
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch.nn import Module
+from torch.optim import Optimizer
+
+from lightning_ddp_plus.memory.decisions import Decision, decide
+from lightning_ddp_plus.memory.measure import (
+    ParameterFigures,
+    checkpointing_on,
+    checkpointing_toggle,
+    parameter_figures,
+    saved_activation_bytes,
+    tensor_bytes,
+)
+from lightning_ddp_plus.memory.sizes import format_size
+from lightning_ddp_plus.sharding.partition import bytes_per_rank
+
+#: The layouts the plan computes: (name, title, gradient_as_bucket_view, optimizer_sharding, checkpointing).
+LAYOUTS: tuple[tuple[str, str, bool, bool, bool], ...] = (
+    ("ddp", "DDP", False, False, False),
+    ("ddp_bucket_view", "DDP, gradient_as_bucket_view", True, False, False),
+    ("sharded", "DDP + ZeRO-1 (optimizer_sharding), bucket view", True, True, False),
+    ("sharded_checkpointing", "ZeRO-1, bucket view, activation checkpointing", True, True, True),
+)
+
+
+@dataclass(frozen=True)
+class ModelFigures:
+    """What one replica takes, measured once; the plan for any world size follows by arithmetic."""
+
+    groups: tuple[tuple[ParameterFigures, ...], ...]
+    buffers: int
+    activations: int
+    #: activations with activation checkpointing, when the model can switch it (else ``None``)
+    activations_checkpointed: int | None = None
+    checkpointing_on: bool = False
+
+    @property
+    def parameters(self) -> int:
+        return sum(p.bytes for group in self.groups for p in group)
+
+    @property
+    def trainable(self) -> int:
+        return sum(p.bytes for group in self.groups for p in group if p.trainable)
+
+    @property
+    def optimizer_state(self) -> int:
+        return sum(p.optimizer_state for group in self.groups for p in group)
+
+    def optimizer_state_by_rank(self, world_size: int) -> list[int]:
+        """Each rank's share with ``optimizer_sharding`` (torch's partition of whole parameters)."""
+        numels = [[p.numel for p in group] for group in self.groups]
+        states = [[p.optimizer_state for p in group] for group in self.groups]
+        return bytes_per_rank(numels, states, world_size)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Per-rank bytes of one layout (the fullest rank's, where ranks differ)."""
+
+    name: str
+    title: str
+    parameters: int
+    gradients: int
+    buckets: int
+    optimizer_state: int
+    activations: int
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.gradients + self.buckets + self.optimizer_state + self.activations
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    figures: ModelFigures
+    world_size: int
+    device_memory: int | None
+    headroom: float
+    layouts: tuple[Layout, ...]
+    configured: str | None = None
+    decision: Decision | None = None
+    advice: str = ""
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def usable(self) -> int | None:
+        return None if self.device_memory is None else int(self.device_memory * (1 - self.headroom))
+
+    def layout(self, name: str) -> Layout:
+        return next(layout for layout in self.layouts if layout.name == name)
+
+    def fits(self, name: str) -> bool | None:
+        usable = self.usable
+        return None if usable is None else self.layout(name).total <= usable
+
+    def render(self) -> str:
+        """The plan as the text ``ddp-plus check`` prints."""
+        header = f"memory plan per rank, world size {self.world_size}"
+        if self.device_memory is not None:
+            header += (
+                f", device {format_size(self.device_memory)} ({format_size(self.usable or 0)} usable, "
+                f"{self.headroom:.0%} headroom for what the plan does not count)"
+            )
+        columns = ("parameters", "gradients", "buckets", "optimizer", "activations", "total")
+        lines = [header, f"  {'layout':<48}" + "".join(f"{c:>13}" for c in columns) + "  fits"]
+        for layout in self.layouts:
+            values = (
+                layout.parameters,
+                layout.gradients,
+                layout.buckets,
+                layout.optimizer_state,
+                layout.activations,
+                layout.total,
+            )
+            fits = self.fits(layout.name)
+            mark = "?" if fits is None else "yes" if fits else "no"
+            title = layout.title + (" (configured)" if layout.name == self.configured else "")
+            lines.append(f"  {title:<48}" + "".join(f"{format_size(v):>13}" for v in values) + f"  {mark}")
+        lines += [f"  note: {note}" for note in self.notes]
+        if self.decision is None:
+            lines.append("verdict: no device memory known (pass `--device-memory 80GiB`, or run where the device is)")
+        else:
+            lines.append(f"verdict: {self.decision.verdict}; next step: {self.advice}")
+        return "\n".join(lines)
+
+
+def measure_model(
+    module: Module,
+    optimizer: Optimizer | None,
+    training_forward: Callable[[], Any],
+    inputs: Any = None,
+    checkpointing: bool = True,
+) -> ModelFigures:
+    """Measure one replica: the parameters in the optimizer's groups, the state the optimizer will keep, and the
+    activations of ``training_forward()`` (one training forward on one micro-batch, returning the loss), and, where
+    the model can switch activation checkpointing and ``checkpointing`` is on, of the same forward with it."""
+    groups = tuple(tuple(group) for group in parameter_figures(module, optimizer))
+    buffers = sum(tensor_bytes(b) for b in module.buffers())
+    was_training = module.training
+    module.train()
+    activations = saved_activation_bytes(module, training_forward, inputs)
+    checkpointed = None
+    toggle = checkpointing_toggle(module) if checkpointing else None
+    already_on = checkpointing_on(module)
+    if toggle is not None and not already_on:
+        enable, disable = toggle
+        enable()
+        try:
+            checkpointed = saved_activation_bytes(module, training_forward, inputs)
+        finally:
+            disable()
+    module.train(was_training)
+    return ModelFigures(groups, buffers, activations, checkpointed, checkpointing_on=already_on)
+
+
+def plan_layouts(
+    figures: ModelFigures,
+    world_size: int,
+    device_memory: int | None = None,
+    headroom: float = 0.1,
+    configured: tuple[bool, bool] | None = None,
+) -> MemoryPlan:
+    """Per-rank bytes of each layout at ``world_size``, and the decision when ``device_memory`` is known.
+
+    ``configured``: the run's (``gradient_as_bucket_view``, ``optimizer_sharding``), marked in the table (and
+    added as a row when no computed layout is it)."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}")
+    if not 0 <= headroom < 1:
+        raise ValueError(f"headroom must be a fraction in [0, 1), got {headroom}")
+    sharded_state = max(figures.optimizer_state_by_rank(world_size), default=0)
+
+    def build(name: str, title: str, bucket_view: bool, sharded: bool, checkpointed: bool) -> Layout:
+        activations = figures.activations
+        if checkpointed and figures.activations_checkpointed is not None:
+            activations = figures.activations_checkpointed
+        return Layout(
+            name,
+            title,
+            parameters=figures.parameters + figures.buffers,
+            gradients=0 if bucket_view else figures.trainable,
+            buckets=figures.trainable,
+            optimizer_state=sharded_state if sharded else figures.optimizer_state,
+            activations=activations,
+        )
+
+    layouts = [
+        build(*spec)
+        for spec in LAYOUTS
+        if not spec[4] or (figures.activations_checkpointed is not None and not figures.checkpointing_on)
+    ]
+    notes = []
+    configured_name = None
+    if configured is not None:
+        bucket_view, sharded = configured
+        match = next((spec for spec in LAYOUTS if spec[2:4] == (bucket_view, sharded) and not spec[4]), None)
+        if match is None:
+            layouts.append(build("configured", "configured: ZeRO-1, no bucket view", bucket_view, sharded, False))
+            configured_name = "configured"
+        else:
+            configured_name = match[0]
+    if figures.checkpointing_on:
+        notes.append("activation checkpointing is on in this model: every layout's activations are with it")
+    shares = figures.optimizer_state_by_rank(world_size)
+    if world_size > 1 and shares and max(shares) > 0:
+        notes.append(
+            "optimizer state per rank with sharding: "
+            + ", ".join(format_size(s) for s in shares[:8])
+            + (" ..." if world_size > 8 else "")
+            + f" (whole parameters per rank; 1/{world_size} would be {format_size(figures.optimizer_state / world_size)})"
+        )
+    plan = MemoryPlan(figures, world_size, device_memory, headroom, tuple(layouts), configured_name, notes=tuple(notes))
+    if device_memory is None:
+        return plan
+    fits = {layout.name: bool(plan.fits(layout.name)) for layout in layouts}
+    decision = decide(fits)
+    ddp = plan.layout("ddp")
+    fsdp = (figures.parameters + figures.trainable + figures.optimizer_state) / world_size
+    advice = decision.advice.format(
+        sharding_saves=format_size(figures.optimizer_state - sharded_state),
+        parameters=format_size(figures.trainable),
+        bucket_view_saves=format_size(ddp.gradients),
+        world_size=world_size,
+        fsdp_per_rank=format_size(fsdp),
+    )
+    return MemoryPlan(
+        figures, world_size, device_memory, headroom, tuple(layouts), configured_name, decision, advice, tuple(notes)
+    )

@@ -1,0 +1,200 @@
+"""The memory plan against measured bytes: parameters, gradients and optimizer state exactly (real tensors after a
+real step), activations within 10 % of the memory a real forward holds (glibc's count of allocated bytes), on tiny
+real ``transformers`` / ``peft`` models; the layouts' arithmetic and the decision table."""
+
+import ctypes
+import gc
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_ddp_plus.memory.decisions import DECISIONS, decide
+from lightning_ddp_plus.memory.measure import optimizer_state_bytes
+from lightning_ddp_plus.memory.plan import ModelFigures, measure_model, plan_layouts
+from lightning_ddp_plus.memory.sizes import parse_size
+from lightning_ddp_plus.sharding.partition import bytes_per_rank
+
+
+def tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=1000,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
+    return LlamaForCausalLM(config)
+
+
+def tiny_gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=1000, n_embd=128, n_layer=3, n_head=4, n_positions=256))
+
+
+def tiny_lora():
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(tiny_llama(), LoraConfig(r=8, target_modules=["q_proj", "v_proj"]))
+
+
+def measured_state_bytes(optimizer: torch.optim.Optimizer) -> list[list[int]]:
+    return [
+        [
+            sum(v.numel() * v.element_size() for v in optimizer.state[p].values() if torch.is_tensor(v))
+            if p in optimizer.state
+            else 0
+            for p in group["params"]
+        ]
+        for group in optimizer.param_groups
+    ]
+
+
+class Adafactorish(torch.optim.Adam):
+    """A subclass the formula table does not know: the plan must measure it."""
+
+
+OPTIMIZERS = [
+    (torch.optim.Adam, {}),
+    (torch.optim.AdamW, {"amsgrad": True}),
+    (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
+    (torch.optim.SGD, {"lr": 0.1}),
+    (torch.optim.RMSprop, {"momentum": 0.5, "centered": True}),
+    (torch.optim.Adagrad, {}),
+    (torch.optim.NAdam, {}),
+    (torch.optim.RAdam, {}),
+    (torch.optim.Adamax, {}),
+    (Adafactorish, {}),
+]
+if hasattr(torch.optim, "Adafactor"):  # factored state: rows + columns, not a multiple of the parameter
+    OPTIMIZERS.append((torch.optim.Adafactor, {}))
+
+
+@pytest.mark.parametrize(("cls", "kwargs"), OPTIMIZERS, ids=lambda v: getattr(v, "__name__", str(v)))
+def test_optimizer_state_is_exact(cls, kwargs):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 4).to(torch.bfloat16))
+    model[0].bias.requires_grad_(False)  # a frozen parameter keeps no state
+    groups = [{"params": model[0].parameters()}, {"params": model[1].parameters(), "lr": 0.01}]
+    optimizer = cls(groups, **kwargs)
+    planned = optimizer_state_bytes(optimizer)
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.randn_like(p)
+    optimizer.step()
+    assert planned == measured_state_bytes(optimizer)
+    assert planned[0][1] == (0 if cls is not torch.optim.Adagrad else 4 * 32 + 4)  # Adagrad: state at construction
+
+
+def held_bytes() -> int:
+    """Bytes glibc's malloc has handed out and not got back (arena and mmap'ed blocks): torch's CPU tensors."""
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [
+            (name, ctypes.c_size_t)
+            for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks")
+            + ("fordblks", "keepcost")
+        ]
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = MallInfo2
+    info = libc.mallinfo2()
+    return info.uordblks + info.hblkhd
+
+
+def forward_held_bytes(model, ids, checkpointing: bool) -> int:
+    """What one training forward really keeps allocated until its backward, measured around it."""
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    for _ in range(2):  # warm up: lazy buffers and caches are not activations
+        model(input_ids=ids, labels=ids).loss.backward()
+        model.zero_grad(set_to_none=True)
+    gc.collect()
+    before = held_bytes()
+    loss = model(input_ids=ids, labels=ids).loss
+    gc.collect()
+    held = held_bytes() - before
+    del loss
+    if checkpointing:
+        model.gradient_checkpointing_disable()
+    return held
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_gpt2, tiny_lora], ids=["llama", "gpt2", "peft-lora"])
+def test_parameters_gradients_and_activations_of_real_models(make):
+    model = make()
+    model.train()
+    ids = torch.randint(0, 1000, (4, 128))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    figures = measure_model(model, optimizer, lambda: model(input_ids=ids, labels=ids).loss, inputs=ids)
+    assert figures.parameters == sum(p.numel() * p.element_size() for p in model.parameters())
+    model(input_ids=ids, labels=ids).loss.backward()
+    gradients = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
+    assert figures.trainable == gradients
+    optimizer.step()
+    assert figures.optimizer_state == sum(sum(group) for group in measured_state_bytes(optimizer))
+    model.zero_grad(set_to_none=True)
+    for checkpointing, planned in ((False, figures.activations), (True, figures.activations_checkpointed)):
+        held = forward_held_bytes(model, ids, checkpointing)
+        assert planned is not None and abs(planned - held) <= 0.1 * held, (checkpointing, planned, held)
+    assert figures.activations_checkpointed < figures.activations / 2
+
+
+def figures_of(sizes, state_per_byte=2, activations=100, checkpointed=None) -> ModelFigures:
+    from lightning_ddp_plus.memory.measure import ParameterFigures
+
+    group = tuple(ParameterFigures(n, 4 * n, True, state_per_byte * 4 * n) for n in sizes)
+    return ModelFigures((group,), buffers=0, activations=activations, activations_checkpointed=checkpointed)
+
+
+def test_layouts_add_up_per_rank():
+    figures = figures_of([1000, 600, 400], activations=5000, checkpointed=1000)
+    plan = plan_layouts(figures, world_size=2, device_memory=None)
+    ddp, view, sharded, both = (plan.layout(n) for n in ("ddp", "ddp_bucket_view", "sharded", "sharded_checkpointing"))
+    assert (ddp.parameters, ddp.gradients, ddp.buckets, ddp.optimizer_state) == (8000, 8000, 8000, 16000)
+    assert ddp.total == 8000 * 3 + 16000 + 5000
+    assert view.gradients == 0 and view.buckets == 8000
+    assert sharded.optimizer_state == max(bytes_per_rank([[1000, 600, 400]], [[8000, 4800, 3200]], 2)) == 8000
+    assert both.activations == 1000
+    assert plan.decision is None and "pass `--device-memory 80GiB`" in plan.render()
+
+
+@pytest.mark.parametrize(
+    ("device", "expected"),
+    [(45_000, "ddp"), (40_000, "ddp_bucket_view"), (30_000, "sharded"), (26_000, "sharded_checkpointing"), (1, "fsdp")],
+)
+def test_the_verdict_is_the_first_layout_of_the_table_that_fits(device, expected):
+    plan = plan_layouts(figures_of([1000, 600, 400], activations=5000, checkpointed=1000), 2, device, headroom=0.0)
+    assert plan.decision.layout == expected
+    assert plan.decision.verdict in plan.render() and "{" not in plan.advice
+
+
+def test_eight_ranks_keep_about_an_eighth_of_the_state():
+    sizes = [4096 * 4096] * 6 + [4096] * 12
+    figures = figures_of(sizes)
+    shares = figures.optimizer_state_by_rank(8)
+    assert sum(shares) == figures.optimizer_state
+    assert max(shares) <= figures.optimizer_state / 8 + 2 * 4 * 4096 * 4096
+
+
+def test_the_decision_table_is_data_in_order():
+    assert [d.layout for d in DECISIONS] == ["ddp", "ddp_bucket_view", "sharded", "sharded_checkpointing", "fsdp"]
+    assert decide({}).layout == "fsdp"
+
+
+@pytest.mark.parametrize("text", ["80", "80GiB", "1.5 TB"])
+def test_sizes(text):
+    assert parse_size(text) > 0
+
+
+@pytest.mark.parametrize("text", ["", "-1GiB", "80 GiBs", "lots"])
+def test_bad_sizes_say_what_is_allowed(text):
+    with pytest.raises(ValueError, match=r"`--device-memory=.*expected a positive size.*Fix: write e.g."):
+        parse_size(text)
