@@ -422,7 +422,7 @@ def small_filesystem(parent: Path, size: str) -> Any:
         mountpoint.rmdir()
 
 
-def check_in_process(config: Path | str, capsys: Any) -> tuple[int, str]:
+def check_in_process(config: Path | str, capsys: Any, *extra: str) -> tuple[int, str]:
     """``ddp-plus check --config CONFIG`` in this process (the console script's own function): its exit status and
     what it printed. One test per command still runs the real console script in a subprocess; the others come here
     to spare a Python start and the imports (seconds each)."""
@@ -431,7 +431,7 @@ def check_in_process(config: Path | str, capsys: Any) -> tuple[int, str]:
     environment = dict(os.environ)  # LightningCLI's seed_everything sets PL_GLOBAL_SEED, which later jobs inherit
     capsys.readouterr()
     try:
-        code = run_check(["--config", str(config)])
+        code = run_check(["--config", str(config), *extra])
     finally:
         os.environ.clear()
         os.environ.update(environment)

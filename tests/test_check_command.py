@@ -70,3 +70,52 @@ def test_invalid_config_exits_1(tmp_path, capsys):
     code, out = check_in_process(config, capsys)
     assert code == 1
     assert "did you mean 'nccl'" in out
+
+
+def test_the_memory_plan_of_the_shipped_config_fits_80gib_at_8_ranks(capsys):
+    from lightning_ddp_plus.demo import DEMO_CONFIG
+
+    code, out = check_in_process(DEMO_CONFIG, capsys, "--device-memory", "80GiB", "--world-size", "8")
+    assert code == 0, out[-2000:]
+    assert "memory plan for SpiralClassifier and Adam against the --device-memory figure" in out
+    assert "world size 8, device 80.00 GiB (72.00 GiB usable" in out
+    assert "DDP (configured)" in out and "verdict: fits with plain DDP" in out
+
+
+def test_a_plan_that_does_not_fit_exits_1_and_names_the_next_step(capsys):
+    from lightning_ddp_plus.demo import DEMO_CONFIG
+
+    code, out = check_in_process(DEMO_CONFIG, capsys, "--device-memory=64KiB")
+    assert code == 1
+    assert "verdict: the model itself does not fit" in out and "FSDPStrategy" in out
+    assert "ERROR the configured layout does not fit the device memory" in out
+
+
+def test_a_bad_device_memory_fails_before_anything_is_built(capsys):
+    code, out = check_in_process("no-such-file.yaml", capsys, "--device-memory", "lots")
+    assert code == 1 and "`--device-memory='lots'` is not valid" in out
+    code, out = check_in_process("no-such-file.yaml", capsys, "--world-size", "0")
+    assert code == 1 and "`--world-size='0'` is not valid" in out
+
+
+def test_without_a_size_the_plan_asks_for_one_on_cpu(capsys):
+    from lightning_ddp_plus.demo import DEMO_CONFIG
+
+    code, out = check_in_process(DEMO_CONFIG, capsys)
+    assert code == 0
+    assert "verdict: no device memory known (pass `--device-memory 80GiB`" in out
+
+
+def test_the_accelerators_memory_is_read_through_its_torch_module(monkeypatch):
+    # CUDA faked (this machine has none): the plan reads torch.cuda's properties of the run's device
+    import torch
+
+    from lightning_ddp_plus.memory.plan import device_memory_of
+
+    class Properties:
+        total_memory = 80 * 2**30
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Properties())
+    assert device_memory_of(torch.device("cuda", 3)) == 80 * 2**30
+    assert device_memory_of(torch.device("cpu")) is None

@@ -1,4 +1,5 @@
-"""Diagnostics: the replica guard, telemetry, ``ddp-plus report`` and ``ddp-plus check``.
+"""Diagnostics: the replica guard, telemetry, ``ddp-plus report`` and ``ddp-plus check`` (the conflict checks and
+the memory plan).
 
-May import: ``config``, ``sync``, ``conflicts``.
+May import: ``config``, ``sync``, ``conflicts``, ``memory``.
 """

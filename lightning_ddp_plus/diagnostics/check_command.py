@@ -1,9 +1,14 @@
-"""``ddp-plus check --config FILE``: the conflict checks that need no process group, without training.
+"""``ddp-plus check --config FILE [--device-memory 80GiB] [--world-size N]``: the conflict checks and the memory
+plan, without a process group and without training.
 
 Builds the Trainer, model and data from a LightningCLI config (so every argument is validated as for ``fit``),
 reads the model's static facts, runs one probe forward of ``training_step`` on a training batch in this process
-where it can, evaluates the rules and prints each finding with its fix. Exit status 1 when an error-level finding
-exists (or the config itself is invalid), else 0.
+where it can, evaluates the rules and prints each finding with its fix. Then the memory plan
+(``lightning_ddp_plus.memory.plan``) for that model, the first optimizer of ``configure_optimizers`` and that batch:
+per-rank bytes of each DDP layout at the job's world size (``--world-size`` overrides it), against the device's
+memory (the accelerator's when one is present, else ``--device-memory``), with a verdict and the next step.
+Exit status 1 when an error-level finding exists, when the configured layout does not fit the device memory, or
+when the config itself is invalid; else 0.
 """
 
 from __future__ import annotations
@@ -14,9 +19,12 @@ from typing import Any
 
 import lightning.pytorch as pl
 from torch import Tensor
+from torch.optim import Optimizer
 
 from lightning_ddp_plus.conflicts.facts import ForwardProbe, ModelFacts, static_facts
 from lightning_ddp_plus.conflicts.rules import DDPView, Finding, evaluate
+from lightning_ddp_plus.memory.plan import MemoryPlan, device_memory_of, measure_model, plan_layouts
+from lightning_ddp_plus.memory.sizes import parse_size
 from lightning_ddp_plus.sync.accumulation import merge_accumulation_settings
 
 
@@ -40,29 +48,104 @@ def settings_view(trainer: pl.Trainer) -> DDPView:
     )
 
 
-def probe_facts(model: pl.LightningModule, datamodule: pl.LightningDataModule | None) -> tuple[ModelFacts, str]:
+def training_batch(model: pl.LightningModule, datamodule: pl.LightningDataModule | None) -> Any:
+    """The first batch of the training loader, as ``fit`` would build it."""
+    if datamodule is not None:
+        datamodule.prepare_data()
+        datamodule.setup("fit")
+        loader = datamodule.train_dataloader()
+    else:
+        model.setup("fit")
+        loader = model.train_dataloader()
+    return next(iter(loader))
+
+
+def training_loss(model: pl.LightningModule, batch: Any) -> Tensor:
+    """One ``training_step`` forward, returning its loss."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # self.log() outside a fit warns; only the loss matters here
+        output = model.training_step(batch, 0)
+    loss = output if isinstance(output, Tensor) else output["loss"] if isinstance(output, dict) else None
+    if loss is None:
+        raise ValueError("training_step returned no loss tensor")
+    return loss
+
+
+def probe_facts(model: pl.LightningModule, batch: Any) -> tuple[ModelFacts, str]:
     """Facts from one ``training_step`` on a training batch; static facts, and why, when that cannot run here."""
     try:
-        if datamodule is not None:
-            datamodule.prepare_data()
-            datamodule.setup("fit")
-            loader = datamodule.train_dataloader()
-        else:
-            model.setup("fit")
-            loader = model.train_dataloader()
-        batch = next(iter(loader))
+        if isinstance(batch, Exception):
+            raise batch
         model.train()
-        with ForwardProbe(model) as probe, warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # self.log() outside a fit warns; the probe only needs the loss
-            output = model.training_step(batch, 0)
-        loss = output if isinstance(output, Tensor) else output["loss"] if isinstance(output, dict) else None
-        if loss is None:
-            raise ValueError("training_step returned no loss tensor")
+        with ForwardProbe(model) as probe:
+            loss = training_loss(model, batch)
         return probe.facts(loss), "one probe forward of training_step on a training batch"
     except Exception as error:  # noqa: BLE001 - any failure means: fall back to what can be read statically
         return static_facts(
             model
         ), f"static facts only (the probe forward could not run here: {type(error).__name__}: {error})"
+
+
+def first_optimizer(configured: Any) -> Optimizer | None:
+    """The first optimizer of what ``configure_optimizers`` returned, in any of the forms Lightning accepts."""
+    if isinstance(configured, Optimizer):
+        return configured
+    if isinstance(configured, dict):
+        return first_optimizer(configured.get("optimizer"))
+    if isinstance(configured, list | tuple) and configured:
+        return first_optimizer(configured[0])
+    return None
+
+
+def plan_arguments(args: list[str]) -> tuple[list[str], int | None, int | None]:
+    """Take ``--device-memory SIZE`` and ``--world-size N`` out of ``args`` (the rest goes to LightningCLI)."""
+    rest, device_memory, world_size = [], None, None
+    iterator = iter(args)
+    for argument in iterator:
+        name, _, inline = argument.partition("=")
+        if name in ("--device-memory", "--world-size"):
+            value = inline or next(iterator, "")
+            if name == "--device-memory":
+                device_memory = parse_size(value)
+            elif not value.isdigit() or int(value) < 1:
+                raise ValueError(
+                    f"`--world-size={value!r}` is not valid: expected a positive integer. Fix: e.g. `--world-size 8`."
+                )
+            else:
+                world_size = int(value)
+        else:
+            rest.append(argument)
+    return rest, device_memory, world_size
+
+
+def memory_plan(
+    trainer: pl.Trainer, model: pl.LightningModule, batch: Any, device_memory: int | None, world_size: int | None
+) -> tuple[MemoryPlan | None, str]:
+    """The plan for the configured run; ``None`` and why when the model's forward cannot run here."""
+    strategy = trainer.strategy
+    engine = getattr(strategy, "engine", None)
+    if engine is not None:
+        configured = (bool(engine.settings.gradient_as_bucket_view), bool(engine.options.optimizer_sharding))
+    else:
+        configured = (bool((getattr(strategy, "_ddp_kwargs", {}) or {}).get("gradient_as_bucket_view")), False)
+    source = "the --device-memory figure"
+    if device_memory is None:
+        device_memory = device_memory_of(strategy.root_device)
+        source = f"the {strategy.root_device.type} device's memory"
+    try:
+        if isinstance(batch, Exception):
+            raise batch
+        optimizer = first_optimizer(model.configure_optimizers())
+        figures = measure_model(model, optimizer, lambda: training_loss(model, batch), inputs=batch)
+    except Exception as error:  # noqa: BLE001 - the plan needs one real forward; say why it could not run
+        return None, f"memory plan: not made (one training forward could not run here: {type(error).__name__}: {error})"
+    size = world_size or trainer.num_devices * trainer.num_nodes
+    plan = plan_layouts(figures, size, device_memory, configured=configured)
+    memory = "" if device_memory is None else f" against {source}"
+    return (
+        plan,
+        f"memory plan for {type(model).__name__} and {type(optimizer).__name__ if optimizer else 'no optimizer'}{memory}:\n{plan.render()}",
+    )
 
 
 def describe_facts(facts: ModelFacts) -> str:
@@ -100,6 +183,11 @@ def report(view: DDPView, facts: ModelFacts, source: str, findings: list[Finding
 def run_check(args: list[str]) -> int:
     from lightning.pytorch.cli import LightningCLI
 
+    try:
+        args, device_memory, world_size = plan_arguments(args)
+    except ValueError as error:
+        print(f"ERROR {error}", file=sys.stderr)
+        return 1
     sys.argv = [sys.argv[0], *args]  # LightningCLI warns when args and sys.argv disagree
     try:
         cli = LightningCLI(args=args, run=False, save_config_callback=None)
@@ -107,7 +195,16 @@ def run_check(args: list[str]) -> int:
         print(f"ERROR the configuration is invalid: {error}", file=sys.stderr)
         return 1
     view = settings_view(cli.trainer)
-    facts, source = probe_facts(cli.model, cli.datamodule)
+    try:
+        batch: Any = training_batch(cli.model, cli.datamodule)
+    except Exception as error:  # noqa: BLE001 - reported by the probe and the plan
+        batch = error
+    facts, source = probe_facts(cli.model, batch)
     findings = evaluate(view, facts)
     print(report(view, facts, source, findings))
-    return 1 if any(finding.rule.level == "error" for finding in findings) else 0
+    plan, text = memory_plan(cli.trainer, cli.model, batch, device_memory, world_size)
+    print(text)
+    does_not_fit = plan is not None and plan.configured is not None and plan.fits(plan.configured) is False
+    if does_not_fit:
+        print("ERROR the configured layout does not fit the device memory: see the verdict above.")
+    return 1 if does_not_fit or any(finding.rule.level == "error" for finding in findings) else 0

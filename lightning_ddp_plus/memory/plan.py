@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch.nn import Module
 from torch.optim import Optimizer
 
@@ -149,6 +150,20 @@ class MemoryPlan:
         else:
             lines.append(f"verdict: {self.decision.verdict}; next step: {self.advice}")
         return "\n".join(lines)
+
+
+def device_memory_of(device: torch.device) -> int | None:
+    """Total memory of an accelerator device, through its torch module (``torch.cuda``, ``torch.xpu`` ...);
+    ``None`` for the CPU or where this torch cannot say."""
+    if device.type == "cpu":
+        return None
+    module = getattr(torch, device.type, None)
+    properties = getattr(module, "get_device_properties", None)
+    available = getattr(module, "is_available", None)
+    if properties is None or available is None or not available():
+        return None
+    total = getattr(properties(device), "total_memory", None)
+    return int(total) if total else None
 
 
 def measure_model(
