@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,47 @@ def two_nodes(rate: str, burst: str = "256kb", latency: str = "50ms") -> Iterato
     finally:
         for namespace in created:  # deleting a namespace deletes its end of the veth pair, and so the pair
             subprocess.run(["ip", "netns", "delete", namespace], check=False, capture_output=True)
+
+
+@contextmanager
+def shaped_nodes(count: int, rate: str, burst: str = "256kb", latency: str = "50ms") -> Iterator[tuple[Node, ...]]:
+    """``count`` namespaces on one switch: a bridge in a namespace of its own, and a veth pair from each node to it,
+    each node's egress shaped to ``rate`` (a node sends at most ``rate``, as through its own NIC). Addresses
+    10.232.0.1 ... ; removed on exit, even after an error."""
+    tag = f"ddps{os.getpid() % 100000}"
+    hub = f"{tag}h"
+    nodes = tuple(Node(f"{tag}n{i}", f"{tag}n{i}e", f"10.232.0.{i + 1}") for i in range(count))
+    created: list[str] = []
+    try:
+        _run("ip", "netns", "add", hub)
+        created.append(hub)
+        _run("ip", "-n", hub, "link", "add", "br0", "type", "bridge")
+        _run("ip", "-n", hub, "link", "set", "br0", "up")
+        for index, node in enumerate(nodes):
+            _run("ip", "netns", "add", node.namespace)
+            created.append(node.namespace)
+            port = f"{tag}p{index}"
+            _run("ip", "link", "add", node.interface, "type", "veth", "peer", "name", port)
+            _run("ip", "link", "set", node.interface, "netns", node.namespace)
+            _run("ip", "link", "set", port, "netns", hub)
+            _run("ip", "-n", hub, "link", "set", port, "master", "br0")
+            _run("ip", "-n", hub, "link", "set", port, "up")
+            _run("ip", "-n", node.namespace, "addr", "add", f"{node.address}/24", "dev", node.interface)
+            _run("ip", "-n", node.namespace, "link", "set", node.interface, "up")
+            _run("ip", "-n", node.namespace, "link", "set", "lo", "up")
+            _run(
+                "ip", "netns", "exec", node.namespace, "tc", "qdisc", "add", "dev", node.interface, "root", "tbf",
+                "rate", rate, "burst", burst, "latency", latency,
+            )  # fmt: skip
+        yield nodes
+    finally:
+        for namespace in reversed(created):
+            subprocess.run(["ip", "netns", "delete", namespace], check=False, capture_output=True)
+
+
+def sent_bytes(interface: str) -> int:
+    """Bytes ``interface`` has sent (read inside its namespace: ``/sys/class/net`` shows the caller's namespace)."""
+    return int(Path(f"/sys/class/net/{interface}/statistics/tx_bytes").read_text())
 
 
 def tcp_throughput_mbit(nodes: tuple[Node, Node], megabytes: int) -> float:
