@@ -203,7 +203,11 @@ def summarize(raw: dict, nodes: int, rate: str | None, gradient_bytes: int) -> d
             continue
         sharded = variant == "ddp_plus_sharded"
         expected = ring + ((nodes - 1) / nodes * gradient_bytes if sharded else 0)
-        sent = [statistics.median(r["sent_bytes_per_step_by_node"][i] for r in runs) for i in range(nodes)]
+        sent = (
+            None
+            if rate is None
+            else [statistics.median(r["sent_bytes_per_step_by_node"][i] for r in runs) for i in range(nodes)]
+        )
         rows[variant] = {
             "step_ms": statistics.median(r["step_ms"] for r in runs),
             "step_ms_min": min(r["step_ms"] for r in runs),
@@ -213,7 +217,7 @@ def summarize(raw: dict, nodes: int, rate: str | None, gradient_bytes: int) -> d
                 statistics.median(r["consolidation_s_by_rank"][i] for r in runs) for i in range(nodes)
             ],
             "expected_bytes_per_step": expected,
-            "sent_bytes_per_step_by_node": None if rate is None else sent,
+            "sent_bytes_per_step_by_node": sent,
             "link_bound_ms": None if rate is None else 1e3 * expected * 8 / rate_bits(rate),
         }
     base = rows.get("stock", {}).get("step_ms")

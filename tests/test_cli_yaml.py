@@ -106,6 +106,22 @@ def test_bad_yaml_value_fails_before_training(tmp_path):
     assert not dist.is_initialized()
 
 
+def test_optimizer_sharding_from_yaml(tmp_path):
+    from lightning_ddp_plus.sharding.optimizer import ShardedOptimizer
+
+    strategy = "\n    class_path: lightning_ddp_plus.DDPPlusStrategy\n    init_args: {optimizer_sharding: true}"
+    cli = run_cli(tmp_path, strategy)
+    assert isinstance(cli.trainer.strategy.optimizers[0], ShardedOptimizer)
+    assert cli.trainer.global_step == 2
+
+
+def test_overlap_from_yaml_on_cpu_fails_before_training(tmp_path):
+    strategy = "\n    class_path: lightning_ddp_plus.DDPPlusStrategy\n    init_args: {optimizer_sharding: overlap, sync_guard: false}"
+    with pytest.raises(ValueError, match="overlap hook refuses the gloo backend"):
+        run_cli(tmp_path, strategy)
+    assert not dist.is_initialized()
+
+
 STRATEGY_ARGUMENTS = (
     "process_group_backend",
     "timeout",
@@ -118,6 +134,7 @@ STRATEGY_ARGUMENTS = (
     "start_method",
     "sync_guard",
     "uneven_inputs",
+    "optimizer_sharding",
 )
 
 

@@ -169,15 +169,18 @@ def device_memory_of(device: torch.device) -> int | None:
 def measure_model(
     module: Module,
     optimizer: Optimizer | None,
-    training_forward: Callable[[], Any],
+    training_forward: Callable[[], Any] | None,
     inputs: Any = None,
     checkpointing: bool = True,
 ) -> ModelFigures:
     """Measure one replica: the parameters in the optimizer's groups, the state the optimizer will keep, and the
     activations of ``training_forward()`` (one training forward on one micro-batch, returning the loss), and, where
-    the model can switch activation checkpointing and ``checkpointing`` is on, of the same forward with it."""
+    the model can switch activation checkpointing and ``checkpointing`` is on, of the same forward with it.
+    ``training_forward=None``: no forward (e.g. a model built on the ``meta`` device), activations 0."""
     groups = tuple(tuple(group) for group in parameter_figures(module, optimizer))
     buffers = sum(tensor_bytes(b) for b in module.buffers())
+    if training_forward is None:
+        return ModelFigures(groups, buffers, activations=0)
     was_training = module.training
     module.train()
     activations = saved_activation_bytes(module, training_forward, inputs)

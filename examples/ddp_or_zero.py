@@ -1,0 +1,88 @@
+"""DDP or ZeRO for a real model shape: the memory plan of a Llama 3.2 1B-shaped model, on 8 ranks of 80 GiB and 24 GiB.
+
+    python examples/ddp_or_zero.py [--layers-measured 1 2] [--sequence 1024] [--batch 1]
+
+No download and no 1B-parameter model in memory: the full model is built on the ``meta`` device, which gives its
+parameters, gradients, DDP buckets and AdamW state exactly (shapes and dtypes); the activations are measured on real
+models of the same width with 1 and 2 decoder layers (a real forward, counted with saved-tensor hooks) and extended
+to the full depth by the plan's arithmetic (activations = a + b x layers; the check on a tiny config below shows
+how well that line predicts a deeper model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from lightning_ddp_plus.memory.plan import measure_model, plan_layouts
+
+LLAMA_3_2_1B = {
+    "vocab_size": 128256,
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": True,
+}
+
+
+def activations(shape: dict, layers: int, batch: int, sequence: int) -> tuple[int, int | None]:
+    """Saved-tensor bytes of one training forward (and with activation checkpointing) of a real model."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**{**shape, "num_hidden_layers": layers}))
+    ids = torch.randint(0, shape["vocab_size"], (batch, sequence))
+    figures = measure_model(model, None, lambda: model(input_ids=ids, labels=ids).loss, inputs=ids)
+    return figures.activations, figures.activations_checkpointed
+
+
+def extended(shape: dict, measured: tuple[int, int], batch: int, sequence: int, layers: int) -> tuple[int, int]:
+    """The line through the activations at ``measured`` depths, at ``layers``."""
+    (depth_a, depth_b) = measured
+    a_plain, a_checkpointed = activations(shape, depth_a, batch, sequence)
+    b_plain, b_checkpointed = activations(shape, depth_b, batch, sequence)
+
+    def line(low: int, high: int) -> int:
+        slope = (high - low) / (depth_b - depth_a)
+        return int(low + slope * (layers - depth_a))
+
+    return line(a_plain, b_plain), line(a_checkpointed or 0, b_checkpointed or 0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers-measured", nargs=2, type=int, default=[1, 2])
+    parser.add_argument("--sequence", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--world-size", type=int, default=8)
+    args = parser.parse_args()
+
+    tiny = {**LLAMA_3_2_1B, "vocab_size": 1000, "hidden_size": 128, "intermediate_size": 512, "num_attention_heads": 4,
+            "num_key_value_heads": 2}  # fmt: skip
+    predicted, _ = extended(tiny, (1, 2), 2, 256, 6)
+    real, _ = activations(tiny, 6, 2, 256)
+    print(f"the line checked on a tiny config: 6 layers predicted {predicted} B, measured {real} B "
+          f"({100 * (predicted - real) / real:+.1f} %)")  # fmt: skip
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(**LLAMA_3_2_1B))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    figures = measure_model(model, optimizer, None)
+    plain, checkpointed = extended(
+        LLAMA_3_2_1B, tuple(args.layers_measured), args.batch, args.sequence, LLAMA_3_2_1B["num_hidden_layers"]
+    )
+    figures = dataclasses.replace(figures, activations=plain, activations_checkpointed=checkpointed)
+    parameters = sum(p.numel() for p in model.parameters())
+    print(f"\nLlama 3.2 1B shape: {parameters / 1e9:.2f} B parameters (fp32), AdamW, micro-batch {args.batch} x "
+          f"{args.sequence} tokens")  # fmt: skip
+    for device in (80 * 2**30, 24 * 2**30):
+        print()
+        print(plan_layouts(figures, args.world_size, device).render())
+
+
+if __name__ == "__main__":
+    main()
