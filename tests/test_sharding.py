@@ -84,7 +84,7 @@ CASES = [
     {"optimizer": "adam", "resume": True},
     {"optimizer": "adamw", "scheduler": True},
     {"optimizer": "sgd_momentum"},
-    {"optimizer": "adamw", "k": 4},
+    {"optimizer": "adamw", "k": 4, "clip": 0.05},
     {"optimizer": "groups", "manual_k": 4, "scheduler": True},
     {"fabric": True},
     {"overlap": True},
@@ -143,8 +143,9 @@ def test_a_sharded_checkpoint_is_consolidated_and_portable(results):
     # the file holds the full, plain optimizer state, and a world size of 1 takes all of it
     assert case["checkpoint_state_bytes"] == plain["state_bytes"][0] == case["world_size_1_loaded"]
     assert case["half_steps"] == plain["steps"] // 2
-    for resumed in ("resumed_sharded", "resumed_plain", "resumed_stock", "plain_into_sharded"):
+    for resumed in ("resumed_sharded", "resumed_plain", "resumed_stock", "resumed_from_last", "plain_into_sharded"):
         assert case[resumed]["steps"] == plain["steps"], resumed
+        assert case[resumed]["started_at"] == plain["steps"] // 2, resumed  # it resumed, and did not start over
         assert close(plain["params"], case[resumed]["params"]), resumed
     assert case["resumed_sharded"]["sharded"] and not case["resumed_stock"]["sharded"]
 
@@ -154,6 +155,7 @@ def test_fabric_save_and_load_of_a_sharded_optimizer(results):
     case = results[5]
     assert close(case["plain"]["params"], case["resumed_sharded"]["params"])
     assert case["resumed_sharded"]["steps"] == case["plain"]["steps"] == 6
+    assert case["resumed_sharded"]["started_at"] == 3
     assert case["resumed_sharded"]["lr"] == case["plain"]["lr"]
 
 

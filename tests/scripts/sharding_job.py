@@ -68,11 +68,28 @@ class Regression(TinyRegression):
         self.state_bytes = state_bytes(self.trainer.strategy.optimizers[0])
 
 
+class StartStep(L.Callback):
+    """The global step a fit starts training at (after a resume: the checkpoint's)."""
+
+    step = -1
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.step = trainer.global_step
+
+
 def flat_parameters(model: nn.Module) -> list[float]:
     return torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()
 
 
-def fit(case: dict, sharding: Any, root: Path, epochs: int, resume: str | None = None, stock: bool = False) -> dict:
+def fit(
+    case: dict,
+    sharding: Any,
+    root: Path,
+    epochs: int,
+    resume: str | None = None,
+    stock: bool = False,
+    resume_from_last: str = "on_restart",
+) -> dict:
     model = Regression(
         optimizer=case["optimizer"],
         scheduler=case.get("scheduler", False),
@@ -85,17 +102,21 @@ def fit(case: dict, sharding: Any, root: Path, epochs: int, resume: str | None =
     if stock:
         strategy: Any = DDPStrategy(process_group_backend="gloo")
     else:
-        strategy = DDPPlusStrategy(optimizer_sharding=sharding, gradient_accumulation_steps=k)
+        strategy = DDPPlusStrategy(
+            optimizer_sharding=sharding, gradient_accumulation_steps=k, resume_from_last=resume_from_last
+        )
     checkpoints = ModelCheckpoint(dirpath=root, save_last=True, save_top_k=0)
+    start = StartStep()
     options = {**QUIET_TRAINER, "enable_checkpointing": True}
     trainer = L.Trainer(
         strategy=strategy,
         accelerator="cpu",
         devices=2,
         max_epochs=epochs,
-        callbacks=[checkpoints],
+        callbacks=[checkpoints, start],
         default_root_dir=root,
         accumulate_grad_batches=k if stock else 1,
+        gradient_clip_val=case.get("clip"),
         **options,
     )
     trainer.fit(model, ckpt_path=resume)
@@ -107,6 +128,7 @@ def fit(case: dict, sharding: Any, root: Path, epochs: int, resume: str | None =
         "sharded": isinstance(optimizer, ShardedOptimizer),
         "state_bytes": gathered,
         "steps": trainer.global_step,
+        "started_at": start.step,
         "lr": optimizer.param_groups[0]["lr"],
         "numels": [[p.numel() for p in group["params"]] for group in optimizer.param_groups],
     }
@@ -132,7 +154,7 @@ def fabric_fit(sharding: Any, root: Path, save_after: int | None = None, load: b
     x, y = regression_data(48).tensors
     rank = fabric.global_rank
     batches = [(x[rank::2][i : i + 4], y[rank::2][i : i + 4]) for i in range(0, 24, 4)] * 2
-    steps = state["step"]
+    steps = started_at = state["step"]
     for xb, yb in fabric.strategy.micro_batches(batches[2 * steps :]):
         fabric.backward(nn.functional.mse_loss(model(xb), yb))
         if fabric.strategy.sync_gradients:
@@ -148,6 +170,7 @@ def fabric_fit(sharding: Any, root: Path, save_after: int | None = None, load: b
         "lr": optimizer.param_groups[0]["lr"],
         "state_bytes": state_bytes(optimizer.optimizer),
         "steps": steps,
+        "started_at": started_at,
     }
 
 
@@ -276,6 +299,12 @@ def run_any_case(case: dict) -> dict:
         # a plain checkpoint into a sharded run
         plain_saved = root / "plain_half"
         fit(case, False, plain_saved, 1)
+        # the package's own resume path (resume_from_last, as a restarted attempt takes it) with a sharded file
+        if dist.get_rank() == 0:
+            (root / "always").mkdir()
+            (root / "always" / "last.ckpt").write_bytes(kept.read_bytes())
+        dist.barrier()
+        result["resumed_from_last"] = fit(case, True, root / "always", epochs, resume_from_last="always")
         result["plain_into_sharded"] = fit(
             case, True, root / "plain_into_sharded", epochs, resume=str(plain_saved / "last.ckpt")
         )
