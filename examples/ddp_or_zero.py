@@ -59,6 +59,7 @@ def main() -> None:
     parser.add_argument("--sequence", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--world-size", type=int, default=8)
+    parser.add_argument("--tiny", action="store_true", help="a tiny shape instead of Llama 3.2 1B (a quick check)")
     args = parser.parse_args()
 
     tiny = {**LLAMA_3_2_1B, "vocab_size": 1000, "hidden_size": 128, "intermediate_size": 512, "num_attention_heads": 4,
@@ -67,17 +68,18 @@ def main() -> None:
     real, _ = activations(tiny, 6, 2, 256)
     print(f"the line checked on a tiny config: 6 layers predicted {predicted} B, measured {real} B "
           f"({100 * (predicted - real) / real:+.1f} %)")  # fmt: skip
+    shape = tiny if args.tiny else LLAMA_3_2_1B
 
     with torch.device("meta"):
-        model = LlamaForCausalLM(LlamaConfig(**LLAMA_3_2_1B))
+        model = LlamaForCausalLM(LlamaConfig(**shape))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     figures = measure_model(model, optimizer, None)
     plain, checkpointed = extended(
-        LLAMA_3_2_1B, tuple(args.layers_measured), args.batch, args.sequence, LLAMA_3_2_1B["num_hidden_layers"]
+        shape, tuple(args.layers_measured), args.batch, args.sequence, shape["num_hidden_layers"]
     )
     figures = dataclasses.replace(figures, activations=plain, activations_checkpointed=checkpointed)
     parameters = sum(p.numel() for p in model.parameters())
-    print(f"\nLlama 3.2 1B shape: {parameters / 1e9:.2f} B parameters (fp32), AdamW, micro-batch {args.batch} x "
+    print(f"\n{'tiny' if args.tiny else 'Llama 3.2 1B'} shape: {parameters / 1e9:.2f} B parameters (fp32), AdamW, micro-batch {args.batch} x "
           f"{args.sequence} tokens")  # fmt: skip
     for device in (80 * 2**30, 24 * 2**30):
         print()
