@@ -2,7 +2,8 @@
 
 The public names are importable from here; the subpackages are the architecture: ``frontends`` (the Trainer and
 Fabric strategies, the Hugging Face port, the command line) delegate to ``engine``, whose components live in
-``sync``, ``conflicts``, ``diagnostics``, ``processes`` and ``persistence``, all built on ``config``.
+``sync``, ``sharding``, ``conflicts``, ``diagnostics``, ``processes`` and ``persistence``, all built on ``config``;
+``memory`` plans a run's per-rank bytes (``ddp-plus check``).
 
 Importing the package registers the strategy names ``ddp_plus``, ``ddp_plus_spawn``, ``ddp_plus_fork`` and
 ``ddp_plus_notebook`` with Lightning's strategy registry (``Trainer(strategy="ddp_plus")``) and with Fabric's
