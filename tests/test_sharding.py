@@ -86,6 +86,7 @@ CASES = [
     {"optimizer": "sgd_momentum"},
     {"optimizer": "adamw", "k": 4, "clip": 0.05},
     {"optimizer": "groups", "manual_k": 4, "scheduler": True},
+    {"optimizer": "adam", "strategy": {"verify_replicas_every_n_steps": 1, "telemetry": True, "bucket_cap_mb": "auto"}},
     {"fabric": True},
     {"overlap": True},
     {"memory": True},
@@ -152,7 +153,7 @@ def test_a_sharded_checkpoint_is_consolidated_and_portable(results):
 
 @pytest.mark.multiprocess
 def test_fabric_save_and_load_of_a_sharded_optimizer(results):
-    case = results[5]
+    case = results[6]
     assert close(case["plain"]["params"], case["resumed_sharded"]["params"])
     assert case["resumed_sharded"]["steps"] == case["plain"]["steps"] == 6
     assert case["resumed_sharded"]["started_at"] == 3
@@ -161,14 +162,14 @@ def test_fabric_save_and_load_of_a_sharded_optimizer(results):
 
 @pytest.mark.multiprocess
 def test_torch_refuses_the_overlap_on_gloo_as_the_strategy_says_before_launch(results):
-    assert results[6]["error"] == "Gloo backend using Overlapping DDP with ZeRO may meet hangs"
+    assert results[7]["error"] == "Gloo backend using Overlapping DDP with ZeRO may meet hangs"
 
 
 @pytest.mark.multiprocess
 def test_the_plans_buckets_gradients_and_shares_are_what_ddp_and_zero_really_hold(results):
     # a tiny real Llama in DDP on 2 ranks: the bytes the reducer's buckets hold (seen by a comm hook), the gradient
     # bytes outside them, and each rank's real ZeRO-1 state after a step, against the memory plan's figures
-    case = results[7]
+    case = results[8]
     trainable = case["plan_trainable"]
     plain, view = case["bucket_view_False"], case["bucket_view_True"]
     assert plain["bucket_bytes"] == view["bucket_bytes"] == trainable

@@ -103,7 +103,10 @@ def fit(
         strategy: Any = DDPStrategy(process_group_backend="gloo")
     else:
         strategy = DDPPlusStrategy(
-            optimizer_sharding=sharding, gradient_accumulation_steps=k, resume_from_last=resume_from_last
+            optimizer_sharding=sharding,
+            gradient_accumulation_steps=k,
+            resume_from_last=resume_from_last,
+            **case.get("strategy", {}),
         )
     checkpoints = ModelCheckpoint(dirpath=root, save_last=True, save_top_k=0)
     start = StartStep()
