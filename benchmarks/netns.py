@@ -39,6 +39,17 @@ def _run(*command: str) -> None:
     subprocess.run(command, check=True, capture_output=True, text=True)
 
 
+def _bring_up_shaped(node: Node, rate: str, burst: str, latency: str) -> None:
+    """Address and bring up a node's interface (moved into its namespace), and shape its egress with tbf."""
+    _run("ip", "-n", node.namespace, "addr", "add", f"{node.address}/24", "dev", node.interface)
+    _run("ip", "-n", node.namespace, "link", "set", node.interface, "up")
+    _run("ip", "-n", node.namespace, "link", "set", "lo", "up")
+    _run(
+        "ip", "netns", "exec", node.namespace, "tc", "qdisc", "add", "dev", node.interface, "root", "tbf",
+        "rate", rate, "burst", burst, "latency", latency,
+    )  # fmt: skip
+
+
 @contextmanager
 def two_nodes(rate: str, burst: str = "256kb", latency: str = "50ms") -> Iterator[tuple[Node, Node]]:
     """Namespaces ``ddpp<pid>a``/``b`` with 10.231.0.1 and .2 on a veth pair, each end shaped to ``rate``
@@ -53,13 +64,7 @@ def two_nodes(rate: str, burst: str = "256kb", latency: str = "50ms") -> Iterato
         _run("ip", "link", "add", nodes[0].interface, "type", "veth", "peer", "name", nodes[1].interface)
         for node in nodes:
             _run("ip", "link", "set", node.interface, "netns", node.namespace)
-            _run("ip", "-n", node.namespace, "addr", "add", f"{node.address}/24", "dev", node.interface)
-            _run("ip", "-n", node.namespace, "link", "set", node.interface, "up")
-            _run("ip", "-n", node.namespace, "link", "set", "lo", "up")
-            _run(
-                "ip", "netns", "exec", node.namespace, "tc", "qdisc", "add", "dev", node.interface, "root", "tbf",
-                "rate", rate, "burst", burst, "latency", latency,
-            )  # fmt: skip
+            _bring_up_shaped(node, rate, burst, latency)
         yield nodes
     finally:
         for namespace in created:  # deleting a namespace deletes its end of the veth pair, and so the pair
@@ -89,13 +94,7 @@ def shaped_nodes(count: int, rate: str, burst: str = "256kb", latency: str = "50
             _run("ip", "link", "set", port, "netns", hub)
             _run("ip", "-n", hub, "link", "set", port, "master", "br0")
             _run("ip", "-n", hub, "link", "set", port, "up")
-            _run("ip", "-n", node.namespace, "addr", "add", f"{node.address}/24", "dev", node.interface)
-            _run("ip", "-n", node.namespace, "link", "set", node.interface, "up")
-            _run("ip", "-n", node.namespace, "link", "set", "lo", "up")
-            _run(
-                "ip", "netns", "exec", node.namespace, "tc", "qdisc", "add", "dev", node.interface, "root", "tbf",
-                "rate", rate, "burst", burst, "latency", latency,
-            )  # fmt: skip
+            _bring_up_shaped(node, rate, burst, latency)
         yield nodes
     finally:
         for namespace in reversed(created):
