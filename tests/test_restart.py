@@ -18,9 +18,9 @@ from tests.helpers import REPO_ROOT, clean_environment, free_port, kill_process_
 pytestmark = pytest.mark.multiprocess
 
 
-def torchrun_job(tmp_path, name: str, kill_at: int, k: int) -> tuple[dict, str]:
+def torchrun_job(tmp_path, name: str, kill_at: int, k: int, env: dict | None = None) -> tuple[dict, str]:
     out, ckpt = tmp_path / f"{name}.json", tmp_path / f"{name}-ckpt"
-    result = run_job(torchrun_command("restart_job.py", out, ckpt, kill_at, k), timeout=240)
+    result = run_job(torchrun_command("restart_job.py", out, ckpt, kill_at, k), timeout=240, env=env)
     assert result.returncode == 0, result.stdout[-4000:]
     shutil.rmtree(ckpt, ignore_errors=True)
     return json.loads(out.read_text()), result.stdout
@@ -51,6 +51,16 @@ def test_killed_rank_restarts_resumes_mid_epoch_and_matches_an_uninterrupted_run
     after_restart = [value for attempt, value in restarted["seen"] if attempt == 1]
     assert after_restart == [value for _, value in whole["seen"]][kill_at * k :]
     diff = (torch.tensor(restarted["params"]) - torch.tensor(whole["params"])).abs().max()
+    assert diff <= 1e-6, diff
+
+
+def test_a_sharded_optimizer_restarts_from_its_consolidated_checkpoint(tmp_path, whole_runs):
+    # optimizer_sharding=True: every checkpoint holds the consolidated momentum; the restarted attempt gives each rank
+    # its share back, and ends where the uninterrupted unsharded run ends
+    restarted, output = torchrun_job(tmp_path, "sharded", kill_at=3, k=2, env={"DDP_PLUS_SHARDING": "1"})
+    assert "optimizer_sharding=True" in output and "rank 1 kills itself at step 3" in output
+    assert restarted["attempt"] == 1 and "attempt 1 rank 0 trains from step 3" in output
+    diff = (torch.tensor(restarted["params"]) - torch.tensor(whole_runs(2)["params"])).abs().max()
     assert diff <= 1e-6, diff
 
 

@@ -61,7 +61,11 @@ def main() -> None:
     strategy = (
         L.pytorch.strategies.DDPStrategy(process_group_backend="gloo")
         if stock
-        else DDPPlusStrategy(process_group_backend="gloo", timeout="60s")
+        else DDPPlusStrategy(
+            process_group_backend="gloo",
+            timeout="60s",
+            optimizer_sharding=os.environ.get("DDP_PLUS_SHARDING") == "1",  # the momentum buffers sharded
+        )
     )
     trainer = L.Trainer(
         strategy=strategy,
