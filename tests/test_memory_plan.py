@@ -198,3 +198,13 @@ def test_sizes(text):
 def test_bad_sizes_say_what_is_allowed(text):
     with pytest.raises(ValueError, match=r"`--device-memory=.*expected a positive size.*Fix: write e.g."):
         parse_size(text)
+
+
+def test_the_configured_layout_is_marked_or_added():
+    figures = figures_of([1000, 600, 400], activations=5000)
+    assert plan_layouts(figures, 2, configured=(True, True)).configured == "sharded"
+    plan = plan_layouts(figures, 2, 10**6, configured=(False, True))  # ZeRO-1 without bucket view: its own row
+    added = plan.layout("configured")
+    assert added.gradients == added.buckets == 8000 and added.optimizer_state == 8000
+    assert "configured: ZeRO-1, no bucket view (configured)" in plan.render()
+    assert plan.fits("configured") is True

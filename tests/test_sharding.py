@@ -3,6 +3,7 @@ and real 2-rank gloo runs that must match unsharded training to 1e-6 and keep th
 
 import lightning as L
 import pytest
+import torch
 from lightning.fabric.accelerators import CPUAccelerator as FabricCPUAccelerator
 
 from lightning_ddp_plus import DDPPlusFabricStrategy, DDPPlusStrategy
@@ -64,6 +65,34 @@ def test_overlap_on_nccl_builds_and_says_so():
             DDPPlusStrategy(optimizer_sharding="overlap", sync_guard=False, process_group_backend="gloo"),
             accelerator=FakeCUDAAccelerator(),
         )
+
+
+def test_fabric_refuses_clipping_after_an_overlapped_step():
+    strategy = DDPPlusFabricStrategy(optimizer_sharding="overlap", sync_guard=False)
+    module = torch.nn.Linear(2, 1)
+    with pytest.raises(ValueError, match=r"`fabric.clip_gradients` with `optimizer_sharding='overlap'`.*Fix"):
+        strategy.clip_gradients_norm(module, torch.optim.SGD(module.parameters(), lr=0.1), max_norm=1.0)
+    with pytest.raises(ValueError, match=r"can no longer be clipped"):
+        strategy.clip_gradients_value(module, torch.optim.SGD(module.parameters(), lr=0.1), clip_val=1.0)
+
+
+def test_the_trainer_refuses_clipping_with_overlap_when_the_optimizers_are_set_up():
+    # CUDA faked, nothing launched: the strategy's own step of Lightning's setup, called as Lightning calls it
+    from tests.helpers import TinyRegression
+
+    built = L.Trainer(
+        strategy=DDPPlusStrategy(optimizer_sharding="overlap", sync_guard=False),
+        accelerator=FakeCUDAAccelerator(),
+        devices=2,
+        gradient_clip_val=1.0,
+        logger=False,
+        enable_progress_bar=False,
+    )
+    model = TinyRegression()
+    model.trainer = built
+    built.strategy.connect(model)
+    with pytest.raises(ValueError, match=r"`Trainer\(gradient_clip_val=1.0\)`.*before Lightning clips"):
+        built.strategy.setup_optimizers(built)
 
 
 def test_the_partition_is_torchs_sorted_greedy_over_whole_parameters():

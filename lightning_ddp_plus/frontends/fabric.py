@@ -199,6 +199,23 @@ class DDPPlusFabricStrategy(AtomicCheckpoints, EngineViews, DDPStrategy):
         return self.engine.shard_optimizers([super().setup_optimizer(optimizer)])[0]
 
     @override
+    def clip_gradients_norm(self, module: Module, optimizer: Optimizer, *args: Any, **kwargs: Any) -> Tensor:
+        self._refuse_clipping_after_an_overlapped_step()
+        return super().clip_gradients_norm(module, optimizer, *args, **kwargs)
+
+    @override
+    def clip_gradients_value(self, module: Module, optimizer: Optimizer, *args: Any, **kwargs: Any) -> None:
+        self._refuse_clipping_after_an_overlapped_step()
+        return super().clip_gradients_value(module, optimizer, *args, **kwargs)
+
+    def _refuse_clipping_after_an_overlapped_step(self) -> None:
+        if self.options.optimizer_sharding == "overlap":
+            raise ValueError(
+                "`fabric.clip_gradients` with `optimizer_sharding='overlap'`: the overlapped optimizer step ran inside "
+                "the backward, so the gradients it used can no longer be clipped. Fix: use `optimizer_sharding=True`."
+            )
+
+    @override
     def teardown(self) -> None:
         self.engine.teardown()
         super().teardown()
