@@ -437,3 +437,21 @@ def check_in_process(config: Path | str, capsys: Any, *extra: str) -> tuple[int,
         os.environ.update(environment)
     printed = capsys.readouterr()
     return code, printed.out + printed.err
+
+
+def tiny_llama(**config: Any) -> nn.Module:
+    """A seeded ``LlamaForCausalLM`` built from a small config (no download); ``config`` overrides its fields."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    fields = {
+        "vocab_size": 1000,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 256,
+        **config,
+    }
+    return LlamaForCausalLM(LlamaConfig(**fields))

@@ -14,22 +14,7 @@ from lightning_ddp_plus.memory.measure import optimizer_state_bytes
 from lightning_ddp_plus.memory.plan import ModelFigures, measure_model, plan_layouts
 from lightning_ddp_plus.memory.sizes import parse_size
 from lightning_ddp_plus.sharding.partition import bytes_per_rank
-
-
-def tiny_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=1000,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-    )
-    return LlamaForCausalLM(config)
+from tests.helpers import tiny_llama
 
 
 def tiny_gpt2():

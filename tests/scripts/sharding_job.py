@@ -20,7 +20,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from lightning_ddp_plus import DDPPlusFabricStrategy, DDPPlusStrategy
 from lightning_ddp_plus.sharding.optimizer import ShardedOptimizer, register_overlap, shard, state_bytes
-from tests.helpers import QUIET_TRAINER, TinyRegression, job_main, regression_data
+from tests.helpers import QUIET_TRAINER, TinyRegression, job_main, regression_data, tiny_llama
 
 
 class Regression(TinyRegression):
@@ -210,22 +210,12 @@ def run_overlap_case(case: dict) -> dict:
 def run_memory_case(case: dict) -> dict:
     """A tiny real Llama in DDP: the bucket bytes torch's reducer really all-reduces (a counting hook), whether the
     gradients are views of the buckets, and each rank's real ZeRO-1 optimizer state after a step, next to the plan."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from lightning_ddp_plus.memory.plan import measure_model
 
     ensure_group()
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=500,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
+    model = tiny_llama(
+        vocab_size=500, hidden_size=64, intermediate_size=128, num_hidden_layers=2, max_position_embeddings=64
     )
-    model = LlamaForCausalLM(config)
     ids = torch.randint(0, 500, (2, 32))
     figures = measure_model(
         model, torch.optim.AdamW(model.parameters()), lambda: model(input_ids=ids, labels=ids).loss, ids
