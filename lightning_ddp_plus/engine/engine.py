@@ -14,8 +14,8 @@ The guard and the uneven-inputs check share one small gloo group (``SideChannel`
 per-step agreement (a store look-up on gloo).
 
 The Trainer strategy (``strategy.py``) and the Fabric strategy (``fabric.py``) translate their framework's hooks into
-the few calls below: ``wrap`` at setup, ``shard_optimizers`` once the optimizers exist, ``batch_starts`` before each training batch,
-``before_backward``/``after_backward`` around each backward, ``after_optimizer_step``, ``teardown``.
+the few calls below: ``wrap`` at setup, ``shard_optimizers`` once the optimizers exist, ``batch_starts`` before each
+training batch, ``before_backward``/``after_backward`` around each backward, ``after_optimizer_step``, ``teardown``.
 """
 
 from __future__ import annotations
@@ -170,7 +170,12 @@ class DDPPlusEngine:
                 "given. Fix: use `optimizer_sharding=True` with several optimizers."
             )
         sharded = [sharding.shard(optimizer, overlap=overlap) for optimizer in optimizers]
-        if overlap and self._ddp is not None:
+        if overlap:
+            if self._ddp is None:  # the step would then run nowhere: ShardedOptimizer.step only runs the closure
+                raise RuntimeError(
+                    "optimizer_sharding='overlap' needs the module wrapped before its optimizer: set up the module "
+                    "first (`fabric.setup(model, optimizer)`, or `fabric.setup_module` before `setup_optimizers`)."
+                )
             sharding.register_overlap(self._ddp, sharded[0])
             self._info(
                 "DDPPlusStrategy: optimizer_sharding='overlap': torch applies no parameter update in the first "
