@@ -18,6 +18,8 @@ from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
+from lightning_ddp_plus.sharding.optimizer import constructor_defaults
+
 #: Per optimizer class: how many tensors of each parameter's size its state keeps, given the group's settings, and
 #: how many scalar tensors (Adam's ``step``), read off torch.optim.
 _FULL_SIZE_STATE: dict[str, Callable[[dict[str, Any]], int]] = {
@@ -88,8 +90,6 @@ def optimizer_state_bytes(optimizer: Optimizer | None) -> list[list[int]]:
 
 
 def _stepped_copy_state(optimizer: Optimizer) -> list[list[int]]:
-    from lightning_ddp_plus.sharding.optimizer import constructor_defaults
-
     groups = []
     copies = []
     for group in optimizer.param_groups:
