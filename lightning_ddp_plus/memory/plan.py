@@ -22,6 +22,7 @@ True
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -213,7 +214,8 @@ def plan_layouts(
         raise ValueError(f"world_size must be at least 1, got {world_size}")
     if not 0 <= headroom < 1:
         raise ValueError(f"headroom must be a fraction in [0, 1), got {headroom}")
-    sharded_state = max(figures.optimizer_state_by_rank(world_size), default=0)
+    shares = figures.optimizer_state_by_rank(world_size)
+    sharded_state = max(shares, default=0)
 
     def build(name: str, title: str, bucket_view: bool, sharded: bool, checkpointed: bool) -> Layout:
         activations = figures.activations
@@ -246,7 +248,6 @@ def plan_layouts(
             configured_name = match[0]
     if figures.checkpointing_on:
         notes.append("activation checkpointing is on in this model: every layout's activations are with it")
-    shares = figures.optimizer_state_by_rank(world_size)
     if world_size > 1 and shares and max(shares) > 0:
         notes.append(
             "optimizer state per rank with sharding: "
@@ -268,6 +269,4 @@ def plan_layouts(
         world_size=world_size,
         fsdp_per_rank=format_size(fsdp),
     )
-    return MemoryPlan(
-        figures, world_size, device_memory, headroom, tuple(layouts), configured_name, decision, advice, tuple(notes)
-    )
+    return dataclasses.replace(plan, decision=decision, advice=advice)
