@@ -1,27 +1,28 @@
 """lightning-ddp-plus: DistributedDataParallel for PyTorch Lightning, correct, explainable and fast.
 
 The public names are importable from here; the subpackages are the architecture: ``frontends`` (the Trainer and
-Fabric strategies, the Hugging Face port, the command line) delegate to ``engine``, whose components live in
-``sync``, ``sharding``, ``conflicts``, ``diagnostics``, ``processes`` and ``persistence``, all built on ``config``;
-``memory`` plans a run's per-rank bytes (``ddp-plus check``).
+Fabric strategies, the Hugging Face port, the command line) adapt their framework and delegate to ``engine``, which
+declares every argument once (``DDPPlusArguments``) and owns one component per concern, living in ``sync``,
+``sharding``, ``conflicts``, ``diagnostics``, ``processes`` and ``persistence``, all built on ``config``; ``memory``
+plans a run's per-rank bytes (``ddp-plus check``).
 
 Importing the package registers the strategy names ``ddp_plus``, ``ddp_plus_spawn``, ``ddp_plus_fork`` and
 ``ddp_plus_notebook`` with Lightning's strategy registry (``Trainer(strategy="ddp_plus")``) and with Fabric's
 (``Fabric(strategy="ddp_plus")``).
 """
 
-from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
-from lightning.pytorch.strategies import StrategyRegistry
-
 from lightning_ddp_plus.config.backend import KNOWN_BACKENDS
+from lightning_ddp_plus.config.messages import ArgumentTypeError, ArgumentValueError
 from lightning_ddp_plus.config.settings import DDPSettings
 from lightning_ddp_plus.config.timeout import DEFAULT_TIMEOUT, parse_timeout
 from lightning_ddp_plus.conflicts.errors import DDPConflictError
 from lightning_ddp_plus.diagnostics.replicas import ReplicaDriftError
 from lightning_ddp_plus.diagnostics.telemetry import DDPTelemetry
+from lightning_ddp_plus.engine.arguments import DDPPlusArguments
 from lightning_ddp_plus.frontends.fabric import DDPPlusFabricStrategy
 from lightning_ddp_plus.frontends.hf import HFStyleDDPPlusStrategy
-from lightning_ddp_plus.frontends.strategy import REGISTERED_NAMES, DDPPlusStrategy
+from lightning_ddp_plus.frontends.registry import REGISTERED_NAMES, register_front_ends
+from lightning_ddp_plus.frontends.strategy import DDPPlusStrategy
 from lightning_ddp_plus.persistence.files import CheckpointResumeError
 from lightning_ddp_plus.persistence.io import AtomicCheckpointIO, CheckpointSaveError
 from lightning_ddp_plus.sync.comm_hooks import CommHook
@@ -29,18 +30,20 @@ from lightning_ddp_plus.sync.uneven import UnevenInputsError
 
 __version__ = "0.2.0"
 
-DDPPlusStrategy.register_strategies(StrategyRegistry)
-DDPPlusFabricStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
+register_front_ends(DDPPlusStrategy, DDPPlusFabricStrategy)
 
 __all__ = [
     "DEFAULT_TIMEOUT",
     "KNOWN_BACKENDS",
     "REGISTERED_NAMES",
+    "ArgumentTypeError",
+    "ArgumentValueError",
     "AtomicCheckpointIO",
     "CheckpointResumeError",
     "CheckpointSaveError",
     "CommHook",
     "DDPConflictError",
+    "DDPPlusArguments",
     "DDPPlusFabricStrategy",
     "DDPPlusStrategy",
     "DDPSettings",

@@ -7,6 +7,7 @@ import signal
 import sys
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +23,6 @@ from lightning_ddp_plus.persistence.io import (
     TEMPORARY_SUFFIX,
     AtomicCheckpointIO,
     CheckpointSaveError,
-    atomic,
     remove_stale_temporaries,
 )
 from tests.helpers import REPO_ROOT, mount_unavailable_reason, small_filesystem
@@ -84,7 +84,7 @@ def test_a_symlink_target_is_replaced_and_the_file_it_pointed_to_is_untouched(tm
     assert saved_step(tmp_path / "epoch=0-step=4.ckpt") == 4
 
 
-def test_a_checkpoint_io_you_pass_is_wrapped_and_writes_to_the_temporary_path(tmp_path):
+def test_the_checkpoint_io_you_pass_stays_yours_and_plain_torch_saves_stay_atomic(tmp_path):
     class Recording(TorchCheckpointIO):
         def __init__(self) -> None:
             self.paths: list[Path] = []
@@ -93,18 +93,46 @@ def test_a_checkpoint_io_you_pass_is_wrapped_and_writes_to_the_temporary_path(tm
             self.paths.append(Path(path))
             super().save_checkpoint(checkpoint, path, storage_options)
 
+    # Lightning's own IO: the same object, and the strategy's saves go through a temporary file beside the target
+    plain = TorchCheckpointIO()
+    strategy = DDPPlusStrategy(checkpoint_io=plain)
+    assert strategy.checkpoint_io is plain
+    written = []
+    original = AtomicCheckpointIO.save_checkpoint
+
+    def recording_save(self, checkpoint, path, storage_options=None):
+        written.append(type(self).__name__)
+        original(self, checkpoint, path, storage_options)
+
+    AtomicCheckpointIO.save_checkpoint = recording_save
+    try:
+        strategy.save_checkpoint(checkpoint_of(0.1, step=3), tmp_path / "last.ckpt")
+    finally:
+        AtomicCheckpointIO.save_checkpoint = original
+    assert written == ["AtomicCheckpointIO"] and strategy.checkpoint_io is plain
+    assert saved_step(tmp_path / "last.ckpt") == 3 and len(list(tmp_path.iterdir())) == 1
+    # your own class: kept, with its methods and attributes, saving where it saves, said once
     recording = Recording()
     strategy = DDPPlusStrategy(checkpoint_io=recording)
-    assert isinstance(strategy.checkpoint_io, AtomicCheckpointIO)
-    strategy.checkpoint_io.save_checkpoint(checkpoint_of(0.1, step=3), tmp_path / "last.ckpt")
-    assert recording.paths[0].name.endswith(TEMPORARY_SUFFIX) and recording.paths[0].parent == tmp_path
-    assert saved_step(tmp_path / "last.ckpt") == 3 and len(list(tmp_path.iterdir())) == 1
-    # the async plugin keeps its thread and wraps the atomic IO; switching it off keeps Lightning's own IO
-    wrapped = DDPPlusStrategy(checkpoint_io=AsyncCheckpointIO()).checkpoint_io
-    assert isinstance(wrapped, AsyncCheckpointIO) and isinstance(wrapped.checkpoint_io, AtomicCheckpointIO)
+    assert strategy.checkpoint_io is recording and strategy.checkpoint_io.paths == []
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        for step in (4, 5):
+            strategy.save_checkpoint(checkpoint_of(0.1, step=step), tmp_path / "own.ckpt")
+    said = [str(w.message) for w in warned if "kept as you passed it" in str(w.message)]
+    assert len(said) == 1 and said[0].startswith("atomic_checkpoints: Recording is your checkpoint IO")
+    assert recording.paths == [tmp_path / "own.ckpt"] * 2 and saved_step(tmp_path / "own.ckpt") == 5
+    # wrapped by you: it writes to the temporary path, which is renamed over the target
+    wrapped = DDPPlusStrategy(checkpoint_io=AtomicCheckpointIO(recording))
+    wrapped.save_checkpoint(checkpoint_of(0.1, step=6), tmp_path / "wrapped.ckpt")
+    assert recording.paths[-1].name.endswith(TEMPORARY_SUFFIX) and saved_step(tmp_path / "wrapped.ckpt") == 6
+    # the defaults Lightning would create are the atomic ones; switching it off keeps Lightning's own IO
+    async_io = AsyncCheckpointIO()
+    assert DDPPlusStrategy(checkpoint_io=async_io).checkpoint_io is async_io
+    assert isinstance(async_io.checkpoint_io, AtomicCheckpointIO)
+    assert type(DDPPlusStrategy().checkpoint_io) is AtomicCheckpointIO
     assert type(DDPPlusStrategy(atomic_checkpoints=False).checkpoint_io) is TorchCheckpointIO
     assert isinstance(DDPPlusFabricStrategy().checkpoint_io, AtomicCheckpointIO)  # fabric.save writes atomically too
-    assert atomic(strategy.checkpoint_io) is strategy.checkpoint_io
 
 
 def test_temporaries_of_a_killed_save_are_removed_by_the_next_save_in_that_directory(tmp_path):

@@ -9,7 +9,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
 from lightning_ddp_plus.conflicts.check import ConflictCheck
 from lightning_ddp_plus.conflicts.errors import DDPConflictError
-from lightning_ddp_plus.conflicts.rules import DDPView
+from lightning_ddp_plus.conflicts.rules import CheckedSettings
 from lightning_ddp_plus.diagnostics.replicas import ReplicaGuard
 from lightning_ddp_plus.sync.accumulation import AccumulationWindow, WindowPosition
 from lightning_ddp_plus.sync.comm_hooks import CommHook, HookAssembly
@@ -20,7 +20,7 @@ def same(facts):
     return facts  # one process: nothing to agree with
 
 
-def checked(mode: str, model: nn.Module, view: DDPView, x: torch.Tensor = None):
+def checked(mode: str, model: nn.Module, view: CheckedSettings, x: torch.Tensor = None):
     """Attach a check to ``model`` (as it would to a wrapper), run one training forward, decide."""
     warnings, infos = [], []
     check = ConflictCheck(mode, warn=warnings.append, info=infos.append)
@@ -31,21 +31,21 @@ def checked(mode: str, model: nn.Module, view: DDPView, x: torch.Tensor = None):
 
 def test_error_mode_raises_with_rule_and_fix():
     with pytest.raises(DDPConflictError, match=r"\[R1\].*Fix: set static_graph=True") as raised:
-        checked("error", CheckpointNet(checkpointing="reentrant"), DDPView(find_unused_parameters=True))
+        checked("error", CheckpointNet(checkpointing="reentrant"), CheckedSettings(find_unused_parameters=True))
     assert [f.rule.id for f in raised.value.findings] == ["R1"]
 
 
 def test_warn_mode_warns_once_per_rule_and_keeps_the_settings():
     check, view, warnings, infos, _ = checked(
-        "warn", CheckpointNet(checkpointing="reentrant", unused=True), DDPView(find_unused_parameters=True)
+        "warn", CheckpointNet(checkpointing="reentrant", unused=True), CheckedSettings(find_unused_parameters=True)
     )
-    assert view == DDPView(find_unused_parameters=True)
+    assert view == CheckedSettings(find_unused_parameters=True)
     assert [w.split("]")[0] for w in warnings] == ["DDPPlusStrategy: [R1"] and infos == []
     assert not check.pending  # decided once; later forwards are not observed
 
 
 def test_resolve_mode_returns_working_settings_and_logs_them():
-    _, view, _, infos, _ = checked("resolve", CheckpointNet(checkpointing="reentrant", reuse=True), DDPView())
+    _, view, _, infos, _ = checked("resolve", CheckpointNet(checkpointing="reentrant", reuse=True), CheckedSettings())
     assert view.static_graph is True
     assert len(infos) == 1 and "[R2]" in infos[0] and "static_graph: False -> True" in infos[0]
 
@@ -74,7 +74,7 @@ class FrozenStem(nn.Module):
 
 def test_r5_resolved_by_hooking_the_module_that_feeds_the_region():
     model = FrozenStem()
-    check, view, _, infos, loss = checked("resolve", model, DDPView(find_unused_parameters=True))
+    check, view, _, infos, loss = checked("resolve", model, CheckedSettings(find_unused_parameters=True))
     assert view.repair_input_grads and view.static_graph  # R5, then R1 on the repaired facts
     assert "made the output of `stem` require grad" in infos[0]
     loss.backward()
@@ -89,7 +89,7 @@ def test_r5_resolved_by_hooking_the_module_that_feeds_the_region():
 
 def test_r5_refused_when_no_safe_fix_exists():
     with pytest.raises(DDPConflictError, match=r"(?s)\[R5\].*'resolve' found no safe fix"):
-        checked("resolve", FrozenStem(feeds_region_directly=False), DDPView())
+        checked("resolve", FrozenStem(feeds_region_directly=False), CheckedSettings())
 
 
 def test_window_decides_sync_scale_and_position():

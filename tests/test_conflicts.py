@@ -16,7 +16,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from lightning_ddp_plus import DDPPlusStrategy
 from lightning_ddp_plus.conflicts.check import pack_facts, unpack_facts
 from lightning_ddp_plus.conflicts.facts import ForwardProbe, InputGradRepair, ModelFacts, static_facts
-from lightning_ddp_plus.conflicts.rules import RULES, DDPView, evaluate, resolved_view, rule_for_torch_error
+from lightning_ddp_plus.conflicts.rules import RULES, CheckedSettings, evaluate, resolved_view, rule_for_torch_error
 from tests.helpers import CheckpointNet, flat_parameters, reference_parameters, run_case_job
 
 REENTRANT = frozenset({"reentrant"})
@@ -29,7 +29,7 @@ def observed(**values) -> ModelFacts:
 # ---------------------------------------------------------------- rules over data (no processes)
 
 
-def ids(view: DDPView, facts: ModelFacts) -> list[str]:
+def ids(view: CheckedSettings, facts: ModelFacts) -> list[str]:
     return [finding.rule.id for finding in evaluate(view, facts)]
 
 
@@ -43,62 +43,62 @@ def test_rule_table_is_data():
     [
         # R1 needs trainable parameters inside a reentrant region the loss reaches, not just "reentrant somewhere"
         (
-            DDPView(find_unused_parameters=True),
+            CheckedSettings(find_unused_parameters=True),
             observed(checkpointing=REENTRANT, reentrant_parameters=("mid.0.weight",)),
             ["R1"],
         ),
         (
-            DDPView(find_unused_parameters=True),
+            CheckedSettings(find_unused_parameters=True),
             observed(checkpointing=REENTRANT),
             ["A1"],
         ),  # frozen region: torch trains it
         (
-            DDPView(find_unused_parameters=True, static_graph=True),
+            CheckedSettings(find_unused_parameters=True, static_graph=True),
             observed(checkpointing=REENTRANT, reentrant_parameters=("w",)),
             [],
         ),
         (
-            DDPView(find_unused_parameters=True),
+            CheckedSettings(find_unused_parameters=True),
             observed(checkpointing=frozenset({"non_reentrant"}), unused_parameters=("x",)),
             [],
         ),
         (
-            DDPView(),
+            CheckedSettings(),
             observed(checkpointing=REENTRANT, reentrant_parameters=("w",), reused_in_checkpoint=("w",)),
             ["R2"],
         ),
         (
-            DDPView(find_unused_parameters=True),
+            CheckedSettings(find_unused_parameters=True),
             observed(checkpointing=REENTRANT, reentrant_parameters=("w",), reused_in_checkpoint=("w",)),
             ["R1", "R2"],
         ),
-        (DDPView(static_graph=True, gradient_accumulation_steps=4), observed(), ["R3"]),
-        (DDPView(), observed(unused_parameters=("spare.weight",)), ["R4"]),
-        (DDPView(static_graph=True), observed(unused_parameters=("spare.weight",)), []),
+        (CheckedSettings(static_graph=True, gradient_accumulation_steps=4), observed(), ["R3"]),
+        (CheckedSettings(), observed(unused_parameters=("spare.weight",)), ["R4"]),
+        (CheckedSettings(static_graph=True), observed(unused_parameters=("spare.weight",)), []),
         # R5 whatever the settings: find_unused_parameters or static_graph hide it, they do not fix it
-        (DDPView(), observed(checkpointing=REENTRANT, no_grad_region_parameters=("lora.weight",)), ["R5"]),
+        (CheckedSettings(), observed(checkpointing=REENTRANT, no_grad_region_parameters=("lora.weight",)), ["R5"]),
         (
-            DDPView(find_unused_parameters=True),
+            CheckedSettings(find_unused_parameters=True),
             observed(checkpointing=REENTRANT, no_grad_region_parameters=("lora.weight",)),
             ["R5"],
         ),
         (
-            DDPView(static_graph=True),
+            CheckedSettings(static_graph=True),
             observed(checkpointing=REENTRANT, no_grad_region_parameters=("lora.weight",)),
             ["R5"],
         ),
         (
-            DDPView(repair_input_grads=True),
+            CheckedSettings(repair_input_grads=True),
             observed(checkpointing=REENTRANT, no_grad_region_parameters=("lora.weight",)),
             [],
         ),
-        (DDPView(find_unused_parameters=True), observed(), ["A1"]),
-        (DDPView(find_unused_parameters=True), ModelFacts(unused_parameters=None), []),
-        (DDPView(broadcast_buffers=False), ModelFacts(mutable_buffers=("bn.running_mean",)), ["A2"]),
-        (DDPView(), observed(checkpointing=REENTRANT, mutable_buffers=("bn.running_mean",)), ["A3"]),
-        (DDPView(), observed(checkpointing=REENTRANT, reentrant_parameters=("w",)), []),
+        (CheckedSettings(find_unused_parameters=True), observed(), ["A1"]),
+        (CheckedSettings(find_unused_parameters=True), ModelFacts(unused_parameters=None), []),
+        (CheckedSettings(broadcast_buffers=False), ModelFacts(mutable_buffers=("bn.running_mean",)), ["A2"]),
+        (CheckedSettings(), observed(checkpointing=REENTRANT, mutable_buffers=("bn.running_mean",)), ["A3"]),
+        (CheckedSettings(), observed(checkpointing=REENTRANT, reentrant_parameters=("w",)), []),
         # attributes alone (no forward observed) never raise: they only advise
-        (DDPView(find_unused_parameters=True), ModelFacts(checkpointing=REENTRANT), ["A4"]),
+        (CheckedSettings(find_unused_parameters=True), ModelFacts(checkpointing=REENTRANT), ["A4"]),
     ],
 )
 def test_rules(view, facts, expected):
@@ -107,24 +107,24 @@ def test_rules(view, facts, expected):
 
 def test_r4_resolution_depends_on_checkpointing():
     plain = observed(unused_parameters=("spare.weight",))
-    assert resolved_view(DDPView(), evaluate(DDPView(), plain)).find_unused_parameters is True
+    assert resolved_view(CheckedSettings(), evaluate(CheckedSettings(), plain)).find_unused_parameters is True
     reentrant = observed(
         checkpointing=REENTRANT, reentrant_parameters=("mid.0.weight",), unused_parameters=("spare.weight",)
     )
-    resolved = resolved_view(DDPView(), evaluate(DDPView(), reentrant))
+    resolved = resolved_view(CheckedSettings(), evaluate(CheckedSettings(), reentrant))
     assert resolved.static_graph is True and resolved.find_unused_parameters is False
     assert ids(resolved, reentrant) == []  # the resolution itself trips no rule
 
 
 def test_r5_resolution_repairs_input_grads():
     facts = observed(checkpointing=REENTRANT, no_grad_region_parameters=("lora.weight",))
-    assert resolved_view(DDPView(), evaluate(DDPView(), facts)).repair_input_grads is True
+    assert resolved_view(CheckedSettings(), evaluate(CheckedSettings(), facts)).repair_input_grads is True
 
 
 def test_messages_name_parameters_and_fix():
-    finding = evaluate(DDPView(), observed(unused_parameters=("spare.weight", "spare.bias")))[0]
+    finding = evaluate(CheckedSettings(), observed(unused_parameters=("spare.weight", "spare.bias")))[0]
     assert "spare.weight, spare.bias" in str(finding) and "find_unused_parameters=True" in str(finding)
-    r5 = evaluate(DDPView(), observed(no_grad_region_parameters=("lora_A.weight",)))[0]
+    r5 = evaluate(CheckedSettings(), observed(no_grad_region_parameters=("lora_A.weight",)))[0]
     assert "lora_A.weight" in str(r5) and "enable_input_require_grads()" in str(r5) and "use_reentrant=False" in str(r5)
 
 

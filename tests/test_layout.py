@@ -1,5 +1,6 @@
 """The package's folders name its architecture: each subpackage imports only what its docstring allows, no module
-import cycle exists, and the public names stay where users import them from."""
+import cycle exists, the public names stay where users import them from, DDP's internals are called from one module,
+and the front ends stay thin (sizes below)."""
 
 import ast
 from pathlib import Path
@@ -18,7 +19,7 @@ ALLOWED = {
     "conflicts": {"config"},
     "processes": {"config"},
     "persistence": {"config", "processes"},
-    "diagnostics": {"config", "sync", "conflicts", "memory"},
+    "diagnostics": {"config", "sync", "conflicts", "memory", "processes"},
     "engine": {"config", "sync", "sharding", "memory", "conflicts", "diagnostics", "processes", "persistence"},
     "frontends": {
         "config",
@@ -110,3 +111,86 @@ def test_public_names_stay_at_the_top_level():
     )
     for name in lightning_ddp_plus.__all__:
         assert getattr(lightning_ddp_plus, name) is not None
+
+
+#: torch's private names for DDP and its reducer that the package calls: only ``sync/ddp_internals.py`` may.
+DDP_INTERNALS = {
+    "_build_params_for_reducer",
+    "_build_debug_param_to_name_mapping",
+    "_ddp_init_helper",
+    "_set_static_graph",
+    "_has_rebuilt_buckets",
+    "_comm_hooks",
+    "_remove_autograd_hooks",
+    "_bucket_config",
+    "_BucketCapacityConfig",
+    "_use_python_reducer",
+    "_DDPSink",
+    "_find_tensors",
+    "_check_reducer_finalized",
+    "_get_zeros_like_grad_buckets",
+    "_run_comm_hook",
+    "_delay_all_reduce",
+    "_get_ddp_logging_data",
+    "_set_ddp_runtime_logging_sample_rate",
+    "set_runtime_stats_and_log",
+    "prepare_for_forward",
+    "prepare_for_backward",
+}
+
+
+def test_ddp_internals_are_called_from_one_module():
+    touching = set()
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            name = node.attr if isinstance(node, ast.Attribute) else getattr(node, "name", None)
+            if isinstance(node, ast.alias):
+                name = node.name
+            if name in DDP_INTERNALS:
+                touching.add(module_name(path))
+    assert touching == {"lightning_ddp_plus.sync.ddp_internals"}
+
+
+def function_lengths() -> dict[str, int]:
+    """Every function of the package and its length in lines (decorators excluded, docstring included)."""
+    lengths = {}
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lengths[f"{module_name(path)}:{node.lineno} {node.name}"] = node.end_lineno - node.lineno + 1
+    return lengths
+
+
+def code_lines_without_docstrings(node: ast.AST) -> int:
+    """Lines of ``node`` but those of its docstrings (and of the docstrings of what it holds)."""
+    lines = set(range(node.lineno, node.end_lineno + 1))
+    for inner in ast.walk(node):
+        body = getattr(inner, "body", None)
+        if isinstance(inner, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and body:
+            first = body[0]
+            if (
+                isinstance(first, ast.Expr)
+                and isinstance(first.value, ast.Constant)
+                and isinstance(first.value.value, str)
+            ):
+                lines -= set(range(first.lineno, first.end_lineno + 1))
+    return len(lines)
+
+
+def test_no_function_is_longer_than_60_lines():
+    assert {name: n for name, n in function_lengths().items() if n > 60} == {}
+
+
+def test_the_front_ends_stay_thin():
+    strategy_file = PACKAGE / "frontends" / "strategy.py"
+    fabric_file = PACKAGE / "frontends" / "fabric.py"
+    assert len(strategy_file.read_text().splitlines()) <= 400
+    assert len(fabric_file.read_text().splitlines()) <= 280
+    [strategy] = [
+        node
+        for node in ast.parse(strategy_file.read_text()).body
+        if isinstance(node, ast.ClassDef) and node.name == "DDPPlusStrategy"
+    ]
+    assert code_lines_without_docstrings(strategy) <= 350
+    methods = [node for node in strategy.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    assert {m.name: m.end_lineno - m.lineno + 1 for m in methods if m.end_lineno - m.lineno + 1 > 50} == {}

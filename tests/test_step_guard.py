@@ -11,8 +11,8 @@ from torch import nn
 
 from lightning_ddp_plus import DDPPlusStrategy
 from lightning_ddp_plus.conflicts.facts import ModelFacts, find_dynamic_modules
-from lightning_ddp_plus.conflicts.rules import DDPView, evaluate, resolved_view, rule_for_torch_error
-from lightning_ddp_plus.conflicts.sync_guard import SyncFault
+from lightning_ddp_plus.conflicts.rules import CheckedSettings, evaluate, resolved_view, rule_for_torch_error
+from lightning_ddp_plus.sync.step_guard import BucketsLaunched, SyncFault
 from tests.helpers import run_case_job
 
 
@@ -30,9 +30,9 @@ def _gap(run: dict, reference: dict) -> float:
 
 def test_rule_r6_names_the_step_and_every_rank():
     facts = ModelFacts(observed=True, late_step=4, late_unused_by_rank=(("aux.weight",), ()))
-    [finding] = [f for f in evaluate(DDPView(), facts) if f.rule.id == "R6"]
+    [finding] = [f for f in evaluate(CheckedSettings(), facts) if f.rule.id == "R6"]
     assert "optimizer step 4" in finding.message and "rank 0: aux.weight; rank 1: none" in finding.message
-    assert resolved_view(DDPView(static_graph=True), [finding]) == DDPView(find_unused_parameters=True)
+    assert resolved_view(CheckedSettings(static_graph=True), [finding]) == CheckedSettings(find_unused_parameters=True)
     assert rule_for_torch_error("Your training graph has changed in this iteration, e.g., ...").id == "R6"
 
 
@@ -65,11 +65,13 @@ def test_layerdrop_recommends_find_unused_and_never_static_graph():
         reentrant_parameters=("layers.0.weight",),
         dynamic_modules=dynamic,
     )
-    findings = [f for f in evaluate(DDPView(static_graph=False), facts) if f.rule.level == "error"]
+    findings = [f for f in evaluate(CheckedSettings(static_graph=False), facts) if f.rule.level == "error"]
     assert [f.rule.id for f in findings] == ["R4", "R7"]
-    assert resolved_view(DDPView(), findings).static_graph is False
-    assert [f.rule.id for f in evaluate(DDPView(find_unused_parameters=True), facts) if f.rule.id in ("R7", "A1")] == []
-    assert "R7" in [f.rule.id for f in evaluate(DDPView(find_unused_parameters=True, static_graph=True), facts)]
+    assert resolved_view(CheckedSettings(), findings).static_graph is False
+    assert [
+        f.rule.id for f in evaluate(CheckedSettings(find_unused_parameters=True), facts) if f.rule.id in ("R7", "A1")
+    ] == []
+    assert "R7" in [f.rule.id for f in evaluate(CheckedSettings(find_unused_parameters=True, static_graph=True), facts)]
 
 
 def test_a_module_can_declare_itself_dynamic():
@@ -80,7 +82,7 @@ def test_a_module_can_declare_itself_dynamic():
 
 
 def test_fault_in_words():
-    fault = SyncFault(step=2, unused=(("a", "b"), ()), launched=((0, 2), None))
+    fault = SyncFault(step=2, unused=(("a", "b"), ()), launched=(BucketsLaunched(0, 2), None))
     assert fault.describe() == "rank 0: a, b (its reducer launched 0 of 2 buckets); rank 1: none (its reducer finished)"
 
 

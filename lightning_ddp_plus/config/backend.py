@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import torch.distributed
 
-from lightning_ddp_plus.config.messages import closest_name, describe_bad_value
+from lightning_ddp_plus.config.messages import ArgumentTypeError, ArgumentValueError, closest_name, describe_bad_value
 
 #: Backends a user may name. ``None`` or ``"auto"`` picks one from the accelerator.
 KNOWN_BACKENDS = ("nccl", "gloo", "mpi", "ucc", "xccl", "hccl", "cncl")
@@ -50,7 +50,7 @@ def normalize_backend(value: str | None) -> str | None:
     if value is None:
         return None
     if not isinstance(value, str):
-        raise TypeError(
+        raise ArgumentTypeError(
             describe_bad_value(
                 "process_group_backend",
                 value,
@@ -69,7 +69,7 @@ def normalize_backend(value: str | None) -> str | None:
         if suggestion
         else "use one of the names listed, or 'auto' to choose from the accelerator."
     )
-    raise ValueError(
+    raise ArgumentValueError(
         describe_bad_value(
             "process_group_backend",
             value,
@@ -86,7 +86,7 @@ def auto_backend_for_device(device_type: str) -> str:
     torch_default = torch.distributed.Backend.default_device_backend_map.get(device_type)
     if torch_default is not None:
         return torch_default
-    raise ValueError(
+    raise ArgumentValueError(
         describe_bad_value(
             "process_group_backend",
             "auto",
@@ -121,14 +121,14 @@ def resolve_backend_for_device(
     >>> resolve_backend_for_device("nccl", "cpu")
     Traceback (most recent call last):
     ...
-    ValueError: `process_group_backend='nccl'` is not valid: ...
+    lightning_ddp_plus.config.messages.ArgumentValueError: `process_group_backend='nccl'` is not valid: ...
     """
     backend = requested if requested is not None else auto_backend_for_device(device_type)
     supported = DEVICES_BY_BACKEND.get(backend, ())
     judged = any(device_type in types for types in DEVICES_BY_BACKEND.values())
     if judged and device_type not in supported:
         fitting = [name for name, types in DEVICES_BY_BACKEND.items() if device_type in types]
-        raise ValueError(
+        raise ArgumentValueError(
             describe_bad_value(
                 "process_group_backend",
                 backend,
@@ -139,7 +139,7 @@ def resolve_backend_for_device(
             )
         )
     if check_available and not is_available(backend):
-        raise ValueError(
+        raise ArgumentValueError(
             describe_bad_value(
                 "process_group_backend",
                 backend,

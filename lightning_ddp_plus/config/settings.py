@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_ddp_plus.config.messages import closest_name, describe_bad_value
+from lightning_ddp_plus.config.checks import require_bool, require_positive_number
+from lightning_ddp_plus.config.messages import ArgumentTypeError, ArgumentValueError, closest_name, describe_bad_value
 
 # Arguments the strategy owns or sets itself; passing them through ``**kwargs`` would fight the strategy.
 _MANAGED_BY_STRATEGY = {
@@ -31,37 +31,9 @@ _EXPLICIT_KNOBS = (
 _DDP_PARAMETERS = tuple(inspect.signature(DistributedDataParallel.__init__).parameters)[1:]
 
 
-def require_bool(argument: str, value: Any) -> bool:
-    """Reject truthy stand-ins ("false", 0) that would silently mean something else."""
-    if not isinstance(value, bool):
-        raise TypeError(
-            describe_bad_value(
-                argument,
-                value,
-                f"expected True or False, got {type(value).__name__}.",
-                f"write `{argument}=True` or `{argument}=False`.",
-            )
-        )
-    return value
-
-
-def require_positive_number(argument: str, value: Any, example: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(
-            describe_bad_value(
-                argument,
-                value,
-                f"expected a positive number, got {type(value).__name__}.",
-                f"write e.g. `{argument}={example}`.",
-            )
-        )
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(
-            describe_bad_value(
-                argument, value, "it must be a finite number greater than zero.", f"write e.g. `{argument}={example}`."
-            )
-        )
-    return value
+def require_bool_or_auto(argument: str, value: Any) -> bool | str:
+    """``True``, ``False`` or ``"auto"`` (``broadcast_buffers``)."""
+    return "auto" if value == "auto" else require_bool(argument, value)
 
 
 def require_bucket_cap(value: Any) -> float | str | None:
@@ -70,12 +42,12 @@ def require_bucket_cap(value: Any) -> float | str | None:
     >>> require_bucket_cap("Auto")
     Traceback (most recent call last):
     ...
-    TypeError: `bucket_cap_mb='Auto'` is not valid: expected a positive number of MiB, None (torch's default) or 'auto'. Fix: did you mean 'auto'?
+    lightning_ddp_plus.config.messages.ArgumentTypeError: `bucket_cap_mb='Auto'` is not valid: expected a positive number of MiB, None (torch's default) or 'auto'. Fix: did you mean 'auto'?
     """
     if value is None or value == "auto":
         return None if value is None else "auto"
     if isinstance(value, str):
-        raise TypeError(
+        raise ArgumentTypeError(
             describe_bad_value(
                 "bucket_cap_mb",
                 value,
@@ -126,26 +98,25 @@ class DDPSettings:
     def __post_init__(self) -> None:
         for name in ("find_unused_parameters", "static_graph", "gradient_as_bucket_view"):
             require_bool(name, getattr(self, name))
-        if self.broadcast_buffers != "auto":
-            require_bool("broadcast_buffers", self.broadcast_buffers)
+        require_bool_or_auto("broadcast_buffers", self.broadcast_buffers)
         require_bucket_cap(self.bucket_cap_mb)
-        for name in self.extra:
-            self._check_extra_argument(name)
+        for name, value in self.extra.items():
+            self._check_extra_argument(name, value)
 
     @staticmethod
-    def _check_extra_argument(name: str) -> None:
+    def _check_extra_argument(name: str, value: Any) -> None:
         if name in _MANAGED_BY_STRATEGY:
-            raise ValueError(
+            raise ArgumentValueError(
                 describe_bad_value(
                     name,
-                    "...",
+                    value,
                     f"this DistributedDataParallel argument cannot be passed to DDPPlusStrategy: {_MANAGED_BY_STRATEGY[name]}.",
                     "remove it.",
                 )
             )
         if name not in _DDP_PARAMETERS:
             suggestion = closest_name(name, _EXPLICIT_KNOBS + _DDP_PARAMETERS)
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"DDPPlusStrategy got an unexpected keyword argument `{name}`: it is neither a strategy argument nor an "
                 f"argument of torch's DistributedDataParallel. Fix: "
                 + (

@@ -6,7 +6,7 @@ import math
 import re
 from datetime import timedelta
 
-from lightning_ddp_plus.config.messages import describe_bad_value
+from lightning_ddp_plus.config.messages import ArgumentTypeError, ArgumentValueError, describe_bad_value
 
 #: torch's and Lightning's default for non-NCCL process groups, and ours for every backend.
 DEFAULT_TIMEOUT = timedelta(seconds=1800)
@@ -43,7 +43,7 @@ def parse_timeout(value: TimeoutLike | None, argument: str = "timeout") -> timed
     if value is None:
         return DEFAULT_TIMEOUT
     if isinstance(value, bool):
-        raise TypeError(
+        raise ArgumentTypeError(
             describe_bad_value(
                 argument, value, f"a boolean is not a duration; expected {_ALLOWED}", "give a duration such as '30m'."
             )
@@ -55,7 +55,7 @@ def parse_timeout(value: TimeoutLike | None, argument: str = "timeout") -> timed
     elif isinstance(value, str):
         seconds = _parse_timeout_string(value, argument)
     else:
-        raise TypeError(
+        raise ArgumentTypeError(
             describe_bad_value(
                 argument,
                 value,
@@ -64,7 +64,7 @@ def parse_timeout(value: TimeoutLike | None, argument: str = "timeout") -> timed
             )
         )
     if not math.isfinite(seconds) or seconds <= 0:
-        raise ValueError(
+        raise ArgumentValueError(
             describe_bad_value(
                 argument,
                 value,
@@ -86,7 +86,7 @@ def _parse_timeout_string(text: str, argument: str) -> float:
     if clock:
         days, hours, minutes, seconds = clock.groups()
         return int(days or 0) * 86400.0 + int(hours) * 3600.0 + int(minutes) * 60.0 + float(seconds)
-    raise ValueError(
+    raise ArgumentValueError(
         describe_bad_value(
             argument,
             text,

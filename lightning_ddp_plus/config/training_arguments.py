@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_ddp_plus.config.messages import closest_name, describe_bad_value
+from lightning_ddp_plus.config.messages import ArgumentTypeError, ArgumentValueError, closest_name, describe_bad_value
 
 #: The Hugging Face names this port reads, with the Hugging Face default.
 HF_DEFAULTS: dict[str, Any] = {
@@ -21,6 +21,19 @@ HF_DEFAULTS: dict[str, Any] = {
     "ddp_timeout": 1800,
     "gradient_checkpointing": None,
     "activation_checkpointing": None,
+}
+
+
+#: The strategy arguments the port sets, and the Hugging Face name each comes from (a front end that takes the
+#: Hugging Face names does not take these).
+PORTED_ARGUMENTS: dict[str, str] = {
+    "process_group_backend": "ddp_backend",
+    "timeout": "ddp_timeout",
+    "find_unused_parameters": "ddp_find_unused_parameters",
+    "gradient_accumulation_steps": "gradient_accumulation_steps",
+    "bucket_cap_mb": "ddp_bucket_cap_mb",
+    "broadcast_buffers": "ddp_broadcast_buffers",
+    "static_graph": "ddp_static_graph",
 }
 
 
@@ -37,7 +50,7 @@ def _values(args: Any) -> dict[str, Any]:
         for key in args:
             if isinstance(key, str) and key.startswith("ddp_") and key not in HF_DEFAULTS:
                 suggestion = closest_name(key, HF_DEFAULTS)
-                raise ValueError(
+                raise ArgumentValueError(
                     describe_bad_value(
                         key,
                         args[key],
@@ -49,7 +62,7 @@ def _values(args: Any) -> dict[str, Any]:
                 )
         return {name: args.get(name, default) for name, default in HF_DEFAULTS.items()}
     if args is None or isinstance(args, (str, bytes, int, float, bool)):
-        raise TypeError(
+        raise ArgumentTypeError(
             describe_bad_value(
                 "args",
                 args,

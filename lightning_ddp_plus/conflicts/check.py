@@ -7,20 +7,44 @@ forward hook on the wrapper and acts at the first backward, when the loss tells 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal, get_args
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.nn import Module
 
+from lightning_ddp_plus.config.checks import require_one_of
 from lightning_ddp_plus.conflicts.errors import DDPConflictError
 from lightning_ddp_plus.conflicts.facts import PARAMETER_FACTS, ForwardProbe, InputGradRepair, ModelFacts
-from lightning_ddp_plus.conflicts.rules import RULES, DDPView, Finding, evaluate, resolved_view, rule_for_torch_error
+from lightning_ddp_plus.conflicts.rules import (
+    CheckedSettings,
+    Finding,
+    RuleId,
+    evaluate,
+    resolved_view,
+    rule_by_id,
+    rule_for_torch_error,
+)
 
 log = logging.getLogger(__name__)
+
+#: ``checkpointing_conflict``: what the check does with an error-level finding (see ``ConflictCheck``).
+ConflictMode = Literal["error", "warn", "resolve", "off"]
+CONFLICT_MODES: tuple[str, ...] = get_args(ConflictMode)
+
+
+def check_conflict_mode(value: Any) -> ConflictMode:
+    """Validate ``checkpointing_conflict``."""
+    mode: ConflictMode = require_one_of(
+        "checkpointing_conflict", value, CONFLICT_MODES, "use 'error' (default), 'warn', 'resolve' or 'off'."
+    )
+    return mode
+
 
 _KINDS = ("non_reentrant", "reentrant")
 
@@ -139,7 +163,7 @@ class ConflictCheck:
         if self._probe is not None:
             self._probe.stop()
 
-    def decide(self, loss: Tensor, view: DDPView, agree: Callable[[ModelFacts], ModelFacts]) -> DDPView:
+    def decide(self, loss: Tensor, view: CheckedSettings, agree: Callable[[ModelFacts], ModelFacts]) -> CheckedSettings:
         """At the first backward: the settings to train with (``view``, or its resolution). Raises
         ``DDPConflictError`` in ``"error"`` mode, and in ``"resolve"`` mode when no safe fix exists."""
         probe, self._probe = self._probe, None
@@ -176,9 +200,11 @@ class ConflictCheck:
             handle.remove()
         self._hooks = []
 
-    def _install_input_grad_fixes(self, repairs: list[InputGradRepair], errors: list[Finding], view: DDPView) -> None:
+    def _install_input_grad_fixes(
+        self, repairs: list[InputGradRepair], errors: list[Finding], view: CheckedSettings
+    ) -> None:
         assert self._module is not None
-        r5 = [f for f in errors if f.rule.id == "R5"]
+        r5 = [f for f in errors if f.rule.id == RuleId.R5]
         repaired = {name for repair in repairs for name in repair.parameters}
         no_grad = self._last_facts.no_grad_region_parameters if self._last_facts is not None else ()
         missed = [name for name in no_grad if name not in repaired]
@@ -202,7 +228,7 @@ class ConflictCheck:
             if hf_model is None:
                 unfixable = [repair for repair in repairs if repair.producer is None]
                 raise conflict_error(
-                    [f for f in errors if f.rule.id == "R5"],
+                    [f for f in errors if f.rule.id == RuleId.R5],
                     view,
                     note=(
                         "'resolve' found no safe fix: the input of the region holding "
@@ -212,7 +238,7 @@ class ConflictCheck:
                 )
             hf_model_: Any = hf_model  # a Hugging Face PreTrainedModel, found by its method
             hf_model_.enable_input_require_grads()
-            self._fix_handles.append(_Call(hf_model_.disable_input_require_grads))
+            self._fix_handles.append(UndoWhenRemoved(hf_model_.disable_input_require_grads))
             self.model_fixes.append(f"called {type(hf_model).__name__}.enable_input_require_grads()")
         # The fix acts from the next forward on (this one was repaired in flight); check once that it holds.
         self._verifying = True
@@ -222,17 +248,18 @@ class ConflictCheck:
         self._verifying = False
         self.detach_observers()
         if facts.no_grad_region_parameters:
-            finding = next(f for f in evaluate(DDPView(), facts) if f.rule.id == "R5")
+            finding = next(f for f in evaluate(CheckedSettings(), facts) if f.rule.id == RuleId.R5)
             raise conflict_error(
                 [finding],
-                DDPView(),
+                CheckedSettings(),
                 note=f"'resolve' applied a fix ({'; '.join(self.model_fixes)}) that did not hold in the second training "
                 "forward. Apply the fix above in your model.",
             )
 
 
-class _Call:
-    """A removable handle that calls a function (to undo ``enable_input_require_grads``)."""
+class UndoWhenRemoved:
+    """A handle, like a hook's, whose ``remove`` undoes a fix by calling ``function`` (``enable_input_require_grads``
+    is undone by ``disable_input_require_grads``)."""
 
     def __init__(self, function: Callable[[], Any]) -> None:
         self.function = function
@@ -241,7 +268,7 @@ class _Call:
         self.function()
 
 
-def _changed(view: DDPView, resolved: DDPView) -> list[str]:
+def _changed(view: CheckedSettings, resolved: CheckedSettings) -> list[str]:
     return [
         name
         for name in ("find_unused_parameters", "static_graph", "repair_input_grads")
@@ -251,7 +278,7 @@ def _changed(view: DDPView, resolved: DDPView) -> list[str]:
 
 def conflict_error(
     errors: list[Finding],
-    view: DDPView,
+    view: CheckedSettings,
     note: str = "",
     when: str = "at the first training forward, before any gradient was all-reduced and before any optimizer step",
 ) -> DDPConflictError:
@@ -265,23 +292,82 @@ def conflict_error(
     )
 
 
-def explain_torch_error(message: str) -> str | None:
-    """Text to append to a torch reducer error: which rule it is and the fix (``None`` for other errors)."""
-    rule = rule_for_torch_error(message)
-    if rule is None:
-        return None
-    return (
-        f"lightning-ddp-plus: this is rule {rule.id} ({rule.title}). Fix: {rule.fix} With "
-        "`checkpointing_conflict='error'` (the default) DDPPlusStrategy reports it before the first optimizer step; "
-        "'resolve' changes the settings for you."
+@dataclass(frozen=True)
+class FindingRecord:
+    """A finding as plain data (rules hold functions, which cannot cross a process boundary)."""
+
+    rule_id: RuleId
+    message: str
+    changes: dict[str, Any]
+
+
+def finding_records(findings: list[Finding]) -> list[FindingRecord]:
+    """Findings as plain data, for the process that launched the workers."""
+    return [FindingRecord(finding.rule.id, finding.message, dict(finding.changes)) for finding in findings]
+
+
+def findings_from_records(records: list[FindingRecord]) -> list[Finding]:
+    return [
+        Finding(rule=rule_by_id(record.rule_id), message=record.message, changes=record.changes) for record in records
+    ]
+
+
+@dataclass(frozen=True)
+class LateFaultDecision:
+    """What rule R6 leads to when the per-step guard found a fault: an error to raise, or settings to train on with
+    and the report that says so (``warn``: as a warning rather than an info line)."""
+
+    finding: Finding
+    error: DDPConflictError | None = None
+    resolved: CheckedSettings | None = None
+    report: str = ""
+    warn: bool = False
+
+
+def decide_late_fault(
+    settings: CheckedSettings, facts: ModelFacts, mode: ConflictMode, fault_text: str, skipped: bool
+) -> LateFaultDecision:
+    """Rule R6 after a synced backward that some rank's reducer did not finish (the guard completed it already).
+
+    ``fault_text`` says per rank what was left without gradient; ``skipped``: the step's gradients could not be made
+    exact and were dropped on every rank. ``"resolve"`` and ``"warn"`` switch ``find_unused_parameters`` on (and
+    ``static_graph`` off) and train on; ``"error"`` and ``"off"`` raise.
+
+    >>> facts = ModelFacts(observed=True, late_step=3, late_unused_by_rank=(("head.weight",), ()))
+    >>> decision = decide_late_fault(CheckedSettings(), facts, "resolve", "rank 0: head.weight", skipped=False)
+    >>> decision.error is None, decision.resolved.find_unused_parameters
+    (True, True)
+    """
+    [finding] = [found for found in evaluate(settings, facts) if found.rule.id == RuleId.R6]
+    if mode not in ("resolve", "warn"):
+        error = conflict_error(
+            [finding],
+            settings,
+            when=f"at optimizer step {facts.late_step}, after its backward and before its optimizer step",
+            note="Or set `checkpointing_conflict='resolve'` to switch find_unused_parameters on and train on.",
+        )
+        return LateFaultDecision(finding, error=error)
+    resolved = dataclasses.replace(settings, find_unused_parameters=True, static_graph=False)
+    if skipped:
+        what = (
+            "This step's gradients could not be made exact (a backward failed, or bucket views were reduced in "
+            "place), so they were dropped on every rank: the optimizer step skips it (the batch is not trained)."
+        )
+    else:
+        what = "This step's gradients were averaged on every rank as find_unused_parameters=True averages them."
+    report = (
+        f"DDPPlusStrategy resolved [{RuleId.R6}] parameters unused on some steps ("
+        + ("the graph gained a parameter" if facts.late_graph_grew else fault_text)
+        + f") at optimizer step {facts.late_step} by setting find_unused_parameters: "
+        f"{settings.find_unused_parameters} -> True"
+        + (", static_graph: True -> False" if settings.static_graph else "")
+        + f". {what}"
     )
+    return LateFaultDecision(finding, resolved=resolved, report=report, warn=mode == "warn")
 
 
-def finding_records(findings: list[Finding]) -> list[tuple[str, str, dict[str, Any]]]:
-    """Findings as plain data (rules hold functions, which cannot cross a process boundary)."""
-    return [(finding.rule.id, finding.message, dict(finding.changes)) for finding in findings]
-
-
-def findings_from_records(records: list[tuple[str, str, dict[str, Any]]]) -> list[Finding]:
-    rules = {rule.id: rule for rule in RULES}
-    return [Finding(rule=rules[rule_id], message=message, changes=changes) for rule_id, message, changes in records]
+def recovers_in_backward(error: BaseException) -> bool:
+    """Whether a backward's error is one the per-step guard can take over (rule R6: a static graph that gained a
+    parameter), rather than one to re-raise."""
+    found = rule_for_torch_error(str(error))
+    return found is not None and found.id == RuleId.R6

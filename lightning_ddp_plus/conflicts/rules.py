@@ -1,8 +1,9 @@
 """Conflict rules between DDP settings and model facts, as data, evaluated by one pure function.
 
-The rules follow what torch 2.13's reducer was measured to do (``shared/reference/ddp-behaviour-torch-2.13.md`` and
-the project's own matrix of checkpointing patterns); the test suite re-runs every failing combination with real
-processes, on hand-made and on Hugging Face / PEFT models, so that a rule that stops being true is noticed.
+The rules follow what torch 2.13's reducer was measured to do: the docs' reference page "What torch's reducer does"
+(``docs/torch-reducer.md``) holds the measured matrix of checkpointing patterns and settings. The test suite re-runs
+every failing combination with real processes, on hand-made and on Hugging Face / PEFT models, so that a rule that
+stops being true is noticed.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from enum import Enum
 from typing import Literal
 
 from lightning_ddp_plus.conflicts.facts import ModelFacts
@@ -17,8 +19,31 @@ from lightning_ddp_plus.conflicts.facts import ModelFacts
 Level = Literal["error", "advice"]
 
 
+class RuleId(str, Enum):
+    """The rules' names: ``R*`` are errors torch's reducer would raise or hide, ``A*`` advice. A ``RuleId`` equals
+    its name as a plain string (``RuleId.R6 == "R6"``), so findings compare and serialize as before."""
+
+    R1 = "R1"
+    R2 = "R2"
+    R3 = "R3"
+    R4 = "R4"
+    R5 = "R5"
+    R6 = "R6"
+    R7 = "R7"
+    A1 = "A1"
+    A2 = "A2"
+    A3 = "A3"
+    A4 = "A4"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
 @dataclass(frozen=True)
-class DDPView:
+class CheckedSettings:
     """The settings the rules look at (a plain copy, so rules stay pure).
 
     ``repair_input_grads`` is not a DDP argument: it stands for the resolution of R5, making the inputs of reentrant
@@ -36,13 +61,13 @@ class DDPView:
 class Rule:
     """One rule: when it applies, what goes wrong, how to fix it, and the settings that resolve it."""
 
-    id: str
+    id: RuleId
     level: Level
     title: str
-    applies: Callable[[DDPView, ModelFacts], bool]
-    problem: Callable[[DDPView, ModelFacts], str]
+    applies: Callable[[CheckedSettings, ModelFacts], bool]
+    problem: Callable[[CheckedSettings, ModelFacts], str]
     fix: str
-    resolve: Callable[[DDPView, ModelFacts], dict[str, object]] | None = None
+    resolve: Callable[[CheckedSettings, ModelFacts], dict[str, object]] | None = None
 
 
 @dataclass(frozen=True)
@@ -61,7 +86,7 @@ def _names(names: tuple[str, ...] | None, limit: int = 8) -> str:
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
-def _r4_resolution(view: DDPView, facts: ModelFacts) -> dict[str, object]:
+def _r4_resolution(view: CheckedSettings, facts: ModelFacts) -> dict[str, object]:
     # find_unused_parameters=True would trip R1 when reentrant regions compute gradients; static_graph handles both,
     # unless the graph changes between steps, which static_graph cannot describe.
     if facts.reentrant_parameters and not facts.dynamic_modules:
@@ -69,7 +94,7 @@ def _r4_resolution(view: DDPView, facts: ModelFacts) -> dict[str, object]:
     return _find_unused_resolution(view, facts)
 
 
-def _find_unused_resolution(view: DDPView, facts: ModelFacts) -> dict[str, object]:
+def _find_unused_resolution(view: CheckedSettings, facts: ModelFacts) -> dict[str, object]:
     return {"find_unused_parameters": True, "static_graph": False}
 
 
@@ -77,7 +102,7 @@ def _by_rank(names_by_rank: tuple[tuple[str, ...], ...]) -> str:
     return "; ".join(f"rank {rank}: {_names(names) or 'none'}" for rank, names in enumerate(names_by_rank))
 
 
-def _r6_problem(view: DDPView, facts: ModelFacts) -> str:
+def _r6_problem(view: CheckedSettings, facts: ModelFacts) -> str:
     if facts.late_graph_grew:
         return (
             f"at optimizer step {facts.late_step} the backward used a parameter that the first step did not use, "
@@ -106,7 +131,7 @@ _DYNAMIC_FIX = (
 
 RULES: tuple[Rule, ...] = (
     Rule(
-        id="R1",
+        id=RuleId.R1,
         level="error",
         title="reentrant checkpointing with find_unused_parameters=True",
         applies=lambda v, f: (
@@ -122,7 +147,7 @@ RULES: tuple[Rule, ...] = (
         resolve=lambda v, f: {"static_graph": True, "find_unused_parameters": False},
     ),
     Rule(
-        id="R2",
+        id=RuleId.R2,
         level="error",
         title="parameters whose gradient reentrant checkpointing accumulates more than once",
         applies=lambda v, f: f.observed and bool(f.reused_in_checkpoint) and not v.static_graph,
@@ -135,7 +160,7 @@ RULES: tuple[Rule, ...] = (
         resolve=lambda v, f: {"static_graph": True},
     ),
     Rule(
-        id="R3",
+        id=RuleId.R3,
         level="advice",
         title="static_graph with gradient accumulation",
         applies=lambda v, f: v.static_graph and v.gradient_accumulation_steps > 1,
@@ -146,7 +171,7 @@ RULES: tuple[Rule, ...] = (
         fix="nothing to do; this is handled.",
     ),
     Rule(
-        id="R4",
+        id=RuleId.R4,
         level="error",
         title="parameters that get no gradient",
         applies=lambda v, f: (
@@ -162,7 +187,7 @@ RULES: tuple[Rule, ...] = (
         resolve=_r4_resolution,
     ),
     Rule(
-        id="R5",
+        id=RuleId.R5,
         level="error",
         title="trainable parameters in a reentrant region that gets no gradient",
         applies=lambda v, f: f.observed and bool(f.no_grad_region_parameters) and not v.repair_input_grads,
@@ -177,7 +202,7 @@ RULES: tuple[Rule, ...] = (
         resolve=lambda v, f: {"repair_input_grads": True},
     ),
     Rule(
-        id="R6",
+        id=RuleId.R6,
         level="error",
         title="parameters unused on some steps",
         applies=lambda v, f: f.late_step is not None,
@@ -186,7 +211,7 @@ RULES: tuple[Rule, ...] = (
         resolve=_find_unused_resolution,
     ),
     Rule(
-        id="R7",
+        id=RuleId.R7,
         level="error",
         title="a model whose graph changes between steps",
         applies=lambda v, f: bool(f.dynamic_modules) and (not v.find_unused_parameters or v.static_graph),
@@ -199,7 +224,7 @@ RULES: tuple[Rule, ...] = (
         resolve=_find_unused_resolution,
     ),
     Rule(
-        id="A1",
+        id=RuleId.A1,
         level="advice",
         title="find_unused_parameters=True with nothing unused",
         applies=lambda v, f: (
@@ -217,7 +242,7 @@ RULES: tuple[Rule, ...] = (
         fix="set find_unused_parameters=False to skip that search.",
     ),
     Rule(
-        id="A2",
+        id=RuleId.A2,
         level="advice",
         title="broadcast_buffers=False with running statistics",
         applies=lambda v, f: not v.broadcast_buffers and bool(f.mutable_buffers),
@@ -227,7 +252,7 @@ RULES: tuple[Rule, ...] = (
         fix="set broadcast_buffers=True, or convert BatchNorm to SyncBatchNorm (Trainer(sync_batchnorm=True)).",
     ),
     Rule(
-        id="A3",
+        id=RuleId.A3,
         level="advice",
         title="broadcast_buffers=True with gradient checkpointing",
         applies=lambda v, f: v.broadcast_buffers and f.checkpointed and bool(f.mutable_buffers),
@@ -240,7 +265,7 @@ RULES: tuple[Rule, ...] = (
         "checkpointed blocks.",
     ),
     Rule(
-        id="A4",
+        id=RuleId.A4,
         level="advice",
         title="reentrant checkpointing flagged, not observed",
         applies=lambda v, f: not f.observed and f.reentrant and v.find_unused_parameters and not v.static_graph,
@@ -253,11 +278,11 @@ RULES: tuple[Rule, ...] = (
 )
 
 
-def evaluate(view: DDPView, facts: ModelFacts, rules: tuple[Rule, ...] = RULES) -> list[Finding]:
+def evaluate(view: CheckedSettings, facts: ModelFacts, rules: tuple[Rule, ...] = RULES) -> list[Finding]:
     """Every rule that applies, in table order, with the settings changes that would resolve it.
 
     >>> facts = ModelFacts(observed=True, checkpointing=frozenset({"reentrant"}), reentrant_parameters=("w",), unused_parameters=())
-    >>> [f.rule.id for f in evaluate(DDPView(find_unused_parameters=True), facts)]
+    >>> [str(f.rule.id) for f in evaluate(CheckedSettings(find_unused_parameters=True), facts)]
     ['R1']
     """
     return [
@@ -267,33 +292,38 @@ def evaluate(view: DDPView, facts: ModelFacts, rules: tuple[Rule, ...] = RULES) 
     ]
 
 
-def resolved_view(view: DDPView, findings: list[Finding]) -> DDPView:
+def resolved_view(view: CheckedSettings, findings: list[Finding]) -> CheckedSettings:
     """The settings after applying every error-level finding's resolution."""
     changes: dict[str, object] = {}
     for finding in findings:
         if finding.rule.level == "error":
             changes.update(finding.changes)
-    return replace(view, **changes)  # type: ignore[arg-type]  # a rule's changes name DDPView fields
+    return replace(view, **changes)  # type: ignore[arg-type]  # a rule's changes name CheckedSettings fields
 
 
 # Messages of torch 2.13's reducer and the rule each one means.
 _TORCH_ERROR_PATTERNS = (
-    (re.compile(r"marked as ready twice|mark a variable ready only once"), "R1"),
-    (re.compile(r"expect_autograd_hooks_"), "R3"),
-    (re.compile(r"Expected to have finished reduction in the prior iteration"), "R4"),
-    (re.compile(r"Your training graph has changed in this iteration"), "R6"),
+    (re.compile(r"marked as ready twice|mark a variable ready only once"), RuleId.R1),
+    (re.compile(r"expect_autograd_hooks_"), RuleId.R3),
+    (re.compile(r"Expected to have finished reduction in the prior iteration"), RuleId.R4),
+    (re.compile(r"Your training graph has changed in this iteration"), RuleId.R6),
 )
+
+
+def rule_by_id(rule_id: RuleId) -> Rule:
+    """The rule of that id."""
+    return next(candidate for candidate in RULES if candidate.id == rule_id)
 
 
 def rule_for_torch_error(message: str) -> Rule | None:
     """The rule a torch reducer error message corresponds to (R1 stands for R1/R2: torch says the same for both).
 
-    >>> rule_for_torch_error("Expected to have finished reduction in the prior iteration before starting a new one").id
+    >>> str(rule_for_torch_error("Expected to have finished reduction in the prior iteration before starting a new one").id)
     'R4'
     """
     for pattern, rule_id in _TORCH_ERROR_PATTERNS:
         if pattern.search(message):
-            return next(rule for rule in RULES if rule.id == rule_id)
+            return rule_by_id(rule_id)
     return None
 
 

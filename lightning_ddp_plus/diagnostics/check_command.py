@@ -22,25 +22,25 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_ddp_plus.conflicts.facts import ForwardProbe, ModelFacts, static_facts
-from lightning_ddp_plus.conflicts.rules import DDPView, Finding, evaluate
+from lightning_ddp_plus.conflicts.rules import CheckedSettings, Finding, evaluate
 from lightning_ddp_plus.memory.plan import MemoryPlan, device_memory_of, measure_model, plan_layouts
 from lightning_ddp_plus.memory.sizes import parse_size
 from lightning_ddp_plus.sync.accumulation import merge_accumulation_settings
 
 
-def settings_view(trainer: pl.Trainer) -> DDPView:
+def settings_view(trainer: pl.Trainer) -> CheckedSettings:
     strategy = trainer.strategy
     engine = getattr(strategy, "engine", None)
     if engine is not None:
         steps = merge_accumulation_settings(engine.window.requested, trainer.accumulate_grad_batches)
-        return DDPView(
+        return CheckedSettings(
             engine.settings.find_unused_parameters,
             engine.settings.static_graph,
             bool(engine.settings.broadcast_buffers),
             steps,
         )
     kwargs = getattr(strategy, "_ddp_kwargs", {}) or {}
-    return DDPView(
+    return CheckedSettings(
         find_unused_parameters=bool(kwargs.get("find_unused_parameters", False)),
         static_graph=bool(kwargs.get("static_graph", False)),
         broadcast_buffers=bool(kwargs.get("broadcast_buffers", True)),
@@ -125,7 +125,7 @@ def memory_plan(
     strategy = trainer.strategy
     engine = getattr(strategy, "engine", None)
     if engine is not None:
-        configured = (bool(engine.settings.gradient_as_bucket_view), bool(engine.options.optimizer_sharding))
+        configured = (bool(engine.settings.gradient_as_bucket_view), bool(engine.arguments.optimizer_sharding))
     else:
         configured = (bool((getattr(strategy, "_ddp_kwargs", {}) or {}).get("gradient_as_bucket_view")), False)
     source = "the --device-memory figure"
@@ -166,7 +166,7 @@ def describe_facts(facts: ModelFacts) -> str:
     )
 
 
-def report(view: DDPView, facts: ModelFacts, source: str, findings: list[Finding]) -> str:
+def report(view: CheckedSettings, facts: ModelFacts, source: str, findings: list[Finding]) -> str:
     lines = [
         (
             f"settings: find_unused_parameters={view.find_unused_parameters}, static_graph={view.static_graph}, "

@@ -19,10 +19,17 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.nn import Module
 
+from lightning_ddp_plus.config.checks import require_positive_int_or_none
+
 #: Integers a tensor is folded into.
 LANES = 64
 # Widest first; at most 4 bytes, so that a lane widened to int64 can always be negated exactly.
 _LANE_DTYPES = ((4, torch.int32), (2, torch.int16), (1, torch.int8))
+
+
+def check_every_n_steps(value: Any) -> int | None:
+    """Validate ``verify_replicas_every_n_steps``."""
+    return require_positive_int_or_none("verify_replicas_every_n_steps", value, "100", "optimizer steps")
 
 
 class ReplicaDriftError(RuntimeError):

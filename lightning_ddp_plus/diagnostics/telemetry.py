@@ -19,6 +19,7 @@ import lightning.pytorch as pl
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_ddp_plus.sync.comm_hooks import CommHook, HookAssembly
+from lightning_ddp_plus.sync.ddp_internals import logging_data, set_timing_sample_rate
 
 _NS_PER_MS = 1e6
 _TIMINGS = {
@@ -107,16 +108,16 @@ class SyncTelemetry:
         self.__init__(self.sample_rate)  # type: ignore[misc]
         self._ddp, self._hooks = weakref.ref(ddp), hooks
         self._calls, self._handed = hooks.counter.calls, hooks.counter.bucket_bytes
-        ddp._set_ddp_runtime_logging_sample_rate(self.sample_rate)
+        set_timing_sample_rate(ddp, self.sample_rate)
 
     def reducer_rebuilt(self, ddp: DistributedDataParallel) -> None:
         """The wrapper has a new reducer (``bucket_cap_mb="auto"``): new bucket layout, iterations counted from 0."""
         self._layout, self._timed_iteration = None, 0
-        ddp._set_ddp_runtime_logging_sample_rate(self.sample_rate)
+        set_timing_sample_rate(ddp, self.sample_rate)
 
     def _logging_data(self) -> dict[str, Any]:
         ddp = self._ddp() if self._ddp is not None else None
-        return ddp._get_ddp_logging_data() if ddp is not None else {}
+        return logging_data(ddp) if ddp is not None else {}
 
     def after_backward(self, synced: bool) -> None:
         if not synced:

@@ -6,26 +6,35 @@ LightningCLI. ``ddp-plus check --config FILE`` runs the conflict checks without 
 error-level finding); ``ddp-plus report LOGDIR`` draws the ``ddp/`` telemetry a run logged with CSVLogger. The current
 directory is put on ``sys.path`` (as ``python -m`` does) so that a config can name classes from the project it is run
 in, e.g. ``my_project.models.MyModel`` from ``my_project/models.py``.
+
+A strategy argument that is refused (a wrong type or name that jsonargparse refuses, a value the strategy's check
+refuses, a device the backend does not fit) ends the command before anything is started, with the strategy's own
+message first and no traceback (``cli_arguments``).
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from typing import Any, NoReturn
 
-import lightning_ddp_plus  # noqa: F401  (registers the strategy names)
+from lightning_ddp_plus.config.messages import ArgumentTypeError, ArgumentValueError
+from lightning_ddp_plus.frontends import cli_arguments
+from lightning_ddp_plus.frontends.fabric import DDPPlusFabricStrategy
+from lightning_ddp_plus.frontends.registry import register_front_ends
+from lightning_ddp_plus.frontends.strategy import DDPPlusStrategy
 
 
 def main(args: list[str] | None = None) -> None:
     """Entry point of ``ddp-plus``."""
+    register_front_ends(DDPPlusStrategy, DDPPlusFabricStrategy)  # `strategy: ddp_plus` in a config
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     argv = sys.argv[1:] if args is None else list(args)
     if argv[:1] == ["demo"]:
-        argv = demo_arguments(argv[1:])
+        argv = args = demo_arguments(argv[1:])
         if not argv:
             return
-        args = argv
     if argv[:1] == ["check"]:
         from lightning_ddp_plus.diagnostics.check_command import run_check
 
@@ -34,9 +43,44 @@ def main(args: list[str] | None = None) -> None:
         from lightning_ddp_plus.diagnostics.report import main as run_report
 
         sys.exit(run_report(argv[1:]))
+    run_lightning_cli(argv, from_sys_argv=args is None)
+
+
+def run_lightning_cli(argv: list[str], from_sys_argv: bool = False) -> None:
+    """LightningCLI on ``argv`` (``from_sys_argv``: it is the process's command line, which LightningCLI reads
+    itself); a strategy argument it refuses, or that the strategy's own check refuses, ends the command with that
+    check's message alone (the argument, the value, what is allowed, the fix), exit status 2."""
     from lightning.pytorch.cli import LightningCLI
 
-    LightningCLI(args=args, save_config_kwargs={"overwrite": True})
+    class ExplainingCLI(LightningCLI):
+        def init_parser(self, **kwargs: Any) -> Any:
+            parser = super().init_parser(**kwargs)
+            refuse = parser.error
+
+            def error(message: str, ex: Exception | None = None) -> NoReturn:
+                explained = cli_arguments.explain(argv, message)
+                if explained is not None:
+                    refuse_arguments(explained)
+                refuse(message, ex)
+
+            parser.error = error
+            return parser
+
+    try:
+        ExplainingCLI(args=None if from_sys_argv else argv, save_config_kwargs={"overwrite": True})
+    except (ArgumentValueError, ArgumentTypeError) as refused:  # the Trainer's checks, and those when fit starts
+        refuse_arguments(str(refused))
+    except (ValueError, TypeError) as refused:  # a check that failed while jsonargparse built the classes
+        explained = cli_arguments.explain(argv, str(refused))
+        if explained is None:
+            raise
+        refuse_arguments(explained)
+
+
+def refuse_arguments(message: str) -> NoReturn:
+    """End the command as argparse ends it on bad input (exit status 2), with the strategy's own message."""
+    print(cli_arguments.error_text(message), file=sys.stderr)
+    sys.exit(2)
 
 
 def demo_arguments(argv: list[str]) -> list[str]:

@@ -21,14 +21,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from lightning_ddp_plus.config.messages import ArgumentTypeError
 from lightning_ddp_plus.config.training_arguments import (
     HF_DEFAULTS,
+    PORTED_ARGUMENTS,
     TrainingArgumentsPort,
     port_training_arguments,
 )
-from lightning_ddp_plus.engine.options import ConflictMode, StartMethod
+from lightning_ddp_plus.engine.arguments import takes_declared_arguments
 from lightning_ddp_plus.frontends.strategy import DDPPlusStrategy
-from lightning_ddp_plus.sync.accumulation import ShortWindow
 
 __all__ = [
     "HF_DEFAULTS",
@@ -43,8 +44,7 @@ def training_arguments_strategy(
     args: Any, model: Any | None = None, **overrides: Any
 ) -> tuple[DDPPlusStrategy, dict[str, Any]]:
     """``(DDPPlusStrategy, Trainer kwargs)`` for ``args``; ``overrides`` are further ``DDPPlusStrategy`` arguments."""
-    port = port_training_arguments(args, model)
-    return DDPPlusStrategy(**{**port.strategy_kwargs, **overrides}), dict(port.trainer_kwargs)
+    return DDPPlusStrategy.from_training_arguments(args, model, **overrides)
 
 
 class HFStyleDDPPlusStrategy(DDPPlusStrategy):
@@ -56,25 +56,12 @@ class HFStyleDDPPlusStrategy(DDPPlusStrategy):
             init_args: {gradient_accumulation_steps: 4, ddp_find_unused_parameters: null, ddp_timeout: 3600,
                         gradient_checkpointing: true}
 
-    Args:
-        gradient_accumulation_steps: micro-batches per optimizer step.
-        ddp_backend: ``process_group_backend``; ``None`` follows the accelerator.
-        ddp_find_unused_parameters: ``None``: ``not gradient_checkpointing`` (Hugging Face's rule for its models).
-        ddp_bucket_cap_mb: ``None``: 25 MiB.
-        ddp_broadcast_buffers: ``None``: ``True``.
-        ddp_static_graph: ``None``: ``False``.
-        ddp_timeout: collective timeout in seconds.
-        gradient_checkpointing: whether the model checkpoints (decides only ``ddp_find_unused_parameters=None``).
-        checkpointing_conflict: as in ``DDPPlusStrategy``.
-        ddp_comm_hook: as in ``DDPPlusStrategy``.
-        short_window: as in ``DDPPlusStrategy``.
-        verify_replicas_every_n_steps: as in ``DDPPlusStrategy``.
-        telemetry: as in ``DDPPlusStrategy``.
-        start_method: as in ``DDPPlusStrategy``.
-
-    ``DDPPlusStrategy``'s other arguments are not taken here, so that no setting has two names.
+    It takes every other argument of ``DDPPlusStrategy`` too (``checkpointing_conflict``, ``telemetry`` ...), but
+    not those the Hugging Face names set (``process_group_backend``, ``timeout``, ``find_unused_parameters``,
+    ``bucket_cap_mb``, ``broadcast_buffers``, ``static_graph``), so that no setting has two names.
     """
 
+    @takes_declared_arguments("DDPPlusStrategy", without=tuple(PORTED_ARGUMENTS), ddp_kwargs=False)
     def __init__(
         self,
         gradient_accumulation_steps: int = 1,
@@ -85,13 +72,20 @@ class HFStyleDDPPlusStrategy(DDPPlusStrategy):
         ddp_static_graph: bool | None = None,
         ddp_timeout: int = 1800,
         gradient_checkpointing: bool = False,
-        checkpointing_conflict: ConflictMode = "error",
-        ddp_comm_hook: str | None = None,
-        short_window: ShortWindow = "mean",
-        verify_replicas_every_n_steps: int | None = None,
-        telemetry: bool = False,
-        start_method: StartMethod = "popen",
+        **arguments: Any,
     ) -> None:
+        """The Hugging Face names, then every other argument ``DDPPlusArguments`` declares.
+
+        Args:
+            gradient_accumulation_steps: micro-batches per optimizer step.
+            ddp_backend: ``process_group_backend``; ``None`` follows the accelerator.
+            ddp_find_unused_parameters: ``None``: ``not gradient_checkpointing`` (Hugging Face's rule for its models).
+            ddp_bucket_cap_mb: ``None``: 25 MiB.
+            ddp_broadcast_buffers: ``None``: ``True``.
+            ddp_static_graph: ``None``: ``False``.
+            ddp_timeout: collective timeout in seconds.
+            gradient_checkpointing: whether the model checkpoints (decides only ``ddp_find_unused_parameters=None``).
+        """
         port = port_training_arguments(
             {
                 "gradient_accumulation_steps": gradient_accumulation_steps,
@@ -104,12 +98,9 @@ class HFStyleDDPPlusStrategy(DDPPlusStrategy):
                 "gradient_checkpointing": gradient_checkpointing,
             }
         )
-        super().__init__(
-            checkpointing_conflict=checkpointing_conflict,
-            ddp_comm_hook=ddp_comm_hook,
-            short_window=short_window,
-            verify_replicas_every_n_steps=verify_replicas_every_n_steps,
-            telemetry=telemetry,
-            start_method=start_method,
-            **port.strategy_kwargs,
-        )
+        for name in sorted(arguments.keys() & set(PORTED_ARGUMENTS))[:1]:
+            raise ArgumentTypeError(
+                f"HFStyleDDPPlusStrategy takes `{name}` by its Hugging Face name, so that no setting has two names. "
+                f"Fix: use `{PORTED_ARGUMENTS[name]}`."
+            )
+        super().__init__(**arguments, **port.strategy_kwargs)

@@ -199,6 +199,58 @@ def measure_model(
     return ModelFigures(groups, buffers, activations, checkpointed, checkpointing_on=already_on)
 
 
+def _layout(
+    figures: ModelFigures,
+    sharded_state: int,
+    name: str,
+    title: str,
+    bucket_view: bool,
+    sharded: bool,
+    checkpointed: bool,
+) -> Layout:
+    activations = figures.activations
+    if checkpointed and figures.activations_checkpointed is not None:
+        activations = figures.activations_checkpointed
+    return Layout(
+        name,
+        title,
+        parameters=figures.parameters + figures.buffers,
+        gradients=0 if bucket_view else figures.trainable,
+        buckets=figures.trainable,
+        optimizer_state=sharded_state if sharded else figures.optimizer_state,
+        activations=activations,
+    )
+
+
+def _notes(figures: ModelFigures, world_size: int, shares: list[int]) -> tuple[str, ...]:
+    notes = []
+    if figures.checkpointing_on:
+        notes.append("activation checkpointing is on in this model: every layout's activations are with it")
+    if world_size > 1 and shares and max(shares) > 0:
+        notes.append(
+            "optimizer state per rank with sharding: "
+            + ", ".join(format_size(s) for s in shares[:8])
+            + (" ..." if world_size > 8 else "")
+            + f" (whole parameters per rank; 1/{world_size} would be {format_size(figures.optimizer_state / world_size)})"
+        )
+    return tuple(notes)
+
+
+def _decided(plan: MemoryPlan, sharded_state: int) -> MemoryPlan:
+    """``plan`` with the decision table's verdict for its device memory, and the advice filled in."""
+    figures, world_size = plan.figures, plan.world_size
+    decision = decide({layout.name: bool(plan.fits(layout.name)) for layout in plan.layouts})
+    fsdp = (figures.parameters + figures.trainable + figures.optimizer_state) / world_size
+    advice = decision.advice.format(
+        sharding_saves=format_size(figures.optimizer_state - sharded_state),
+        parameters=format_size(figures.trainable),
+        bucket_view_saves=format_size(plan.layout("ddp").gradients),
+        world_size=world_size,
+        fsdp_per_rank=format_size(fsdp),
+    )
+    return dataclasses.replace(plan, decision=decision, advice=advice)
+
+
 def plan_layouts(
     figures: ModelFigures,
     world_size: int,
@@ -216,57 +268,18 @@ def plan_layouts(
         raise ValueError(f"headroom must be a fraction in [0, 1), got {headroom}")
     shares = figures.optimizer_state_by_rank(world_size)
     sharded_state = max(shares, default=0)
-
-    def build(name: str, title: str, bucket_view: bool, sharded: bool, checkpointed: bool) -> Layout:
-        activations = figures.activations
-        if checkpointed and figures.activations_checkpointed is not None:
-            activations = figures.activations_checkpointed
-        return Layout(
-            name,
-            title,
-            parameters=figures.parameters + figures.buffers,
-            gradients=0 if bucket_view else figures.trainable,
-            buckets=figures.trainable,
-            optimizer_state=sharded_state if sharded else figures.optimizer_state,
-            activations=activations,
-        )
-
-    layouts = [
-        build(*spec)
-        for spec in LAYOUTS
-        if not spec[4] or (figures.activations_checkpointed is not None and not figures.checkpointing_on)
-    ]
-    notes = []
+    checkpointing_row = figures.activations_checkpointed is not None and not figures.checkpointing_on
+    layouts = [_layout(figures, sharded_state, *spec) for spec in LAYOUTS if not spec[4] or checkpointing_row]
     configured_name = None
     if configured is not None:
         bucket_view, sharded = configured
         match = next((spec for spec in LAYOUTS if spec[2:4] == (bucket_view, sharded) and not spec[4]), None)
         if match is None:
-            layouts.append(build("configured", "configured: ZeRO-1, no bucket view", bucket_view, sharded, False))
+            title = "configured: ZeRO-1, no bucket view"
+            layouts.append(_layout(figures, sharded_state, "configured", title, bucket_view, sharded, False))
             configured_name = "configured"
         else:
             configured_name = match[0]
-    if figures.checkpointing_on:
-        notes.append("activation checkpointing is on in this model: every layout's activations are with it")
-    if world_size > 1 and shares and max(shares) > 0:
-        notes.append(
-            "optimizer state per rank with sharding: "
-            + ", ".join(format_size(s) for s in shares[:8])
-            + (" ..." if world_size > 8 else "")
-            + f" (whole parameters per rank; 1/{world_size} would be {format_size(figures.optimizer_state / world_size)})"
-        )
-    plan = MemoryPlan(figures, world_size, device_memory, headroom, tuple(layouts), configured_name, notes=tuple(notes))
-    if device_memory is None:
-        return plan
-    fits = {layout.name: bool(plan.fits(layout.name)) for layout in layouts}
-    decision = decide(fits)
-    ddp = plan.layout("ddp")
-    fsdp = (figures.parameters + figures.trainable + figures.optimizer_state) / world_size
-    advice = decision.advice.format(
-        sharding_saves=format_size(figures.optimizer_state - sharded_state),
-        parameters=format_size(figures.trainable),
-        bucket_view_saves=format_size(ddp.gradients),
-        world_size=world_size,
-        fsdp_per_rank=format_size(fsdp),
-    )
-    return dataclasses.replace(plan, decision=decision, advice=advice)
+    notes = _notes(figures, world_size, shares)
+    plan = MemoryPlan(figures, world_size, device_memory, headroom, tuple(layouts), configured_name, notes=notes)
+    return plan if device_memory is None else _decided(plan, sharded_state)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from lightning_ddp_plus.config.messages import describe_bad_value
+from lightning_ddp_plus.config.messages import ArgumentValueError, describe_bad_value
 
 _UNITS = {
     "": 1,
@@ -32,7 +32,7 @@ def parse_size(text: str | int, argument: str = "--device-memory") -> int:
     match = _SIZE.match(str(text))
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _UNITS or float(match.group(1)) <= 0:
-        raise ValueError(
+        raise ArgumentValueError(
             describe_bad_value(
                 argument,
                 text,

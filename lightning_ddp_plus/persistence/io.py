@@ -16,9 +16,18 @@ What each kind of path gets:
   previous object or the new one, never a part (the store's guarantee, not ours);
 - any other fsspec filesystem: the wrapped checkpoint IO, with whatever that filesystem promises.
 
-A checkpoint IO that you pass (``DDPPlusStrategy(checkpoint_io=...)`` or ``Trainer(plugins=[...])``) is wrapped: it
-writes to the temporary path, which is then fsynced and renamed. ``AsyncCheckpointIO`` keeps its thread and wraps
-this one.
+A checkpoint IO that you pass (``DDPPlusStrategy(checkpoint_io=...)`` or ``Trainer(plugins=[...])``) stays yours:
+``strategy.checkpoint_io`` is that object, with its own methods and attributes (``AtomicCheckpoints``). Saves are
+made atomic where what the IO writes is known:
+
+- no IO passed: the strategy's default is ``AtomicCheckpointIO()`` (Lightning's format, saved atomically);
+- Lightning's own ``TorchCheckpointIO`` (that class exactly): kept, and the strategy's saves write its format through
+  the temporary file;
+- ``AsyncCheckpointIO()`` with no IO of its own: its thread writes through ``AtomicCheckpointIO()`` (the default the
+  strategy gives it, as Lightning gives it a ``TorchCheckpointIO``);
+- any other IO: it saves as it saves, which the strategy says once; it may write elsewhere than the path it is given
+  (an upload, a directory of shards), so renaming its output could lose it. Pass ``AtomicCheckpointIO(your_io)`` to
+  have it write to the temporary file, which is then fsynced and renamed.
 """
 
 from __future__ import annotations
@@ -38,6 +47,7 @@ from typing import Any
 import torch
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 from lightning.fabric.utilities.cloud_io import _load, get_filesystem
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.fabric.utilities.types import _PATH
 
 log = logging.getLogger(__name__)
@@ -276,40 +286,59 @@ def _async_wrapper_class() -> type | None:
     return _WrappingCheckpointIO
 
 
-def atomic(checkpoint_io: CheckpointIO | None) -> CheckpointIO:
-    """``checkpoint_io`` with atomic saves, wrapped once. Inside ``AsyncCheckpointIO``, whose thread must finish the
-    write before the rename, the IO made atomic is the inner one.
-
-    >>> type(atomic(None).checkpoint_io).__name__
-    'TorchCheckpointIO'
-    """
-    wrapping = _async_wrapper_class()
-    if isinstance(checkpoint_io, AtomicCheckpointIO):
-        return checkpoint_io
-    if wrapping is not None and isinstance(checkpoint_io, wrapping):
-        async_io: Any = checkpoint_io  # Lightning's AsyncCheckpointIO, whose class this Lightning may lack
-        inner = async_io.checkpoint_io
-        if not isinstance(inner, AtomicCheckpointIO):
-            # the wrapper's setter ignores a second base IO, so the attribute is set
-            async_io._checkpoint_io = AtomicCheckpointIO(inner)
-        wrapped: CheckpointIO = async_io
-        return wrapped
-    return AtomicCheckpointIO(checkpoint_io)
-
-
 class AtomicCheckpoints:
-    """The front ends' ``checkpoint_io``: the one configured (Lightning's default when none), with atomic saves
-    unless ``atomic_checkpoints=False``."""
+    """The front ends' ``checkpoint_io``: the IO you passed, untouched, or an atomic default; and their
+    ``save_checkpoint``, atomic where that is sound (see the module's docstring). ``atomic_checkpoints=False`` keeps
+    Lightning's behaviour."""
 
     _checkpoint_io: CheckpointIO | None
+    _atomic_save_view: CheckpointIO | None = None
+    _said_not_atomic = False
 
     @property
     def checkpoint_io(self) -> CheckpointIO:
+        if self._atomic_save_view is not None:  # only while the strategy itself saves
+            return self._atomic_save_view
         if self.options.atomic_checkpoints:  # type: ignore[attr-defined]
-            self._checkpoint_io = atomic(self._checkpoint_io)
+            self._give_atomic_default()
         io: CheckpointIO = super().checkpoint_io  # type: ignore[misc]
         return io
 
     @checkpoint_io.setter
     def checkpoint_io(self, io: CheckpointIO) -> None:
         self._checkpoint_io = io
+
+    def _give_atomic_default(self) -> None:
+        """Where Lightning would create a ``TorchCheckpointIO`` (none passed, or an async IO without an IO of its
+        own), create the atomic one instead."""
+        wrapping = _async_wrapper_class()
+        if self._checkpoint_io is None:
+            self._checkpoint_io = AtomicCheckpointIO()
+        elif wrapping is not None and isinstance(self._checkpoint_io, wrapping):
+            async_io: Any = self._checkpoint_io
+            if not async_io._base_checkpoint_io_configured:
+                async_io.checkpoint_io = AtomicCheckpointIO()
+
+    def save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
+        io = self.checkpoint_io
+        if self.options.atomic_checkpoints and type(io) is TorchCheckpointIO:  # type: ignore[attr-defined]
+            self._atomic_save_view = AtomicCheckpointIO(io)  # the same format, written through a temporary file
+        elif self.options.atomic_checkpoints and not self._said_not_atomic and not _saves_atomically(io):  # type: ignore[attr-defined]
+            self._said_not_atomic = True
+            rank_zero_warn(
+                f"atomic_checkpoints: {type(io).__name__} is your checkpoint IO, kept as you passed it, and saves as "
+                "it saves (not through a temporary file: it may write elsewhere than the path it is given). Pass "
+                f"`AtomicCheckpointIO({type(io).__name__}(...))` to make its saves atomic, or set "
+                "`atomic_checkpoints=False` to silence this."
+            )
+        try:
+            super().save_checkpoint(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            self._atomic_save_view = None
+
+
+def _saves_atomically(io: CheckpointIO) -> bool:
+    wrapping = _async_wrapper_class()
+    if wrapping is not None and isinstance(io, wrapping):
+        return isinstance(getattr(io, "checkpoint_io", None), AtomicCheckpointIO)
+    return isinstance(io, AtomicCheckpointIO)

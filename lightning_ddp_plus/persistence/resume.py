@@ -1,9 +1,11 @@
-"""Resolving a resume on all ranks at once, and loading it no wider than it must be.
+"""Resuming a fit: which checkpoint, decided once for all ranks, loaded no wider than it must be, and the data
+continued where the checkpoint's epoch stopped. ``ResumeCoordinator`` is the one object a front end talks to.
 
-The strategy hands Lightning ``NEWEST_READABLE`` instead of ``ckpt_path="last"``, so that every rank, with or without
-files in its view, reaches ``resume_start``; there, once the process group exists, rank 0 lists the candidates of
-the run's own checkpoint directories (``checkpoint_files``), checks them newest first, and broadcasts its choice,
-so all ranks load the same file. What happens when nothing is readable depends on who asked:
+When a fit should resume (``resume_from_last``, or your own ``ckpt_path="last"``), the strategy hands Lightning
+``NEWEST_READABLE`` instead of a path, so that every rank, with or without files in its view, reaches
+``resume_start``; there, once the process group exists, rank 0 lists the candidates of the run's own checkpoint
+directories (``checkpoint_files``), checks them newest first, and broadcasts its choice, so all ranks load the same
+file. What happens when nothing is readable depends on who asked:
 
 - ``resume_from_last="always"``: checkpoints exist and none is readable -> ``CheckpointResumeError`` on every rank
   (nothing there yet is a first run: it starts from scratch with a warning, as Lightning does);
@@ -13,17 +15,26 @@ so all ranks load the same file. What happens when nothing is readable depends o
 The chosen file is loaded with ``weights_only=True``. A checkpoint that holds more than tensors and plain containers
 (hyperparameters of your own classes, say) is loaded again with ``weights_only=False``, with a warning naming the
 reason: it passed the check and lies in a directory this run's callbacks write to, so this job wrote it.
+
+Lightning restores the loop counters of a mid-epoch checkpoint but starts the epoch's data from its first batch, so
+the first batches are seen twice and the last ones never; ``SkipFirstSampler`` skips what the epoch had consumed.
 """
 
 from __future__ import annotations
 
+import inspect
+import itertools
 import os
 import pickle
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any, Literal, Protocol, get_args
 
+import torch
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
+from torch.utils.data import DataLoader, Sampler
 
+from lightning_ddp_plus.config.checks import require_one_of
 from lightning_ddp_plus.persistence.files import (
     NEWEST_READABLE,
     CheckpointResumeError,
@@ -34,6 +45,30 @@ from lightning_ddp_plus.persistence.files import (
     unreadable_reason,
 )
 from lightning_ddp_plus.persistence.io import AtomicCheckpointIO, accepts_argument, is_local_path
+from lightning_ddp_plus.processes.restart import restart_attempt
+
+#: ``resume_from_last``: ``"on_restart"`` resumes an attempt that torchrun restarted after a failure.
+ResumeMode = Literal["on_restart", "always", "never"]
+RESUME_MODES: tuple[str, ...] = get_args(ResumeMode)
+
+
+def check_resume_mode(value: Any) -> ResumeMode:
+    """Validate ``resume_from_last``."""
+    mode: ResumeMode = require_one_of(
+        "resume_from_last",
+        value,
+        RESUME_MODES,
+        "use 'on_restart' (a restarted torchrun attempt resumes), 'always' or 'never'.",
+    )
+    return mode
+
+
+def should_resume(mode: str, timeout: timedelta = timedelta(minutes=5)) -> bool:
+    """Whether to resume from the last checkpoint: ``"on_restart"`` in a restarted torchrun attempt only."""
+    if mode == "always":
+        return True
+    return mode == "on_restart" and (restart_attempt(timeout) or 0) > 0
+
 
 #: Who asked for the resume: the strategy's ``resume_from_last`` mode, or ``"last"`` (the user's ``ckpt_path``).
 ResumeRequest = str
@@ -132,4 +167,150 @@ def load(checkpoint_io: CheckpointIO, path: str, warn: Callable[[str], None]) ->
         return checkpoint_io.load_checkpoint(path, weights_only=False)
 
 
-__all__ = ["NEWEST_READABLE", "checkpoint_directories", "choose", "load", "resolve"]
+class SkipFirstSampler(Sampler[Any]):
+    """``sampler`` without its first ``skip`` indices, on its next pass only (the rest of an interrupted epoch).
+
+    >>> sampler = SkipFirstSampler(range(10), skip=4)
+    >>> list(sampler), list(sampler), len(sampler)
+    ([4, 5, 6, 7, 8, 9], [0, 1, 2, 3, 4, 5, 6, 7, 8, 9], 10)
+    """
+
+    def __init__(self, sampler: Any, skip: int) -> None:
+        self.sampler, self.skip = sampler, skip
+
+    def __iter__(self) -> Iterator[Any]:
+        skip, self.skip = self.skip, 0
+        return itertools.islice(iter(self.sampler), skip, None)
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def set_epoch(self, epoch: int) -> None:
+        if hasattr(self.sampler, "set_epoch"):
+            self.sampler.set_epoch(epoch)
+
+
+def batches_consumed_before_restart(trainer: Any) -> int:
+    """Batches of the current epoch that a mid-epoch checkpoint had consumed (0 when not restarting mid-epoch).
+
+    Read when the training loader is built, after the checkpoint's loop state is restored and before Lightning
+    classifies the restart (``restarted_mid_epoch`` is computed later); a checkpoint taken on the epoch's last batch
+    continues with the next epoch, whose data starts at its beginning.
+    """
+    fit_loop = trainer.fit_loop
+    progress = fit_loop.epoch_loop.batch_progress
+    if not fit_loop.restarting or progress.is_last_batch:
+        return 0
+    return int(progress.current.ready)
+
+
+class ResumingStrategy(Protocol):
+    """What the coordinator needs of the strategy it serves."""
+
+    @property
+    def is_global_zero(self) -> bool: ...
+
+    @property
+    def checkpoint_io(self) -> CheckpointIO: ...
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any: ...
+
+
+class ResumeCoordinator:
+    """Owns the resume of a Trainer strategy's fits: the request before launch, the choice on every rank, the
+    weights-only load of the chosen file, and the rest of an interrupted epoch's data.
+
+    Args:
+        mode: ``resume_from_last``.
+        timeout: how long a rank waits for rank 0 to start a torchrun attempt (the collective timeout).
+        strategy: the strategy whose process group, checkpoint IO and rank are used.
+        warn: how warnings reach the user (rank 0 only).
+        info: how one-line reports reach the user (rank 0 only).
+    """
+
+    def __init__(
+        self,
+        mode: ResumeMode,
+        timeout: timedelta,
+        strategy: ResumingStrategy,
+        warn: Callable[[str], None],
+        info: Callable[[str], None],
+    ) -> None:
+        self.mode, self.timeout, self.strategy = mode, timeout, strategy
+        self._warn, self._info = warn, info
+        self._request: ResumeRequest = "never"
+        #: The file chosen on every rank (``None`` before a choice, or when nothing was chosen).
+        self.chosen: str | None = None
+
+    def before_launch(self, trainer: Any, function: Callable[..., Any], args: tuple[Any, ...]) -> tuple[Any, ...]:
+        """The launched call's arguments: a fit that should resume gets ``NEWEST_READABLE`` as its ``ckpt_path``
+        (unless it names a file), which Lightning's ``resume_start`` then resolves through ``choose_on_every_rank``."""
+        from lightning.pytorch.trainer.states import TrainerFn
+
+        if trainer.state.fn != TrainerFn.FITTING:
+            return args
+        parameters = list(inspect.signature(function).parameters)
+        index = parameters.index("ckpt_path") if "ckpt_path" in parameters else None
+        if index is None or index >= len(args) or trainer._checkpoint_connector._user_managed:
+            return args
+        if args[index] == "last":
+            self._request = "last"
+        elif args[index] is None and should_resume(self.mode, self.timeout):
+            self._request = self.mode
+            self._info(f"DDPPlusStrategy: attempt {restart_attempt()} resumes from the newest readable checkpoint.")
+        else:
+            return args
+        self._route_resume_start(trainer)
+        return (*args[:index], NEWEST_READABLE, *args[index + 1 :])
+
+    def _route_resume_start(self, trainer: Any) -> None:
+        connector = trainer._checkpoint_connector
+        resume_start = type(connector).resume_start.__get__(connector)
+
+        def resume_start_with_choice(checkpoint_path: Any = None, *args: Any, **kwargs: Any) -> None:
+            if checkpoint_path == NEWEST_READABLE:
+                checkpoint_path = self.choose_on_every_rank(trainer)
+            resume_start(checkpoint_path, *args, **kwargs)
+
+        connector.resume_start = resume_start_with_choice
+
+    def choose_on_every_rank(self, trainer: Any) -> Any:
+        """Rank 0 chooses, every rank gets its choice (a collective), and the path Lightning should load."""
+        from lightning.pytorch.trainer.states import TrainerFn
+
+        choice = choose(trainer, self.strategy.checkpoint_io) if self.strategy.is_global_zero else None
+        choice = self.strategy.broadcast(choice)
+
+        def lightning_last() -> Any:
+            return trainer._checkpoint_connector._parse_ckpt_path(
+                TrainerFn.FITTING, "last", model_provided=True, model_connected=True
+            )
+
+        directories, _ = checkpoint_directories(trainer)
+        path = resolve(choice, self._request, directories, lightning_last, self._warn, self._info)
+        self.chosen = None if path is None else str(path)
+        return path
+
+    def load_checkpoint(
+        self, path: Any, lightning_load: Callable[..., dict[str, Any]], *args: Any, **kwargs: Any
+    ) -> dict[str, Any]:
+        """The strategy's ``load_checkpoint``: the chosen file weights-only (see the module's docstring); any other
+        file, or a ``weights_only`` you set, as Lightning loads it (``lightning_load``)."""
+        chosen_here = self.chosen is not None and str(path) == self.chosen
+        if not chosen_here or args or kwargs.get("weights_only") is not None:
+            return lightning_load(path, *args, **kwargs)
+        torch.cuda.empty_cache()
+        return load(self.strategy.checkpoint_io, str(path), self._warn)
+
+    def dataloader(self, dataloader: Any, trainer: Any) -> Any:
+        """The training loader continuing where the checkpoint's epoch stopped, or ``dataloader`` itself."""
+        consumed = batches_consumed_before_restart(trainer)
+        if consumed == 0 or not isinstance(dataloader, DataLoader) or dataloader.batch_size is None:
+            return dataloader
+        from lightning.pytorch.utilities.data import _update_dataloader
+
+        self._info(
+            f"DDPPlusStrategy: resuming mid-epoch, skipping the {consumed} batches the epoch had consumed before the "
+            "checkpoint (Lightning's warning that the loader is not resumable does not apply: the sampler is)."
+        )
+        return _update_dataloader(dataloader, SkipFirstSampler(dataloader.sampler, consumed * dataloader.batch_size))

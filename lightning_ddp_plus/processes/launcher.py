@@ -19,12 +19,27 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch.distributed as dist
 from lightning.fabric.utilities.distributed import _destroy_dist_connection
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from typing_extensions import override
+
+from lightning_ddp_plus.config.checks import require_one_of
+
+#: How the ranks are started (Lightning's launchers): ``popen`` re-runs the script, the others start workers.
+StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
+START_METHODS: tuple[str, ...] = get_args(StartMethod)
+
+
+def check_start_method(value: Any) -> StartMethod:
+    """Validate ``start_method``."""
+    method: StartMethod = require_one_of(
+        "start_method", value, START_METHODS, "use 'popen' for scripts and CLIs, 'spawn' inside notebooks or tests."
+    )
+    return method
+
 
 PARENT_PID_VARIABLE = "DDP_PLUS_LAUNCHER_PID"
 
@@ -140,3 +155,17 @@ def _shutdown_process_group() -> None:
     _destroy_dist_connection()
     _held_groups.clear()
     gc.collect()
+
+
+def remove_leftover_forward_redirection(module: Any) -> None:
+    """Undo the ``forward`` patch Lightning's forward redirection leaves behind when DDP's forward raises before the
+    redirected step runs (e.g. torch's "Expected to have finished reduction" in ``_pre_forward``).
+
+    The patch is a closure holding the DDP wrapper, so the wrapper, its reducer and the process group the reducer
+    references outlive the fit in a reference cycle and are destroyed during interpreter shutdown, after
+    ``destroy_process_group``, where gloo can abort the process ("terminate called without an active exception")
+    and turn a clean error into a C++ crash. It would also make ``model(x)`` run ``training_step``.
+    """
+    patched = module.__dict__.get("forward") if module is not None else None
+    if patched is not None and "_ForwardRedirection" in getattr(patched, "__qualname__", ""):
+        del module.__dict__["forward"]

@@ -7,6 +7,10 @@ After a collective timeout or a closed connection, the failing rank probes with 
 other rank's host. A host that refuses the connection answered, so it is reachable; one that gives no answer, or "No
 route to host" / "Network is unreachable", is cut off. The note then says which: a peer is unreachable (the link or
 that node is down), or every host answers (a rank is hung or crashed: read its log).
+
+torch internals: the job's store is reached with ``torch.distributed.distributed_c10d._get_default_store`` (private
+in every torch release; tested on 2.13.0, 2.14.1 and 2.15.0). It is this module's only call outside torch's public
+API; the calls into DDP's own internals are ``sync/ddp_internals.py``'s.
 """
 
 from __future__ import annotations

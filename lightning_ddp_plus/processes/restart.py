@@ -16,31 +16,22 @@ agents: a rank that took 4 s to end was enough). The ranks therefore agree on th
 (``agree_on_attempt``); without torchrun's shared store (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, where torch makes
 a new store per attempt) the restart count is used.
 
-Lightning restores the loop counters of a mid-epoch checkpoint but starts the epoch's data from its first batch, so
-the first batches are seen twice and the last ones never; ``SkipFirstSampler`` skips what the epoch had consumed.
+What a restarted attempt resumes from, and the rest of its epoch's data, is ``persistence.resume``'s.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import time
-from collections.abc import Iterator
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import ClusterEnvironment
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from torch.utils.data import DataLoader, Sampler
 
 log = logging.getLogger(__name__)
-
-ResumeMode = Literal["on_restart", "always", "never"]
-RESUME_MODES: tuple[str, ...] = ("on_restart", "always", "never")
-
 
 GENERATION_KEY = "ddp_plus/generation"
 _POLL_S = 0.05
@@ -120,61 +111,3 @@ def init_process_group(
     )
     kwargs: dict[str, Any] = {"device_id": device_id} if device_id is not None else {}
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
-
-
-def should_resume(mode: str, timeout: timedelta = timedelta(minutes=5)) -> bool:
-    """Whether to resume from the last checkpoint: ``"on_restart"`` in a restarted torchrun attempt only."""
-    if mode == "always":
-        return True
-    return mode == "on_restart" and (restart_attempt(timeout) or 0) > 0
-
-
-class SkipFirstSampler(Sampler[Any]):
-    """``sampler`` without its first ``skip`` indices, on its next pass only (the rest of an interrupted epoch).
-
-    >>> sampler = SkipFirstSampler(range(10), skip=4)
-    >>> list(sampler), list(sampler), len(sampler)
-    ([4, 5, 6, 7, 8, 9], [0, 1, 2, 3, 4, 5, 6, 7, 8, 9], 10)
-    """
-
-    def __init__(self, sampler: Any, skip: int) -> None:
-        self.sampler, self.skip = sampler, skip
-
-    def __iter__(self) -> Iterator[Any]:
-        skip, self.skip = self.skip, 0
-        return itertools.islice(iter(self.sampler), skip, None)
-
-    def __len__(self) -> int:
-        return len(self.sampler)
-
-    def set_epoch(self, epoch: int) -> None:
-        if hasattr(self.sampler, "set_epoch"):
-            self.sampler.set_epoch(epoch)
-
-
-def batches_consumed_before_restart(trainer: Any) -> int:
-    """Batches of the current epoch that a mid-epoch checkpoint had consumed (0 when not restarting mid-epoch).
-
-    Read when the training loader is built, after the checkpoint's loop state is restored and before Lightning
-    classifies the restart (``restarted_mid_epoch`` is computed later); a checkpoint taken on the epoch's last batch
-    continues with the next epoch, whose data starts at its beginning.
-    """
-    fit_loop = trainer.fit_loop
-    progress = fit_loop.epoch_loop.batch_progress
-    if not fit_loop.restarting or progress.is_last_batch:
-        return 0
-    return int(progress.current.ready)
-
-
-def resume_dataloader(dataloader: Any, trainer: Any) -> Any:
-    """The training loader continuing where the checkpoint's epoch stopped, or ``dataloader`` itself."""
-    consumed = batches_consumed_before_restart(trainer)
-    if consumed == 0 or not isinstance(dataloader, DataLoader) or dataloader.batch_size is None:
-        return dataloader
-    from lightning.pytorch.utilities.data import _update_dataloader
-
-    rank_zero_info(
-        f"DDPPlusStrategy: resuming mid-epoch, skipping the {consumed} batches the epoch had consumed before the "
-        "checkpoint (Lightning's warning that the loader is not resumable does not apply: the sampler is)."
-    )
-    return _update_dataloader(dataloader, SkipFirstSampler(dataloader.sampler, consumed * dataloader.batch_size))

@@ -29,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_ddp_plus.config.messages import describe_bad_value
+from lightning_ddp_plus.config.messages import ArgumentTypeError, ArgumentValueError, describe_bad_value
 
 OptimizerSharding = bool | Literal["overlap"]
 SHARDING_VALUES: tuple[object, ...] = (False, True, "overlap")
@@ -48,11 +48,11 @@ def check_optimizer_sharding(value: Any) -> OptimizerSharding:
     >>> check_optimizer_sharding("zero1")
     Traceback (most recent call last):
     ...
-    ValueError: `optimizer_sharding='zero1'` is not valid: allowed: False, True, 'overlap'. Fix: ...
+    lightning_ddp_plus.config.messages.ArgumentValueError: `optimizer_sharding='zero1'` is not valid: allowed: False, True, 'overlap'. Fix: ...
     """
     if value is True or value is False or value == "overlap":
         return value  # type: ignore[no-any-return]
-    raise ValueError(
+    raise ArgumentValueError(
         describe_bad_value(
             "optimizer_sharding",
             value,
@@ -104,7 +104,7 @@ def refusals(
 def check_overlap_backend(mode: OptimizerSharding, backend: str) -> None:
     """Refuse ``"overlap"`` before launch on a backend torch refuses it on."""
     if mode == "overlap" and backend in OVERLAP_REFUSED_BACKENDS:
-        raise ValueError(
+        raise ArgumentValueError(
             describe_bad_value(
                 "optimizer_sharding",
                 mode,
@@ -112,6 +112,16 @@ def check_overlap_backend(mode: OptimizerSharding, backend: str) -> None:
                 'may meet hangs", pytorch#62300); it runs on NCCL and HCCL.',
                 "use `optimizer_sharding=True` on gloo (the same memory saving, the step after the backward).",
             )
+        )
+
+
+def refuse_clipping(mode: OptimizerSharding, clipping: str, clipper: str) -> None:
+    """Gradient clipping acts after the backward, where ``"overlap"`` has already stepped with the gradients."""
+    if mode == "overlap":
+        raise ArgumentValueError(
+            f"{clipping} with `optimizer_sharding='overlap'`: the overlapped optimizer step runs inside the backward, "
+            f"before {clipper} clips, so the gradients it used can no longer be clipped. Fix: use "
+            "`optimizer_sharding=True`."
         )
 
 
@@ -157,7 +167,7 @@ def shard(optimizer: Optimizer, overlap: bool = False) -> ShardedOptimizer:
     if isinstance(optimizer, ShardedOptimizer):
         return optimizer
     if isinstance(optimizer, ZeroRedundancyOptimizer):
-        raise TypeError(
+        raise ArgumentTypeError(
             describe_bad_value(
                 "optimizer_sharding",
                 True,
@@ -167,7 +177,7 @@ def shard(optimizer: Optimizer, overlap: bool = False) -> ShardedOptimizer:
         )
     state = optimizer.state_dict() if optimizer.state else None
     if overlap and len(optimizer.param_groups) != 1:
-        raise ValueError(
+        raise ArgumentValueError(
             describe_bad_value(
                 "optimizer_sharding",
                 "overlap",

@@ -8,14 +8,26 @@ running and apply the answers.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
-from lightning_ddp_plus.config.messages import describe_bad_value
+from lightning_ddp_plus.config.checks import require_one_of
+from lightning_ddp_plus.config.messages import ArgumentValueError, describe_bad_value
 
 #: ``"mean"``: a short last window's gradient is the mean over the micro-batches it really had (as the HF Trainer).
 #: ``"lightning"``: Lightning's rule, every window's gradient sum is divided by k, so a short window is shrunk by r/k.
 ShortWindow = Literal["mean", "lightning"]
-SHORT_WINDOW_MODES = ("mean", "lightning")
+SHORT_WINDOW_MODES: tuple[str, ...] = get_args(ShortWindow)
+
+
+def check_short_window(value: Any) -> ShortWindow:
+    """Validate ``short_window``."""
+    mode: ShortWindow = require_one_of(
+        "short_window",
+        value,
+        SHORT_WINDOW_MODES,
+        "use 'mean' (average over the micro-batches the window had) or 'lightning' (divide by k).",
+    )
+    return mode
 
 
 @dataclass(frozen=True)
@@ -98,7 +110,7 @@ def check_accumulation_steps(value: int | None) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(
+        raise ArgumentValueError(
             describe_bad_value(
                 "gradient_accumulation_steps",
                 value,
@@ -118,7 +130,7 @@ def merge_accumulation_settings(strategy_steps: int | None, trainer_steps: objec
     (4, 3, 4)
     """
     if isinstance(trainer_steps, dict):
-        raise ValueError(  # noqa: TRY004 - a value Lightning accepts and this strategy does not
+        raise ArgumentValueError(
             describe_bad_value(
                 "accumulate_grad_batches",
                 trainer_steps,
@@ -130,9 +142,13 @@ def merge_accumulation_settings(strategy_steps: int | None, trainer_steps: objec
     if strategy_steps is None or trainer_k == 1:
         return strategy_steps or trainer_k
     if strategy_steps != trainer_k:
-        raise ValueError(
-            f"`DDPPlusStrategy(gradient_accumulation_steps={strategy_steps})` and `Trainer(accumulate_grad_batches={trainer_k})` "
-            "describe the same thing and disagree. Fix: set only one of them (the strategy's also works in manual optimization)."
+        raise ArgumentValueError(
+            describe_bad_value(
+                "gradient_accumulation_steps",
+                strategy_steps,
+                f"`Trainer(accumulate_grad_batches={trainer_k})` describes the same thing, and the two must agree.",
+                "set only one of them (the strategy's also works in manual optimization).",
+            )
         )
     return strategy_steps
 
@@ -218,6 +234,14 @@ class AccumulationWindow:
     def advance(self, position: WindowPosition) -> None:
         """The micro-batch at ``position`` has run its backward."""
         self._micro_batches = 0 if position.closes_window else self._micro_batches + 1
+
+    def step_mid_window_warning(self) -> str:
+        """What to say when manual optimization steps on a micro-batch that does not close its window."""
+        return (
+            f"optimizer.step() was called on a micro-batch that does not close its accumulation window "
+            f"(gradient_accumulation_steps={self.steps}): its gradients were not all-reduced, so replicas will "
+            "diverge. Fix: call it only when `self.trainer.strategy.sync_gradients` is True."
+        )
 
     def record_backward(self, synced: bool) -> None:
         if synced:

@@ -21,12 +21,29 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_ddp_plus.sync.wrapper import set_bucket_cap
+from lightning_ddp_plus.config.messages import ArgumentValueError, describe_bad_value
+from lightning_ddp_plus.sync.comm_hooks import CommHook
+from lightning_ddp_plus.sync.ddp_internals import logging_data, record_runtime_stats, set_bucket_cap
 
 #: The sizes ``"auto"`` tries, in MiB; ``None`` is torch's default (25 MiB with a 1 MiB first bucket).
 AUTO_BUCKET_CANDIDATES_MB: tuple[float | None, ...] = (None, 1, 5, 100)
 #: Timed iterations per candidate (after its untimed first one).
 TIMED_ITERATIONS = 2
+
+
+def check_auto_with_hook(bucket_cap_mb: object, hook: object) -> None:
+    """``bucket_cap_mb="auto"`` rebuilds the buckets while it times them, which PowerSGD's per-bucket state forbids."""
+    if bucket_cap_mb == "auto" and hook in (CommHook.POWERSGD, CommHook.BATCHED_POWERSGD):
+        assert isinstance(hook, CommHook)
+        raise ArgumentValueError(
+            describe_bad_value(
+                "bucket_cap_mb",
+                bucket_cap_mb,
+                f"with the {hook.value} hook, which keeps its error feedback per bucket, a size or None is "
+                "allowed, not 'auto' (it rebuilds the buckets while it times them).",
+                "set a size (e.g. `bucket_cap_mb=25`, or None for torch's default) with PowerSGD.",
+            )
+        )
 
 
 def label(cap_mb: float | None) -> str:
@@ -106,9 +123,8 @@ class BucketTuner:
             return
         self._iterations += 1
         if self._iterations > 1:  # the first iteration of a reducer buckets in parameter order: not timed
-            assert ddp.logger is not None
-            ddp.logger.set_runtime_stats_and_log()  # this iteration's figures now, not at the next forward
-            measured = backward_ns(ddp._get_ddp_logging_data())
+            record_runtime_stats(ddp)  # this iteration's figures now, not at the next forward
+            measured = backward_ns(logging_data(ddp))
             if measured is not None:
                 self._times_ns[self._index].append(measured)
         if self._iterations < 1 + self.timed_iterations:

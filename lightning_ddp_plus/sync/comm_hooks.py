@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
-from lightning_ddp_plus.config.messages import closest_name, describe_bad_value
+from lightning_ddp_plus.config.messages import ArgumentTypeError, ArgumentValueError, closest_name, describe_bad_value
 
 HookFunction = Callable[[Any, "torch.distributed.GradBucket"], "torch.futures.Future[torch.Tensor]"]
 
@@ -80,7 +80,7 @@ def parse_comm_hook(value: str | CommHook | HookFunction | None) -> CommHook | H
         if "." in value:
             return _import_hook(value.strip())
         suggestion = closest_name(name, _NAMES)
-        raise ValueError(
+        raise ArgumentValueError(
             describe_bad_value(
                 "ddp_comm_hook",
                 value,
@@ -90,7 +90,7 @@ def parse_comm_hook(value: str | CommHook | HookFunction | None) -> CommHook | H
         )
     if callable(value):
         return value
-    raise TypeError(
+    raise ArgumentTypeError(
         describe_bad_value(
             "ddp_comm_hook",
             value,
@@ -100,21 +100,48 @@ def parse_comm_hook(value: str | CommHook | HookFunction | None) -> CommHook | H
     )
 
 
+def check_comm_wrapper(wrapper: Any, hook: CommHook | HookFunction | None) -> Callable[..., Any] | None:
+    """Validate ``ddp_comm_wrapper`` against the parsed ``ddp_comm_hook``: a callable, and only with a hook."""
+    if wrapper is None:
+        return None
+    if hook is None:
+        raise ArgumentValueError(
+            describe_bad_value(
+                "ddp_comm_wrapper",
+                wrapper,
+                "a wrapper needs a hook to wrap, and `ddp_comm_hook` is None.",
+                "set `ddp_comm_hook` too, or remove the wrapper.",
+            )
+        )
+    if not callable(wrapper):
+        raise ArgumentTypeError(
+            describe_bad_value(
+                "ddp_comm_wrapper",
+                wrapper,
+                "expected a callable that wraps a hook.",
+                "pass e.g. torch's `fp16_compress_wrapper`.",
+            )
+        )
+    checked: Callable[..., Any] = wrapper
+    return checked
+
+
 def _import_hook(path: str) -> HookFunction:
     module_name, _, attribute = path.rpartition(".")
     try:
         hook = getattr(importlib.import_module(module_name), attribute)
     except (ImportError, AttributeError) as error:
-        raise ValueError(
+        raise ArgumentValueError(
             describe_bad_value(
                 "ddp_comm_hook",
                 path,
-                f"the import path could not be loaded ({error}).",
+                f"expected a dotted path to a hook function that can be imported, and this one could not be loaded "
+                f"({error}).",
                 f"check the module and function name, or use one of {', '.join(_NAMES)}.",
             )
         ) from error
     if not callable(hook):
-        raise TypeError(
+        raise ArgumentTypeError(
             describe_bad_value(
                 "ddp_comm_hook",
                 path,

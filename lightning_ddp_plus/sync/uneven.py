@@ -31,8 +31,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
+from lightning_ddp_plus.config.checks import require_one_of
+
 UnevenInputs = Literal["error", "stop", "join"]
 UNEVEN_MODES: tuple[str, ...] = get_args(UnevenInputs)
+
+
+def check_uneven_inputs(value: Any) -> UnevenInputs:
+    """Validate ``uneven_inputs``."""
+    mode: UnevenInputs = require_one_of(
+        "uneven_inputs",
+        value,
+        UNEVEN_MODES,
+        "use 'error' (default: every rank raises at the first batch one rank lacks), 'stop' (every rank ends the "
+        "epoch when the first runs out) or 'join' (the longer ranks train on).",
+    )
+    return mode
 
 
 class UnevenInputsError(RuntimeError):
@@ -161,6 +175,38 @@ class PaddedBatches:
             yield last
 
 
+@dataclass(frozen=True)
+class EvenShards:
+    """Whether every training loader of an epoch draws from a ``DistributedSampler`` (then no count is compared)."""
+
+    epoch: int
+    even: bool
+
+
+@dataclass(frozen=True)
+class ForcedEnd:
+    """Where ``"stop"`` (or ``"join"``, once every rank ran out) ended an epoch on every rank."""
+
+    epoch: int
+    batches: int
+
+
+@dataclass(frozen=True)
+class JoinedCounts:
+    """One rank's batches in a ``"join"`` epoch: trained on, and repeated with weight 0 after its shard ran out."""
+
+    trained: int
+    padded: int
+
+
+@dataclass
+class _JoinWindow:
+    """The current accumulation window under ``"join"``: batch slots over all ranks, and batches really trained."""
+
+    slots: int = 0
+    real: int = 0
+
+
 class UnevenInputsCheck:
     """Owns ``uneven_inputs``: the flag of the batch about to train, the decision, and the epoch's forced end.
 
@@ -172,22 +218,32 @@ class UnevenInputsCheck:
     def __init__(self, mode: UnevenInputs, info: Any) -> None:
         self.mode = mode
         self._info = info
-        self._held: RankBatches | None = None
-        #: ``(epoch, batch number)`` after which ``"stop"`` ended an epoch on every rank.
-        self.forced_end: tuple[int, int] | None = None
+        self._deferred: RankBatches | None = None
+        self._even_shards = EvenShards(epoch=-1, even=False)
+        #: Where ``"stop"`` or ``"join"`` ended the current epoch on every rank.
+        self.forced_end: ForcedEnd | None = None
         #: Per stopped epoch: the batches each rank did not train on (``None``: unknown).
         self.not_trained: dict[int, list[int | None]] = {}
         #: ``"join"``: the wrapper's flags, whether the batch training now is padding, and per joined epoch every
-        #: rank's (batches trained, padding batches).
+        #: rank's counts.
         self.padding_state = PaddingState()
         self.padding = False
-        self.joined: dict[int, list[tuple[int, int]]] = {}
-        self._window = [0, 0]  # [batch slots, batches really trained] in the current accumulation window
-        self._epoch_counts = (-1, 0, 0)  # (epoch, trained, padded) on this rank
+        self.joined: dict[int, list[JoinedCounts]] = {}
+        self._window = _JoinWindow()
+        self._epoch, self._this_rank = -1, JoinedCounts(0, 0)
+
+    def even_by_construction(self, epoch: int, loaders: Any) -> bool:
+        """Whether the epoch's training loaders all draw from a ``DistributedSampler`` (then no count is compared);
+        looked at once per epoch."""
+        if self._even_shards.epoch != epoch:
+            self._even_shards = EvenShards(epoch, even_by_construction(loaders))
+        return self._even_shards.even
 
     def reset(self) -> None:
-        self._held, self.forced_end, self.not_trained = None, None, {}
-        self.padding, self.joined, self._window, self._epoch_counts = False, {}, [0, 0], (-1, 0, 0)
+        self._even_shards = EvenShards(epoch=-1, even=False)
+        self._deferred, self.forced_end, self.not_trained = None, None, {}
+        self.padding, self.joined, self._window = False, {}, _JoinWindow()
+        self._epoch, self._this_rank = -1, JoinedCounts(0, 0)
 
     def join_batch_starts(self, total: Any, gather: Any, epoch: int, world_size: int) -> bool:
         """``"join"``, before a training batch: one all-reduce (sum) of (this batch is real, the next one is).
@@ -195,44 +251,44 @@ class UnevenInputsCheck:
         now_padding, next_padding = self.padding_state.advance()
         real_now, real_next = total([int(not now_padding), int(not next_padding)])
         self.padding = now_padding
-        self._window[0] += world_size
-        self._window[1] += real_now
-        last_epoch, trained, padded = self._epoch_counts
-        if last_epoch != epoch:
-            trained = padded = 0
-        self._epoch_counts = (epoch, trained + int(not now_padding), padded + int(now_padding))
+        self._window.slots += world_size
+        self._window.real += real_now
+        if self._epoch != epoch:
+            self._epoch, self._this_rank = epoch, JoinedCounts(0, 0)
+        counts = self._this_rank
+        self._this_rank = JoinedCounts(counts.trained + int(not now_padding), counts.padded + int(now_padding))
         if real_next:
             return False
-        rows = gather([self._epoch_counts[1], self._epoch_counts[2]])
-        self.joined[epoch] = [(row[0], row[1]) for row in rows]
-        self.forced_end = (epoch, self._epoch_counts[1] + self._epoch_counts[2])
-        if any(row[1] for row in rows):
-            counts = ", ".join(
-                f"rank {rank}: {t} trained, {p} repeated with weight 0" for rank, (t, p) in enumerate(rows)
+        rows = [JoinedCounts(*row) for row in gather([self._this_rank.trained, self._this_rank.padded])]
+        self.joined[epoch] = rows
+        self.forced_end = ForcedEnd(epoch, self._this_rank.trained + self._this_rank.padded)
+        if any(row.padded for row in rows):
+            counts_text = ", ".join(
+                f"rank {rank}: {row.trained} trained, {row.padded} repeated with weight 0"
+                for rank, row in enumerate(rows)
             )
             self._info(
-                f"DDPPlusStrategy(uneven_inputs='join'): epoch {epoch} ended when every rank ran out ({counts})."
+                f"DDPPlusStrategy(uneven_inputs='join'): epoch {epoch} ended when every rank ran out ({counts_text})."
             )
         return True
 
     def take_rescale(self) -> float:
         """At a synced backward with ``"join"``: the factor that turns the all-reduced gradient (sum over every
         rank's micro-batches of the window / (world size x window)) into the mean over those really trained."""
-        slots, real = self._window
-        self._window = [0, 0]
-        return slots / real if real and real != slots else 1.0
+        window, self._window = self._window, _JoinWindow()
+        return window.slots / window.real if window.real and window.real != window.slots else 1.0
 
-    def hold(self, state: RankBatches) -> None:
-        """Keep this batch's flag for the guard's all-reduce after its backward."""
-        self._held = state
+    def defer_to_step_check(self, state: RankBatches) -> None:
+        """Keep this batch's flag for the per-step guard's agreement after its backward (no collective of its own)."""
+        self._deferred = state
 
-    def take_held(self) -> RankBatches | None:
-        held, self._held = self._held, None
-        return held
+    def take_deferred(self) -> RankBatches | None:
+        deferred, self._deferred = self._deferred, None
+        return deferred
 
     def forced_length(self, epoch: int) -> int | None:
-        """The number of batches ``"stop"`` gave this epoch, once decided."""
-        return self.forced_end[1] if self.forced_end is not None and self.forced_end[0] == epoch else None
+        """The number of batches ``"stop"`` or ``"join"`` gave this epoch, once decided."""
+        return self.forced_end.batches if self.forced_end is not None and self.forced_end.epoch == epoch else None
 
     def decide(self, state: RankBatches, maximums: list[int], gather: Any, epoch: int) -> bool:
         """After the flags' all-reduce: raise (``"error"``), or return True when this batch must end the epoch on
@@ -245,7 +301,7 @@ class UnevenInputsCheck:
             raise UnevenInputsError(error_text(ranks, epoch))
         counted = [surplus(rank) for rank in ranks]
         self.not_trained[epoch] = counted
-        self.forced_end = (epoch, state.number)
+        self.forced_end = ForcedEnd(epoch, state.number)
         self._info(stop_text(ranks, epoch, counted))
         return not state.last
 

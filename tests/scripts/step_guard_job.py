@@ -17,10 +17,10 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_ddp_plus import DDPPlusStrategy
-from lightning_ddp_plus.conflicts import sync_guard
+from lightning_ddp_plus.sync import step_guard
 from tests.helpers import QUIET_TRAINER, flat_parameters, job_main, regression_data, strategy_outcome
 
-STORE_FOR_AGREEMENT = sync_guard._store_for_agreement
+STORE_FOR_AGREEMENT = step_guard.store_for_agreement
 
 
 def _no_store(ddp: object) -> None:
@@ -171,7 +171,7 @@ class Timeline(L.Callback):
 def run_case(case: dict) -> dict:
     warnings.filterwarnings("ignore", message=".*(find_unused_parameters|does not have many workers).*")
     # "all_reduce": agree by an all-reduce every step, as on NCCL (gloo groups agree through the store)
-    sync_guard._store_for_agreement = STORE_FOR_AGREEMENT if case.get("agreement") != "all_reduce" else _no_store
+    step_guard.store_for_agreement = STORE_FOR_AGREEMENT if case.get("agreement") != "all_reduce" else _no_store
     strategy_kwargs = dict(case.get("strategy", {}))
     accumulate = strategy_kwargs.pop("accumulate_grad_batches", 1)
     if case.get("stock"):

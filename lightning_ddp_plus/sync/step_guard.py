@@ -17,19 +17,19 @@ What the guard does after every backward that should have synchronized:
    bucket collectives in the same order, so the gradient group is consistent again and a rank blocked in its
    backward is released at once. It needs no knowledge of the other ranks, so it runs before any agreement.
 3. The ranks agree whether any rank did not finish: through the job's store on gloo (see ``SyncGuard.check``), else
-   with one all-reduce of a few integers on a small gloo group of their own (``SideChannel``: the gradient group
-   may still carry this backward's bucket all-reduces, and an NCCL group carries no CPU flags).
+   with one all-reduce of a few integers on a small gloo group of their own (``side_channel.SideChannel``: the
+   gradient group may still carry this backward's bucket all-reduces, and an NCCL group carries no CPU flags).
 4. Only after a fault: every rank learns which parameters each rank left without gradient, and ``.grad`` gets the
    exact average (``settle_gradients``).
 
 The reducer keeps its builtin all-reduce; the guard registers no hook. The front ends only call
-``DDPPlusEngine.after_backward``; what a fault leads to (raise, or resolve and train on) is the engine's decision.
+``DDPPlusEngine.after_backward``; what a fault leads to (raise, or resolve and train on) is decided by the conflict
+rules (``conflicts.check.decide_late_fault``, rule R6) and applied by the engine.
 """
 
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -37,25 +37,16 @@ import torch.distributed as dist
 from torch.nn import Parameter
 from torch.nn.parallel import DistributedDataParallel
 
-
-def can_check_reducer(ddp: DistributedDataParallel) -> bool:
-    """Whether this torch lets the guard ask a reducer if it finished, and complete one."""
-    reducer = getattr(ddp, "reducer", None)
-    return all(
-        callable(getattr(reducer, name, None))
-        for name in ("_check_reducer_finalized", "_get_zeros_like_grad_buckets", "_run_comm_hook")
-    )
-
-
-def reducer_unfinished(ddp: DistributedDataParallel) -> str | None:
-    """Local and cheap: ``None`` when this rank's reducer launched every bucket and finalized the backward, else the
-    reducer's message (it names the parameters that got no gradient)."""
-    try:
-        ddp.reducer._check_reducer_finalized()
-    except RuntimeError as error:
-        return str(error)
-    return None
-
+from lightning_ddp_plus.sync.ddp_internals import (
+    can_complete_reductions,
+    default_store,
+    has_comm_hook,
+    reducer_parameters,
+    reducer_unfinished,
+    run_bucket_hook,
+    zeroed_buckets,
+)
+from lightning_ddp_plus.sync.side_channel import SideChannel
 
 #: torch's reducer names the parameters of this backward that got no gradient (``_check_reducer_finalized``).
 _UNMARKED = re.compile(r"Parameter indices which did not receive grad for rank \d+:((?: \d+)+)")
@@ -64,7 +55,7 @@ _UNMARKED = re.compile(r"Parameter indices which did not receive grad for rank \
 def unmarked_parameters(ddp: DistributedDataParallel, message: str) -> list[Parameter]:
     """The parameters whose gradient hook did not fire in this backward, from the reducer's own error message (a
     torch whose message does not list them: the parameters without ``.grad``, the same without accumulation)."""
-    parameters, _ = ddp._build_params_for_reducer()
+    parameters = reducer_parameters(ddp)
     found = _UNMARKED.search(message)
     if found is None:
         return [p for p in parameters if p.grad is None]
@@ -87,13 +78,13 @@ def complete_reduction(ddp: DistributedDataParallel, message: str) -> Completion
     reach ``.grad`` are settled by ``settle_gradients`` once the ranks agree."""
     unmarked = unmarked_parameters(ddp, message)
     missing = {id(p) for p in unmarked}
-    buckets = ddp.reducer._get_zeros_like_grad_buckets()  # every bucket, in launch order, with zeroed buffers
+    buckets = zeroed_buckets(ddp)
     first = next(
         (index for index, bucket in enumerate(buckets) if any(id(p) in missing for p in bucket.parameters())),
         len(buckets),
     )
     # without a hook of its own the reducer divides by the world size while copying gradients into a bucket
-    divisor = ddp.process_group.size() if not ddp._comm_hooks else 1
+    divisor = ddp.process_group.size() if not has_comm_hook(ddp) else 1
     works = []
     for bucket in buckets[first:]:
         for view, parameter in zip(bucket.gradients(), bucket.parameters()):
@@ -101,7 +92,7 @@ def complete_reduction(ddp: DistributedDataParallel, message: str) -> Completion
                 view.copy_(parameter.grad)
         if divisor > 1:
             bucket.buffer().div_(divisor)
-        works.append(ddp.reducer._run_comm_hook(bucket))
+        works.append(run_bucket_hook(ddp, bucket))
     for work in works:
         work.wait()
     return Completion(launched=first, buckets=len(buckets), unmarked=tuple(unmarked))
@@ -143,59 +134,12 @@ def settle_gradients(
     return True
 
 
-class SideChannel:
-    """A small gloo group of the job's ranks for the guard's flags, separate from the group that carries the
-    gradients: that one may hold bucket all-reduces in flight that a flag all-reduce would be paired with, and an
-    NCCL group carries no CPU tensors."""
+@dataclass(frozen=True)
+class BucketsLaunched:
+    """How far a rank's reducer got in a backward that did not finish."""
 
-    def __init__(self) -> None:
-        self._group: Any = None
-
-    @property
-    def open(self) -> bool:
-        return self._group is not None
-
-    def start(self, timeout: timedelta) -> None:
-        """Create the group (a collective: every rank calls it at the same point of its setup)."""
-        self.stop()
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            self._group = dist.new_group(backend="gloo", timeout=timeout)
-
-    def stop(self) -> None:
-        if self._group is not None:
-            try:
-                dist.destroy_process_group(self._group)
-            except (RuntimeError, ValueError):  # the default group went first (interpreter shutdown)
-                pass
-            self._group = None
-
-    @property
-    def size(self) -> int:
-        return dist.get_world_size(self._group) if self._group is not None else 1
-
-    def maximum(self, values: Sequence[int]) -> list[int]:
-        """Each value's maximum over the ranks (one all-reduce of a few integers)."""
-        return self._all_reduce(values, dist.ReduceOp.MAX)
-
-    def total(self, values: Sequence[int]) -> list[int]:
-        """Each value's sum over the ranks (one all-reduce of a few integers)."""
-        return self._all_reduce(values, dist.ReduceOp.SUM)
-
-    def _all_reduce(self, values: Sequence[int], op: Any) -> list[int]:
-        if self._group is None:
-            return list(values)
-        tensor = torch.tensor(list(values), dtype=torch.int64)
-        dist.all_reduce(tensor, op=op, group=self._group)
-        return tensor.tolist()
-
-    def gather(self, values: Sequence[int]) -> list[list[int]]:
-        """Every rank's values, by rank (all ranks pass the same number of values)."""
-        if self._group is None:
-            return [list(values)]
-        tensor = torch.tensor(list(values), dtype=torch.int64)
-        gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size(self._group))]
-        dist.all_gather(gathered, tensor, group=self._group)
-        return [t.tolist() for t in gathered]
+    launched: int
+    total: int
 
 
 @dataclass(frozen=True)
@@ -207,8 +151,8 @@ class SyncFault:
 
     step: int
     unused: tuple[tuple[str, ...], ...]
-    #: per rank: (buckets its reducer launched, buckets in all), or ``None`` where the reducer finished
-    launched: tuple[tuple[int, int] | None, ...]
+    #: per rank: the buckets its reducer launched, or ``None`` where the reducer finished
+    launched: tuple[BucketsLaunched | None, ...]
     #: Some rank's backward itself failed (torch: "Your training graph has changed in this iteration" with
     #: ``static_graph=True``): its gradients are incomplete, so the step cannot be applied as it is.
     aborted: bool = False
@@ -218,27 +162,38 @@ class SyncFault:
     def describe(self) -> str:
         """Per rank, in words.
 
-        >>> SyncFault(step=4, unused=(("aux.weight",), ()), launched=((1, 3), None)).describe()
+        >>> SyncFault(step=4, unused=(("aux.weight",), ()), launched=(BucketsLaunched(1, 3), None)).describe()
         'rank 0: aux.weight (its reducer launched 1 of 3 buckets); rank 1: none (its reducer finished)'
         """
         parts = []
         for rank, (names, counts) in enumerate(zip(self.unused, self.launched)):
             shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "") or "none"
             state = (
-                "its reducer finished" if counts is None else f"its reducer launched {counts[0]} of {counts[1]} buckets"
+                "its reducer finished"
+                if counts is None
+                else f"its reducer launched {counts.launched} of {counts.total} buckets"
             )
             parts.append(f"rank {rank}: {shown} ({state})")
         return "; ".join(parts)
 
 
-def _store_for_agreement(ddp: DistributedDataParallel) -> Any:
+def store_for_agreement(ddp: DistributedDataParallel) -> Any:
     """The job's store, when the gradient group is gloo (whose waits block the host), else ``None``."""
     try:
         if dist.get_backend(ddp.process_group) != "gloo":
             return None
-        return dist.distributed_c10d._get_default_store()
-    except (RuntimeError, ValueError, AttributeError):
+    except (RuntimeError, ValueError):
         return None
+    return default_store()
+
+
+@dataclass(frozen=True)
+class GuardOutcome:
+    """What the check after a synced backward found: a fault (``None``: every reducer finished), and the maximum
+    over the ranks of each flag that travelled with the agreement (zeros when the ranks agreed through the store)."""
+
+    fault: SyncFault | None
+    flag_maximums: list[int]
 
 
 class SyncGuard:
@@ -258,7 +213,7 @@ class SyncGuard:
         self._active = False
         self._store: Any = None
         self._fit = 0
-        self._announced = False
+        self._agreement_requested = False
         #: Synced backwards checked in the current fit on this rank.
         self.checks = 0
 
@@ -273,12 +228,12 @@ class SyncGuard:
         return self._store is not None
 
     def attach(self, ddp: DistributedDataParallel) -> None:
-        self._active, self._store, self._announced = False, None, False
+        self._active, self._store, self._agreement_requested = False, None, False
         self.checks = 0
         self._fit += 1
         if not self.enabled or not self.channel.open:
             return
-        if not can_check_reducer(ddp):
+        if not can_complete_reductions(ddp):
             self._warn(
                 "DDPPlusStrategy: this torch's reducer does not expose _check_reducer_finalized / "
                 "_get_zeros_like_grad_buckets / _run_comm_hook, so the guard on every synced backward is OFF: a "
@@ -287,7 +242,7 @@ class SyncGuard:
             )
             return
         self._parameters = [(name, p) for name, p in ddp.module.named_parameters() if p.requires_grad]
-        self._store = _store_for_agreement(ddp)
+        self._store = store_for_agreement(ddp)
         self._active = True
 
     def detach(self) -> None:
@@ -297,22 +252,22 @@ class SyncGuard:
     def _key(self) -> str:
         return f"ddp_plus/guard/{self._fit}/{self.checks + 1}"
 
-    def announce(self) -> None:
+    def request_agreement(self) -> None:
         """Before the next synced backward: this rank has something to say at its check (its batch is its epoch's
         last), so every rank must take the agreeing all-reduce there."""
-        if not self._announced and self._store is not None:
+        if not self._agreement_requested and self._store is not None:
             self._store.set(self._key(), "1")
-        self._announced = True
+        self._agreement_requested = True
 
     def check(
         self, ddp: DistributedDataParallel, step: int, flags: Sequence[int] = (), aborted: bool = False
-    ) -> tuple[SyncFault | None, list[int]]:
+    ) -> GuardOutcome:
         """After a synced backward (``aborted``: one that raised on this rank): complete this rank's reduction if it
         did not finish, and agree with the other ranks. ``flags`` travel in the same all-reduce (their maximum over
         ranks is returned), so that another per-step decision (uneven inputs) costs no collective of its own.
 
         With a gloo gradient group the all-reduce runs only when some rank needs it: a rank with news writes a key
-        to the job's store *before* it launches its missing buckets (or, through ``announce``, before this
+        to the job's store *before* it launches its missing buckets (or, through ``request_agreement``, before this
         backward), and a rank whose backward finished can only have finished after those buckets arrived, because
         gloo's waits block the host; so one store look-up (tens of microseconds) tells it whether to join the
         all-reduce. An NCCL wait does not block the host, so there the all-reduce runs every step.
@@ -320,17 +275,17 @@ class SyncGuard:
         message = reducer_unfinished(ddp)
         unfinished = message is not None or aborted
         if unfinished:
-            self.announce()
-        announced, self._announced = self._announced, False
-        quiet = self._store is not None and not announced and not self._store.check([self._key()])
+            self.request_agreement()
+        requested, self._agreement_requested = self._agreement_requested, False
+        quiet = self._store is not None and not requested and not self._store.check([self._key()])
         self.checks += 1
         if quiet:
-            return None, [0] * len(flags)
+            return GuardOutcome(None, [0] * len(flags))
         completion = complete_reduction(ddp, message or "") if unfinished else None
         agreed = self.channel.maximum([int(unfinished), int(aborted), *flags])
         if not agreed[0]:
-            return None, agreed[2:]
-        return self._fault(ddp, step, completion, aborted=bool(agreed[1])), agreed[2:]
+            return GuardOutcome(None, agreed[2:])
+        return GuardOutcome(self._fault(ddp, step, completion, aborted=bool(agreed[1])), agreed[2:])
 
     def _fault(
         self, ddp: DistributedDataParallel, step: int, completion: Completion | None, aborted: bool
@@ -349,7 +304,7 @@ class SyncGuard:
         return SyncFault(
             step=step,
             unused=tuple(tuple(name for (name, _), on in zip(self._parameters, row[:size]) if on) for row in rows),
-            launched=tuple(None if row[-1] < 0 else (row[-2], row[-1]) for row in rows),
+            launched=tuple(None if row[-1] < 0 else BucketsLaunched(row[-2], row[-1]) for row in rows),
             aborted=aborted,
             skipped=not applied,
         )

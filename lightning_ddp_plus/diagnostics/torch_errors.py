@@ -1,0 +1,78 @@
+"""What torch's errors mean, added to their message: a reducer error gets its rule and the fix, a collective
+timeout or a closed peer gets what it says about the other ranks, and who is still reachable.
+
+Lightning replaces an exception's message on its way out of ``fit``; the front ends call ``explain`` from
+``on_exception`` so that torch's own words stay first and ours follow.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import timedelta
+
+from lightning_ddp_plus.config.timeout import format_timeout
+from lightning_ddp_plus.conflicts.errors import DDPConflictError
+from lightning_ddp_plus.conflicts.rules import rule_for_torch_error
+from lightning_ddp_plus.processes import reachability
+
+#: Messages of collective timeouts (gloo, NCCL, the c10d store), not of other timeouts such as a DataLoader's.
+COLLECTIVE_TIMEOUT = re.compile(
+    r"Timed out waiting \d+ ?ms for (recv|send)|Watchdog caught collective operation timeout|"
+    r"ran for \d+ milliseconds before timing out|Socket Timeout|wait timeout after \d+ ?ms|"
+    r"(gloo|nccl|c10d|ProcessGroup)\S*.*(timed out|timeout)|Application timeout caused pair closure",
+    re.IGNORECASE,
+)
+#: A peer's connection ended: that process is gone (an error of its own, a kill) or its node went down.
+PEER_CLOSED = re.compile(r"Connection (closed|reset) by peer|Broken pipe", re.IGNORECASE)
+
+
+def reducer_error_note(message: str) -> str | None:
+    """Text to append to a torch reducer error: which rule it is and the fix (``None`` for other errors).
+
+    >>> reducer_error_note("Expected to have finished reduction in the prior iteration")[:52]
+    'lightning-ddp-plus: this is rule R4 (parameters that'
+    """
+    rule = rule_for_torch_error(message)
+    if rule is None:
+        return None
+    return (
+        f"lightning-ddp-plus: this is rule {rule.id} ({rule.title}). Fix: {rule.fix} With "
+        "`checkpointing_conflict='error'` (the default) DDPPlusStrategy reports it before the first optimizer step; "
+        "'resolve' changes the settings for you."
+    )
+
+
+def timeout_note(timeout: timedelta) -> str:
+    return (
+        f"lightning-ddp-plus: a collective waited longer than the process group's timeout "
+        f"({format_timeout(timeout)}, set by `DDPPlusStrategy(timeout=...)`): another rank is hung, "
+        "crashed or much slower, or cut off. Fix: find the rank that stopped (its own error or a stack dump); "
+        "raise `timeout` only if that rank is legitimately slow (e.g. data preparation on rank 0)."
+    )
+
+
+PEER_CLOSED_NOTE = (
+    "lightning-ddp-plus: a peer closed its connection, so that process ended (an error of its own, a kill "
+    "or its node going down); its log holds the cause. This rank stops too, so the job ends."
+)
+
+
+def explain(exception: BaseException, timeout: timedelta) -> None:
+    """Append to a torch error which rule it is and the fix, or what a collective timeout or a closed peer means,
+    and then which ranks are still reachable. The package's own errors already say all of it."""
+    if isinstance(exception, DDPConflictError) or not exception.args or not isinstance(exception.args[0], str):
+        return
+    message = exception.args[0]
+    about_peers = bool(COLLECTIVE_TIMEOUT.search(message) or PEER_CLOSED.search(message))
+    if COLLECTIVE_TIMEOUT.search(message):
+        note: str | None = timeout_note(timeout)
+    elif PEER_CLOSED.search(message):
+        note = PEER_CLOSED_NOTE
+    else:
+        note = reducer_error_note(message)
+    if note is not None:
+        exception.args = (f"{message}\n\n{note}", *exception.args[1:])
+    # the probes take up to 2 s, so the note above is in place first, whatever happens to them
+    where = reachability.diagnose() if about_peers else None
+    if where:
+        exception.args = (f"{exception.args[0]}\n{where}", *exception.args[1:])

@@ -1,0 +1,88 @@
+"""The setup line rank 0 logs when the wrapper is built: every declared argument with the value in effect.
+
+It is generated from the declaration (``arguments.front_end_arguments``), so a new argument appears in it without
+an edit here; only values that differ from what was given (``"auto"`` decided, a name parsed, the guard's agreement
+path) are spelled out below.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_ddp_plus.config.settings import DDPSettings
+from lightning_ddp_plus.config.timeout import format_timeout
+from lightning_ddp_plus.engine.arguments import DDPPlusArguments, FrontEnd
+
+#: Shown first, as what the job runs on: the resolved backend, the timeout and the world size.
+_LEADING = ("process_group_backend", "timeout")
+
+
+def shown(value: Any) -> str:
+    """A value as the line shows it: plain values as they are, functions by name, other objects by class.
+
+    >>> shown(None), shown("mean"), shown(shown), shown(object())
+    ('None', 'mean', 'shown', 'object')
+    """
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return str(value)
+    if callable(value):
+        return str(getattr(value, "__qualname__", type(value).__name__))
+    return type(value).__name__
+
+
+@dataclass(frozen=True)
+class InEffect:
+    """What the engine made of the arguments: the DDP settings, the hook's name, k, and the sync guard's state."""
+
+    settings: DDPSettings
+    comm_hook: str
+    accumulation_steps: int
+    short_window: str
+    sync_guard: str
+    buckets: int | None = None
+
+
+def _bucket_cap(settings: DDPSettings, buckets: int | None) -> str:
+    cap = settings.bucket_cap_mb
+    if cap is None:
+        text = "25 (torch default, 1 MiB first bucket)"
+    else:
+        text = "auto" if cap == "auto" else f"{cap:g}"
+    return text + (f" ({buckets} buckets)" if buckets else "")
+
+
+def resolved_values(arguments: DDPPlusArguments, effect: InEffect) -> dict[str, str]:
+    """The values that differ from what was given: decided, parsed or resolved."""
+    settings = effect.settings
+    auto = "auto->" if arguments.broadcast_buffers == "auto" else ""
+    return {
+        "bucket_cap_mb": _bucket_cap(settings, effect.buckets),
+        "broadcast_buffers": f"{auto}{settings.broadcast_buffers}",
+        "find_unused_parameters": str(settings.find_unused_parameters),
+        "static_graph": str(settings.static_graph),
+        "ddp_comm_hook": effect.comm_hook,
+        "gradient_accumulation_steps": f"{effect.accumulation_steps} (short_window={effect.short_window})",
+        "sync_guard": effect.sync_guard,
+    }
+
+
+def setup_line(
+    front_end: FrontEnd, arguments: DDPPlusArguments, effect: InEffect, backend: str, world_size: int
+) -> str:
+    """``<front end>: backend=..., timeout=..., world_size=..., <every other argument>=<value in effect>``.
+
+    >>> from lightning_ddp_plus.config.settings import DDPSettings
+    >>> effect = InEffect(DDPSettings(), "none", 1, "mean", "on (store)")
+    >>> setup_line("DDPPlusStrategy", DDPPlusArguments(timeout=300), effect, "gloo", 2).split(", ")[:4]
+    ['DDPPlusStrategy: backend=gloo', 'timeout=5m', 'world_size=2', 'find_unused_parameters=False']
+    """
+    resolved = resolved_values(arguments, effect)
+    rest = ", ".join(
+        f"{name}={resolved[name] if name in resolved else shown(value)}"
+        for name, value in arguments.given(front_end).items()
+        if name not in _LEADING
+    )
+    extra = f", extra={effect.settings.extra}" if effect.settings.extra else ""
+    timeout = format_timeout(arguments.collective_timeout)
+    return f"{front_end}: backend={backend}, timeout={timeout}, world_size={world_size}, {rest}{extra}"

@@ -1,0 +1,207 @@
+"""What the Trainer strategy and the Fabric strategy share: the engine built from the declared arguments, read-only
+views of it, the backend's checks, the environment, wrapping, the guarded backward and the registered names.
+
+``DDPPlusFrontEnd`` comes first in each front end's bases, before Lightning's ``DDPStrategy`` of its framework; where
+it overrides a method both frameworks have (``setup_environment``, ``teardown``, ``_get_process_group_backend``,
+``register_strategies``), it adds what the package needs and calls Lightning's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import Tensor
+from torch.nn import Module
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_ddp_plus.config.backend import has_default_backend, resolve_backend_for_device
+from lightning_ddp_plus.config.settings import DDPSettings
+from lightning_ddp_plus.conflicts.rules import Finding
+from lightning_ddp_plus.diagnostics.telemetry import SyncTelemetry
+from lightning_ddp_plus.engine.arguments import DDPPlusArguments, FrontEnd
+from lightning_ddp_plus.engine.engine import DDPPlusEngine
+from lightning_ddp_plus.frontends.registry import register_names
+from lightning_ddp_plus.processes import reachability
+from lightning_ddp_plus.processes.launcher import register_process_group_shutdown
+from lightning_ddp_plus.sharding.optimizer import check_overlap_backend
+from lightning_ddp_plus.sync.accumulation import SyncStats, WindowPosition
+from lightning_ddp_plus.sync.buckets import BucketChoice
+from lightning_ddp_plus.sync.comm_hooks import CommHook, HookCallCounter, HookFunction
+from lightning_ddp_plus.sync.ddp_internals import logging_data
+from lightning_ddp_plus.sync.wrapper import wrapping_stream
+
+
+@dataclass(frozen=True)
+class BackwardDone:
+    """What a guarded backward returned, and whether a deferred uneven-inputs flag ended the epoch on this batch."""
+
+    result: Any
+    ends_epoch: bool
+
+
+class DDPPlusFrontEnd:
+    """The part of a front end that does not depend on its framework."""
+
+    #: The class name the messages use, and which declared arguments the front end takes.
+    front_end: ClassVar[FrontEnd]
+    #: How the registered names describe the front end.
+    registry_label: ClassVar[str]
+    engine: DDPPlusEngine
+    _process_group_backend: str | None
+
+    if TYPE_CHECKING:  # Lightning's DDPStrategy of either framework provides these
+
+        @property
+        def root_device(self) -> torch.device: ...
+
+        @property
+        def world_size(self) -> int: ...
+
+    def _start_engine(self, keywords: Mapping[str, Any]) -> DDPPlusArguments:
+        """Validate the front end's keywords against the declaration and build the engine on them."""
+        self.engine = DDPPlusEngine(
+            DDPPlusArguments.for_front_end(self.front_end, keywords), warn=rank_zero_warn, info=rank_zero_info
+        )
+        return self.engine.arguments
+
+    # ------------------------------------------------------------------ read-only views of the engine
+
+    @property
+    def options(self) -> DDPPlusArguments:
+        """The validated arguments (each normalized by its check)."""
+        return self.engine.arguments
+
+    @property
+    def settings(self) -> DDPSettings:
+        """The DDP settings in effect (``broadcast_buffers="auto"`` decided, ``"resolve"``'s changes applied)."""
+        return self.engine.settings
+
+    @property
+    def timeout(self) -> timedelta:
+        """The collective timeout the process group is created with."""
+        return self.engine.arguments.collective_timeout
+
+    @property
+    def comm_hook(self) -> CommHook | HookFunction | None:
+        """The communication hook, as ``ddp_comm_hook`` was parsed."""
+        return self.engine.arguments.comm_hook
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        """Micro-batches per optimizer step in effect (with the Trainer: settled with its setting when ``fit`` starts)."""
+        return self.engine.window.steps
+
+    @property
+    def sync_stats(self) -> SyncStats:
+        """Synced and skipped backward passes and optimizer steps on this rank."""
+        return self.engine.sync_stats
+
+    @property
+    def findings(self) -> list[Finding]:
+        """What the conflict check found at the first training forward (empty before, or with ``"off"``)."""
+        return self.engine.conflicts.findings
+
+    @property
+    def comm_hook_counter(self) -> HookCallCounter:
+        """Calls of the registered communication hook (one per gradient bucket all-reduced) on this rank."""
+        return self.engine.hooks.counter
+
+    @property
+    def telemetry(self) -> SyncTelemetry | None:
+        """Per-step communication figures when ``telemetry=True``, else ``None``."""
+        return self.engine.telemetry
+
+    @property
+    def bucket_choice(self) -> BucketChoice | None:
+        """With ``bucket_cap_mb="auto"``: the sizes timed, their times and the one kept (``None`` until chosen)."""
+        return self.engine.buckets.choice if self.engine.buckets is not None else None
+
+    @property
+    def replica_check_seconds(self) -> list[float]:
+        """Seconds each replica check took on this rank."""
+        return self.engine.replica_guard.check_seconds
+
+    # ------------------------------------------------------------------ backend and environment
+
+    def _judge_backend_before_launch(self, device_type: str) -> None:
+        """Before anything is launched, once the device type is known: the backend must fit it, a backend the user
+        named must exist in this torch (the automatic one is checked in each process, so that a faked accelerator
+        behaves as with stock Lightning), and ``optimizer_sharding="overlap"`` must be allowed on it."""
+        backend = self.engine.arguments.backend
+        if backend is not None or has_default_backend(device_type):  # else Lightning's connector names the problem
+            self._process_group_backend = resolve_backend_for_device(
+                backend, device_type, check_available=backend is not None
+            )
+            check_overlap_backend(self.engine.arguments.optimizer_sharding, self._process_group_backend)
+
+    def _check_backend_present(self) -> None:
+        """In each process, before the process group is created: the backend exists in this torch."""
+        resolve_backend_for_device(self.engine.arguments.backend, self.root_device.type)
+
+    def _get_process_group_backend(self) -> str:
+        return resolve_backend_for_device(self.engine.arguments.backend, self.root_device.type, check_available=False)
+
+    def setup_environment(self) -> None:
+        super().setup_environment()  # type: ignore[misc]
+        register_process_group_shutdown()
+        reachability.publish_host()
+
+    def teardown(self) -> None:
+        self.engine.teardown()
+        super().teardown()  # type: ignore[misc]
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        register_names(strategy_registry, cls, cls.registry_label)
+
+    # ------------------------------------------------------------------ the wrapper and the backward
+
+    def _wrap(self, module: Module, device_ids: list[int] | None) -> DistributedDataParallel:
+        with wrapping_stream(self.root_device, device_ids):
+            return self.engine.wrap(module, device_ids)
+
+    def describe(self, ddp: DistributedDataParallel | None = None) -> str:
+        """One compact line with every argument's value in effect, logged by rank 0 at setup."""
+        backend = self._process_group_backend or (self.engine.arguments.backend or "auto")
+        sizes = str(logging_data(ddp).get("bucket_sizes", "")) if ddp is not None else ""
+        buckets = len(sizes.split(",")) if sizes else None
+        return self.engine.describe(self.front_end, backend, self.world_size, buckets)
+
+    def _guarded_backward(
+        self,
+        ddp: DistributedDataParallel,
+        loss: Tensor,
+        position: WindowPosition,
+        synced: bool,
+        *,
+        divided_by_steps: bool,
+        post_forward: bool,
+        run: Callable[[Tensor], Any],
+        restore: Callable[[], None],
+    ) -> BackwardDone:
+        """One backward through the engine: the conflict check's decision at the first one, the window's loss scale
+        (``divided_by_steps``: Lightning already divided the loss by k), ``run``, ``restore`` whatever happens, then
+        the per-step guard. A backward that raised what the guard can take over (a static graph that gained a
+        parameter) is completed by the guard, which then raises ``DDPConflictError`` or skips the step.
+        ``post_forward``: DDP's forward had finished (not so in Lightning's manual optimization)."""
+        engine = self.engine
+        loss = engine.before_backward(ddp, loss, post_forward=post_forward)
+        scale = engine.window.loss_scale(position, divided_by_steps=divided_by_steps) * engine.loss_weight()
+        if scale != 1.0:
+            loss = loss * scale
+        result: Any = loss
+        failed = False
+        try:
+            result = run(loss)
+        except RuntimeError as error:
+            if not (synced and engine.recovers_from(error)):
+                raise
+            failed = True
+        finally:
+            restore()
+        return BackwardDone(result, engine.after_backward(synced, failed=failed))
