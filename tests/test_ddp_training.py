@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import lightning_ddp_plus  # noqa: F401
-from tests.helpers import QUIET_TRAINER, ReplicaReport, TinyRegression, python_script, run_job
+from tests.helpers import QUIET_TRAINER, ReplicaReport, TinyRegression, python_script, run_case_job, run_job
 
 pytestmark = pytest.mark.multiprocess
 
@@ -79,26 +79,42 @@ def test_ddp_plus_spawn_trains_with_identical_replicas(tmp_path):
     )
 
 
+#: One pair of processes runs every hook case (``hooks_job.py``): the imports and the process group once.
+HOOK_CASES = {
+    "none": {},
+    "fp16": {"ddp_comm_hook": "fp16"},
+    "bf16": {"ddp_comm_hook": "bf16"},
+    "powersgd": {"ddp_comm_hook": "powersgd"},
+}
+
+
+@pytest.fixture(scope="module")
+def hook_runs(tmp_path_factory):
+    cases = [{"name": name, "strategy": strategy} for name, strategy in HOOK_CASES.items()]
+    results = run_case_job("hooks_job.py", cases, tmp_path_factory.mktemp("hooks") / "runs.json")
+    return {run["name"]: run for run in results}
+
+
 @pytest.mark.parametrize("hook", ["fp16", "bf16"])
-def test_named_compression_hook_really_runs_on_gloo(tmp_path, hook):
-    report, output = run_popen_job(tmp_path, {"ddp_comm_hook": hook}, {"max_epochs": 1})
+def test_named_compression_hook_really_runs_on_gloo(hook_runs, hook):
+    report = hook_runs[hook]
     # one bucket per backward, 8 backwards per rank
     assert report["hook_calls"] == [8, 8]
     assert_identical_replicas(report)
-    assert f"comm_hook={hook}" in output
+    assert f"comm_hook={hook}" in report["setup_line"]
     if hook == "fp16":
         # every all-reduced gradient went through float16
         assert report["grads_fp16_exact"] == [True, True]
 
 
-def test_without_hook_gradients_are_not_fp16_rounded(tmp_path):
+def test_without_hook_gradients_are_not_fp16_rounded(hook_runs):
     # The control for the test above: plain all-reduce keeps float32 precision, so the fp16 check can fail.
-    report, _ = run_popen_job(tmp_path, {}, {"max_epochs": 1})
+    report = hook_runs["none"]
     assert report["hook_calls"] == [0, 0]
     assert report["grads_fp16_exact"] == [False, False]
 
 
-def test_powersgd_with_default_state_trains(tmp_path):
-    report, _output = run_popen_job(tmp_path, {"ddp_comm_hook": "powersgd"}, {"max_epochs": 1})
+def test_powersgd_with_default_state_trains(hook_runs):
+    report = hook_runs["powersgd"]
     assert report["hook_calls"] == [8, 8]
     assert_identical_replicas(report)

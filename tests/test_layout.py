@@ -194,3 +194,18 @@ def test_the_front_ends_stay_thin():
     assert code_lines_without_docstrings(strategy) <= 350
     methods = [node for node in strategy.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
     assert {m.name: m.end_lineno - m.lineno + 1 for m in methods if m.end_lineno - m.lineno + 1 > 50} == {}
+
+
+def test_no_front_end_touches_a_private_attribute_of_the_engine():
+    touched = []
+    for path in (PACKAGE / "frontends").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+                inner = node.value
+                while isinstance(inner, ast.Attribute):  # self.engine.window._x, engine._x
+                    if inner.attr == "engine":
+                        touched.append(f"{path.name}:{node.lineno} {node.attr}")
+                    inner = inner.value
+                if isinstance(inner, ast.Name) and inner.id == "engine":
+                    touched.append(f"{path.name}:{node.lineno} {node.attr}")
+    assert touched == []

@@ -11,14 +11,13 @@ import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.nn import Module
 
-from lightning_ddp_plus.config.checks import require_one_of
 from lightning_ddp_plus.conflicts.errors import DDPConflictError
 from lightning_ddp_plus.conflicts.facts import PARAMETER_FACTS, ForwardProbe, InputGradRepair, ModelFacts
 from lightning_ddp_plus.conflicts.rules import (
@@ -35,16 +34,6 @@ log = logging.getLogger(__name__)
 
 #: ``checkpointing_conflict``: what the check does with an error-level finding (see ``ConflictCheck``).
 ConflictMode = Literal["error", "warn", "resolve", "off"]
-CONFLICT_MODES: tuple[str, ...] = get_args(ConflictMode)
-
-
-def check_conflict_mode(value: Any) -> ConflictMode:
-    """Validate ``checkpointing_conflict``."""
-    mode: ConflictMode = require_one_of(
-        "checkpointing_conflict", value, CONFLICT_MODES, "use 'error' (default), 'warn', 'resolve' or 'off'."
-    )
-    return mode
-
 
 _KINDS = ("non_reentrant", "reentrant")
 

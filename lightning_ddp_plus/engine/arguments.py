@@ -32,19 +32,19 @@ from typing import Any, Literal
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_ddp_plus.config.backend import normalize_backend
-from lightning_ddp_plus.config.checks import require_bool, require_positive_int_or_none
+from lightning_ddp_plus.config.checks import require_bool, require_one_of, require_positive_int_or_none
 from lightning_ddp_plus.config.messages import ArgumentTypeError, ArgumentValueError, closest_name, describe_bad_value
 from lightning_ddp_plus.config.settings import DDPSettings, require_bool_or_auto, require_bucket_cap
 from lightning_ddp_plus.config.timeout import DEFAULT_TIMEOUT, TimeoutLike, parse_timeout
-from lightning_ddp_plus.conflicts.check import ConflictMode, check_conflict_mode
+from lightning_ddp_plus.conflicts.check import ConflictMode
 from lightning_ddp_plus.diagnostics.replicas import check_every_n_steps
-from lightning_ddp_plus.persistence.resume import ResumeMode, check_resume_mode
-from lightning_ddp_plus.processes.launcher import StartMethod, check_start_method
+from lightning_ddp_plus.persistence.resume import ResumeMode
+from lightning_ddp_plus.processes.launcher import StartMethod
 from lightning_ddp_plus.sharding.optimizer import OptimizerSharding, check_optimizer_sharding, refusals
-from lightning_ddp_plus.sync.accumulation import ShortWindow, check_accumulation_steps, check_short_window
+from lightning_ddp_plus.sync.accumulation import ShortWindow, check_accumulation_steps
 from lightning_ddp_plus.sync.buckets import check_auto_with_hook
 from lightning_ddp_plus.sync.comm_hooks import CommHook, HookFunction, check_comm_wrapper, parse_comm_hook
-from lightning_ddp_plus.sync.uneven import UnevenInputs, check_uneven_inputs
+from lightning_ddp_plus.sync.uneven import UnevenInputs
 
 #: The front ends, by the class name their messages use.
 FrontEnd = Literal["DDPPlusStrategy", "DDPPlusFabricStrategy"]
@@ -61,6 +61,11 @@ def _value_only(check: Callable[[Any], Any]) -> Check:
 
 def _flag(argument: str, value: Any) -> bool:
     return require_bool(argument, value)
+
+
+def _choice(fix: str) -> Check:
+    """One of the names the field's ``Literal`` type allows; ``fix`` says what each means."""
+    return lambda argument, value: require_one_of(argument, value, typing.get_args(argument_types()[argument]), fix)
 
 
 def _count(example: str) -> Check:
@@ -142,11 +147,15 @@ class DDPPlusArguments:
     automatic and manual optimization. The same as ``Trainer(accumulate_grad_batches=...)``: set either (they must
     agree if both are set; checked when ``fit`` starts, before any process is launched)."""
 
-    short_window: ShortWindow = argument("mean", _value_only(check_short_window))
+    short_window: ShortWindow = argument(
+        "mean", _choice("use 'mean' (average over the micro-batches the window had) or 'lightning' (divide by k).")
+    )
     """How the short last window of an epoch is averaged. ``"mean"`` (default): the mean over the micro-batches it
     really had. ``"lightning"``: Lightning's rule, the sum divided by k."""
 
-    checkpointing_conflict: ConflictMode = argument("error", _value_only(check_conflict_mode))
+    checkpointing_conflict: ConflictMode = argument(
+        "error", _choice("use 'error' (default), 'warn', 'resolve' or 'off'.")
+    )
     """What to do when the DDP settings conflict with the model (gradient checkpointing, reused or unused parameters;
     see the rule table in the docs' conflict checks guide). The first training forward is observed and the decision
     taken at the first backward: ``"error"`` (default) raises ``DDPConflictError`` before any gradient is all-reduced
@@ -166,12 +175,14 @@ class DDPPlusArguments:
     timings of forward, backward compute, communication and overlap, logged under ``ddp/`` (with the Trainer, adds
     the ``DDPTelemetry`` callback)."""
 
-    start_method: StartMethod = argument("popen", _value_only(check_start_method))
+    start_method: StartMethod = argument(
+        "popen", _choice("use 'popen' for scripts and CLIs, 'spawn' inside notebooks or tests.")
+    )
     """How processes are started: ``"popen"`` (re-run the script), ``"spawn"``, ``"fork"``, ``"forkserver"``."""
 
     resume_from_last: ResumeMode = argument(
         "on_restart",
-        _value_only(check_resume_mode),
+        _choice("use 'on_restart' (a restarted torchrun attempt resumes), 'always' or 'never'."),
         trainer_only=TrainerOnly(
             "Fabric has no fit loop or checkpoint connector that could resume.",
             "load your checkpoint with `fabric.load(path, state)` before your loop (the Fabric guide shows it).",
@@ -189,7 +200,13 @@ class DDPPlusArguments:
     agree through the job's store on gloo (one look-up per step), and with one all-reduce of a few integers per step
     on a small gloo group of their own on other backends. Default on."""
 
-    uneven_inputs: UnevenInputs = argument("error", _value_only(check_uneven_inputs))
+    uneven_inputs: UnevenInputs = argument(
+        "error",
+        _choice(
+            "use 'error' (default: every rank raises at the first batch one rank lacks), 'stop' (every rank ends the "
+            "epoch when the first runs out) or 'join' (the longer ranks train on)."
+        ),
+    )
     """Ranks whose shards hold different numbers of batches (an ``IterableDataset`` split by rank,
     ``use_distributed_sampler=False``): ``"error"`` (default) raises ``UnevenInputsError`` on every rank at the first
     batch that is one rank's last and not another's, naming the counts; ``"stop"`` ends the epoch on every rank there

@@ -62,7 +62,7 @@ def resolved_values(arguments: DDPPlusArguments, effect: InEffect) -> dict[str, 
         "find_unused_parameters": str(settings.find_unused_parameters),
         "static_graph": str(settings.static_graph),
         "ddp_comm_hook": effect.comm_hook,
-        "gradient_accumulation_steps": f"{effect.accumulation_steps} (short_window={effect.short_window})",
+        "gradient_accumulation_steps": str(effect.accumulation_steps),
         "sync_guard": effect.sync_guard,
     }
 

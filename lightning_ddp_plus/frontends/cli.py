@@ -63,7 +63,7 @@ def run_lightning_cli(argv: list[str], from_sys_argv: bool = False) -> None:
                     refuse_arguments(explained)
                 refuse(message, ex)
 
-            parser.error = error
+            parser.error = error  # type: ignore[method-assign]  # this parser's refusals only
             return parser
 
     try:

@@ -135,9 +135,7 @@ class DDPPlusStrategy(DDPPlusFrontEnd, AtomicCheckpoints, DDPStrategy):
     def _configure_launcher(self) -> None:
         # The Trainer calls this once it has chosen the accelerator and devices, before anything is launched: the
         # earliest moment at which device-dependent settings can be judged.
-        self._judge_backend_before_launch(
-            self.parallel_devices[0].type if self.parallel_devices else self.root_device.type
-        )
+        self._judge_backend_before_launch((self.parallel_devices or [self.root_device])[0].type)
         assert self.cluster_environment is not None
         if self._start_method == "popen":
             self._launcher = KillChildrenOnFailureLauncher(
@@ -258,10 +256,9 @@ class DDPPlusStrategy(DDPPlusFrontEnd, AtomicCheckpoints, DDPStrategy):
         if module is None or not isinstance(self.model, DistributedDataParallel):
             return
         trainer = module.trainer
-        combined = trainer.fit_loop._combined_loader
-        if self.engine.uneven.even_by_construction(
-            trainer.current_epoch, [] if combined is None else combined.flattened
-        ):
+        combined = trainer.fit_loop._combined_loader  # its len() fails on iterable loaders: test it against None
+        loaders = [] if combined is None else combined.flattened
+        if self.engine.uneven.even_by_construction(trainer.current_epoch, loaders):
             return
         progress = trainer.fit_loop.epoch_loop.batch_progress
         length = trainer.num_training_batches

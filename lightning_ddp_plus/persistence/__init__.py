@@ -1,5 +1,6 @@
-"""Checkpoints that survive the fault: atomic writes on the checkpoint's own filesystem, which file a resume may use
-(checked without unpickling), and the resume decided once for all ranks and loaded weights-only.
+"""Checkpoints that survive the fault: atomic writes on the checkpoint's own filesystem (the checkpoint IO you pass
+stays yours), which file a resume may use (checked without unpickling), and ``resume.ResumeCoordinator``: the resume
+decided once for all ranks, loaded weights-only, and the rest of an interrupted epoch's data.
 
 May import: ``config``, ``processes``.
 """

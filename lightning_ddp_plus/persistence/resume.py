@@ -28,13 +28,12 @@ import os
 import pickle
 from collections.abc import Callable, Iterator
 from datetime import timedelta
-from typing import Any, Literal, Protocol, get_args
+from typing import Any, Literal, Protocol
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 from torch.utils.data import DataLoader, Sampler
 
-from lightning_ddp_plus.config.checks import require_one_of
 from lightning_ddp_plus.persistence.files import (
     NEWEST_READABLE,
     CheckpointResumeError,
@@ -49,18 +48,6 @@ from lightning_ddp_plus.processes.restart import restart_attempt
 
 #: ``resume_from_last``: ``"on_restart"`` resumes an attempt that torchrun restarted after a failure.
 ResumeMode = Literal["on_restart", "always", "never"]
-RESUME_MODES: tuple[str, ...] = get_args(ResumeMode)
-
-
-def check_resume_mode(value: Any) -> ResumeMode:
-    """Validate ``resume_from_last``."""
-    mode: ResumeMode = require_one_of(
-        "resume_from_last",
-        value,
-        RESUME_MODES,
-        "use 'on_restart' (a restarted torchrun attempt resumes), 'always' or 'never'.",
-    )
-    return mode
 
 
 def should_resume(mode: str, timeout: timedelta = timedelta(minutes=5)) -> bool:

@@ -1,5 +1,5 @@
-"""Processes and restarts: launchers that end a job cleanly, the process group of each torchrun attempt,
-mid-epoch resume of the data, and who is reachable after a failed collective.
+"""Processes and restarts: launchers that end a job cleanly, the process group of each torchrun attempt and the
+attempt the ranks agree on, and who is reachable after a failed collective.
 
 May import: ``config``.
 """

@@ -19,28 +19,15 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
 import torch.distributed as dist
 from lightning.fabric.utilities.distributed import _destroy_dist_connection
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from typing_extensions import override
 
-from lightning_ddp_plus.config.checks import require_one_of
-
 #: How the ranks are started (Lightning's launchers): ``popen`` re-runs the script, the others start workers.
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
-START_METHODS: tuple[str, ...] = get_args(StartMethod)
-
-
-def check_start_method(value: Any) -> StartMethod:
-    """Validate ``start_method``."""
-    method: StartMethod = require_one_of(
-        "start_method", value, START_METHODS, "use 'popen' for scripts and CLIs, 'spawn' inside notebooks or tests."
-    )
-    return method
-
-
 PARENT_PID_VARIABLE = "DDP_PLUS_LAUNCHER_PID"
 
 #: ``before_launch(trainer, function, args) -> args``: may settle Trainer settings and adjust the launched call.

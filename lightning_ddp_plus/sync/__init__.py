@@ -1,6 +1,8 @@
-"""Synchronization: how gradients are all-reduced. Accumulation windows (one all-reduce per optimizer step),
-bucket sizes, communication hooks, uneven inputs, and building the DDP wrapper and rebuilding its reducer (the only
-code that touches DDP internals).
+"""Synchronization: how gradients are all-reduced and how the ranks stay in step. Accumulation windows (one
+all-reduce per optimizer step), bucket sizes, communication hooks, uneven inputs, building the DDP wrapper
+(``wrapper``), the per-step guard that every synced backward all-reduced every bucket (``step_guard``) and the small
+gloo group it and uneven inputs agree on (``side_channel``), and ``ddp_internals``: the one module that calls DDP's
+private API, with the torch names and probes it relies on.
 
 May import: ``config``.
 """

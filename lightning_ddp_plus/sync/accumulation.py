@@ -8,26 +8,13 @@ running and apply the answers.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
-from lightning_ddp_plus.config.checks import require_one_of
 from lightning_ddp_plus.config.messages import ArgumentValueError, describe_bad_value
 
 #: ``"mean"``: a short last window's gradient is the mean over the micro-batches it really had (as the HF Trainer).
 #: ``"lightning"``: Lightning's rule, every window's gradient sum is divided by k, so a short window is shrunk by r/k.
 ShortWindow = Literal["mean", "lightning"]
-SHORT_WINDOW_MODES: tuple[str, ...] = get_args(ShortWindow)
-
-
-def check_short_window(value: Any) -> ShortWindow:
-    """Validate ``short_window``."""
-    mode: ShortWindow = require_one_of(
-        "short_window",
-        value,
-        SHORT_WINDOW_MODES,
-        "use 'mean' (average over the micro-batches the window had) or 'lightning' (divide by k).",
-    )
-    return mode
 
 
 @dataclass(frozen=True)

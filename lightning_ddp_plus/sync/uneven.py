@@ -29,24 +29,9 @@ exchanged when every training loader has a ``DistributedSampler`` (``even_by_con
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
-
-from lightning_ddp_plus.config.checks import require_one_of
+from typing import Any, Literal
 
 UnevenInputs = Literal["error", "stop", "join"]
-UNEVEN_MODES: tuple[str, ...] = get_args(UnevenInputs)
-
-
-def check_uneven_inputs(value: Any) -> UnevenInputs:
-    """Validate ``uneven_inputs``."""
-    mode: UnevenInputs = require_one_of(
-        "uneven_inputs",
-        value,
-        UNEVEN_MODES,
-        "use 'error' (default: every rank raises at the first batch one rank lacks), 'stop' (every rank ends the "
-        "epoch when the first runs out) or 'join' (the longer ranks train on).",
-    )
-    return mode
 
 
 class UnevenInputsError(RuntimeError):
