@@ -12,7 +12,8 @@ TAG=${1:-$(python -c "import lightning; print(lightning.__version__)")}
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 if [ -n "${LIGHTNING_REPO:-}" ]; then
-  git -C "$LIGHTNING_REPO" archive "$TAG" tests/tests_pytorch | tar -x -C "$WORK"
+  # the tests' own tree only: a mirror may lack other large files (a shallow or partial clone)
+  git -C "$LIGHTNING_REPO" archive --prefix=tests/tests_pytorch/ "$TAG:tests/tests_pytorch" | tar -x -C "$WORK"
 else
   git clone --quiet --depth 1 --branch "$TAG" https://github.com/Lightning-AI/pytorch-lightning "$WORK/repo"
   mv "$WORK/repo/tests" "$WORK/tests"

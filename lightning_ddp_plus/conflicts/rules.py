@@ -328,7 +328,7 @@ def rule_for_torch_error(message: str) -> Rule | None:
 
 
 def rules_table() -> str:
-    """The rules as a Markdown table (the docs' conflict-checks guide shows this output, made by ``docs/hooks.py``)."""
+    """The rules as a Markdown table (the docs' conflict-checks guide shows this output, written by ``docs/generated.py``)."""
     lines = ["| rule | level | when | fix |", "|---|---|---|---|"]
     lines += [f"| {r.id} | {r.level} | {r.title} | {r.fix} |" for r in RULES]
     return "\n".join(lines)
