@@ -1,7 +1,9 @@
-"""``ddp-plus check``: a conflicting and a clean config, from YAML files on disk; the first case runs the console
-script in a real subprocess, the others its function in this process."""
+"""``ddp-plus check``: a conflicting and a clean config, from YAML files on disk, run by the console script's function
+in this process (the console script itself is run as a subprocess by ``tests/test_bad_input.py``)."""
 
-from tests.helpers import check_in_process, console_script, run_job
+import pytest
+
+from tests.helpers import check_in_process
 
 CONFIG = """
 trainer:
@@ -23,12 +25,17 @@ def write_config(tmp_path, **values):
     return config
 
 
-def test_conflicting_config_exits_1_with_the_rule_and_fix(tmp_path):
+def test_conflicting_config_exits_1_with_the_rule_and_fix(tmp_path, monkeypatch, capsys):
+    from lightning_ddp_plus.frontends.cli import main
+
     config = write_config(tmp_path, find_unused="true", checkpointing="reentrant", unused="false")
-    result = run_job([console_script("ddp-plus"), "check", "--config", str(config)], timeout=120)
-    assert result.returncode == 1, result.stdout[-2000:]
-    assert "ERROR [R1]" in result.stdout and "Fix: set static_graph=True" in result.stdout
-    assert "one probe forward of training_step" in result.stdout
+    monkeypatch.setattr("sys.argv", ["ddp-plus"])
+    with pytest.raises(SystemExit) as exited:  # what the console script runs, in this process
+        main(["check", "--config", str(config)])
+    out = capsys.readouterr().out
+    assert exited.value.code == 1, out[-2000:]
+    assert "ERROR [R1]" in out and "Fix: set static_graph=True" in out
+    assert "one probe forward of training_step" in out
 
 
 def test_unused_parameters_are_named(tmp_path, capsys):

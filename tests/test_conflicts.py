@@ -383,11 +383,20 @@ TORCH_FAILURES = {
 }
 
 
+@pytest.fixture(scope="module")
+def torch_failures(tmp_path_factory):
+    """Every rule's failing combination, one after the other on one pair of processes: each fails on both ranks at
+    the same point, so the process group stays in step for the next case."""
+    rules = sorted(TORCH_FAILURES)
+    results = run_cases(tmp_path_factory.mktemp("torch_failures"), [TORCH_FAILURES[rule][0] for rule in rules], "all")
+    return dict(zip(rules, results))
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("rule", sorted(TORCH_FAILURES))
-def test_torch_really_fails_without_the_validator(tmp_path, rule):
+def test_torch_really_fails_without_the_validator(torch_failures, rule):
     case, pattern = TORCH_FAILURES[rule]
-    (result,) = run_cases(tmp_path, [case], rule)
+    result = torch_failures[rule]
     assert result["error"] == "RuntimeError"
     assert re.search(pattern, result["message"]), result["message"][:500]
     if rule == "R4":

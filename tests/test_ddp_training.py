@@ -37,22 +37,6 @@ def test_ddp_plus_popen_trains_with_identical_replicas(tmp_path):
     assert not torch.allclose(initial, torch.tensor(report["params"][0]))
 
 
-def test_ddp_plus_popen_with_typed_knobs(tmp_path):
-    report, output = run_popen_job(
-        tmp_path,
-        {
-            "process_group_backend": "gloo",
-            "timeout": "90s",
-            "bucket_cap_mb": 1,
-            "gradient_as_bucket_view": True,
-            "static_graph": True,
-        },
-    )
-    assert report["timeout_seconds"] == 90
-    assert_identical_replicas(report)
-    assert "timeout=1m30s" in output and "static_graph=True" in output
-
-
 def test_ddp_plus_spawn_trains_with_identical_replicas(tmp_path):
     out = tmp_path / "report.json"
     trainer = L.Trainer(
@@ -79,8 +63,11 @@ def test_ddp_plus_spawn_trains_with_identical_replicas(tmp_path):
     )
 
 
-#: One pair of processes runs every hook case (``hooks_job.py``): the imports and the process group once.
+#: One pair of processes runs every case (``hooks_job.py``): the imports and the process group once. The typed knobs
+#: come first: the process group is created with the first case's timeout.
+TYPED_KNOBS = {"timeout": "90s", "bucket_cap_mb": 1, "gradient_as_bucket_view": True, "static_graph": True}
 HOOK_CASES = {
+    "typed_knobs": TYPED_KNOBS,
     "none": {},
     "fp16": {"ddp_comm_hook": "fp16"},
     "bf16": {"ddp_comm_hook": "bf16"},
@@ -105,6 +92,14 @@ def test_named_compression_hook_really_runs_on_gloo(hook_runs, hook):
     if hook == "fp16":
         # every all-reduced gradient went through float16
         assert report["grads_fp16_exact"] == [True, True]
+
+
+def test_typed_knobs_reach_the_process_group_and_the_wrapper(hook_runs):
+    report = hook_runs["typed_knobs"]
+    assert report["timeout_seconds"] == 90
+    assert_identical_replicas(report)
+    assert "timeout=1m30s" in report["setup_line"] and "static_graph=True" in report["setup_line"]
+    assert "bucket_cap_mb=1" in report["setup_line"] and "gradient_as_bucket_view=True" in report["setup_line"]
 
 
 def test_without_hook_gradients_are_not_fp16_rounded(hook_runs):

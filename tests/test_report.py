@@ -58,7 +58,10 @@ def test_report_says_what_is_missing(tmp_path):
         read_telemetry(metrics)
 
 
-def test_report_command_fails_cleanly_without_logs(tmp_path):
-    result = run_job([console_script("ddp-plus"), "report", str(tmp_path)], timeout=60)
-    assert result.returncode == 1
-    assert "ERROR No metrics.csv" in result.stdout
+def test_report_command_fails_cleanly_without_logs(tmp_path, capsys):
+    from lightning_ddp_plus.frontends.cli import main
+
+    with pytest.raises(SystemExit) as exited:  # what the console script runs, in this process
+        main(["report", str(tmp_path)])
+    assert exited.value.code == 1
+    assert "ERROR No metrics.csv" in capsys.readouterr().err

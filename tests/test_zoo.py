@@ -9,12 +9,11 @@ every run compared with an exact single-process reference.
 - ``resolve`` trains every case to the reference with identical replicas.
 """
 
-import subprocess
-import sys
+import json
 
 import pytest
 
-from tests.helpers import REPO_ROOT, check_in_process, run_case_job
+from tests.helpers import check_in_process, run_case_job
 from tests.zoo import MODELS, outcome, zoo_cases
 
 transformers = pytest.importorskip("transformers")
@@ -41,9 +40,13 @@ def case_id(case: dict) -> str:
 
 
 @pytest.fixture(scope="module")
-def zoo(tmp_path_factory):
-    results = run_case_job("zoo_job.py", CASES + [WARN_CASE], tmp_path_factory.mktemp("zoo") / "zoo.json", timeout=900)
-    return {case_id(result): {run["kind"]: run for run in result["results"]} for result in results}
+def zoo_results(tmp_path_factory):
+    return run_case_job("zoo_job.py", CASES + [WARN_CASE], tmp_path_factory.mktemp("zoo") / "zoo.json", timeout=900)
+
+
+@pytest.fixture(scope="module")
+def zoo(zoo_results):
+    return {case_id(result): {run["kind"]: run for run in result["results"]} for result in zoo_results}
 
 
 def test_the_zoo_covers_what_the_issue_lists():
@@ -149,16 +152,15 @@ def test_check_command_on_zoo_configs(tmp_path, capsys, name, find_unused, code,
     assert "one probe forward of training_step" in out
 
 
-def test_zoo_table_script_prints_the_counts(tmp_path):
+def test_zoo_table_script_prints_the_counts(tmp_path, zoo_results, capsys):
+    # the table of the runs the zoo job above made (the script's own run is the same job, `run_case_job`)
+    from tests.zoo_table import main as zoo_table
+
+    runs = tmp_path / "runs.json"
+    runs.write_text(json.dumps(zoo_results))
     out = tmp_path / "zoo.md"
-    result = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "tests" / "zoo_table.py"), str(out), "--only", "gpt2_reentrant"],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    zoo_table([str(out), "--only", "gpt2_reentrant", "--results", str(runs)])
     text = out.read_text()
     assert "| gpt2_reentrant | find_unused | error |" in text and "false alarms: 0" in text
+    cases = sum(case["model"] == "gpt2_reentrant" for case in CASES)
+    assert f"cases: {cases}," in text and f"{cases} cases in" in capsys.readouterr().out

@@ -1,4 +1,5 @@
-"""Run the real-model zoo on 2 gloo ranks and write its table: ``python tests/zoo_table.py OUT.md [--only MODEL ...]``.
+"""Run the real-model zoo on 2 gloo ranks and write its table: ``python tests/zoo_table.py OUT.md [--only MODEL ...]``
+(``--results RUNS.json``: the table of runs made already, e.g. by the tests' zoo job).
 
 For every case: what stock ``DDPStrategy`` does, what ``ddp_plus`` defaults do, what ``resolve`` does, and the counts
 (cases, stock failures, refused, trained correctly, missed, false alarms).
@@ -7,6 +8,7 @@ For every case: what stock ``DDPStrategy`` does, what ``ddp_plus`` defaults do, 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 import time
@@ -55,15 +57,21 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines) + "\n\n" + ", ".join(f"{name}: {value}" for name, value in counts.items()) + "\n"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("out")
     parser.add_argument("--only", nargs="*", help="model names to run")
-    args = parser.parse_args()
+    parser.add_argument("--results", help="the zoo job's results to tabulate instead of running it")
+    args = parser.parse_args(argv)
     cases = [case for case in zoo_cases() if not args.only or case["model"] in args.only]
     started = time.perf_counter()
-    with tempfile.TemporaryDirectory() as scratch:
-        results = run_case_job("zoo_job.py", cases, Path(scratch) / "zoo.json", timeout=900)
+    if args.results:
+        wanted = {(case["model"], case["setting"], case.get("k")) for case in cases}
+        ran = json.loads(Path(args.results).read_text())
+        results = [case for case in ran if (case["model"], case["setting"], case.get("k")) in wanted]
+    else:
+        with tempfile.TemporaryDirectory() as scratch:
+            results = run_case_job("zoo_job.py", cases, Path(scratch) / "zoo.json", timeout=900)
     text = table(results)
     Path(args.out).write_text(text)
     print(text + f"\n{len(cases)} cases in {time.perf_counter() - started:.0f} s")
