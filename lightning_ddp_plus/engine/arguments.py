@@ -48,7 +48,6 @@ from lightning_ddp_plus.sync.uneven import UnevenInputs
 
 #: The front ends, by the class name their messages use.
 FrontEnd = Literal["DDPPlusStrategy", "DDPPlusFabricStrategy"]
-FRONT_ENDS: tuple[FrontEnd, ...] = typing.get_args(FrontEnd)
 
 #: ``check(argument, value) -> the accepted value``: raises ``ArgumentValueError``/``ArgumentTypeError``.
 Check = Callable[[str, Any], Any]
