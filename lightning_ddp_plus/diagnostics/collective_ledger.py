@@ -1,0 +1,120 @@
+"""The collective ledger: on every rank, the last collectives the job issued, in order, with what they were for.
+
+Each record holds the collective's sequence number on this rank, the operation, its size, the phase of the step it
+was issued in, the step, and the user's line that led to it (``call_sites``). Ranks in step have issued the same
+collectives in the same order, so the same sequence number names the same collective on every rank; when a rank
+waits too long, comparing the ranks' ledgers says whether they are out of step (different collectives at one
+sequence number) or whether one rank has not reached the collective the others wait in (``stalls``).
+
+The main thread writes it; the stall watchdog's thread reads it. A record is written once when the collective starts
+and once when it ends, so a reader sees a consistent record or the one before it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+from lightning_ddp_plus.diagnostics.call_sites import CallSite, caller_site
+
+#: Where in a training step the main thread is.
+Phase = Literal["setup", "data fetch", "forward", "backward", "optimizer step", "validation", "checkpoint save"]
+
+
+@dataclass
+class CollectiveRecord:
+    """One collective on this rank: started at ``started``, still running while ``ended`` is ``None``."""
+
+    sequence: int
+    op: str
+    size_bytes: int
+    phase: str
+    step: int
+    call_site: CallSite | None
+    started: float
+    ended: float | None = None
+
+    def describe(self) -> str:
+        """``all_reduce of 4 B at model.py:57 in training_step: self.log(...) (collective 17, step 3, forward)``.
+
+        >>> CollectiveRecord(17, "all_reduce", 4, "forward", 3, None, 0.0).describe()
+        'all_reduce of 4 B (collective 17, step 3, forward)'
+        """
+        where = f" at {self.call_site}" if self.call_site is not None else ""
+        return (
+            f"{self.op} of {_size(self.size_bytes)}{where} (collective {self.sequence}, step {self.step}, {self.phase})"
+        )
+
+    def as_data(self) -> dict[str, Any]:
+        """The record as plain data (it crosses the store to the other ranks as JSON)."""
+        return asdict(self)
+
+    @classmethod
+    def from_data(cls, data: dict[str, Any]) -> CollectiveRecord:
+        site = data.get("call_site")
+        return cls(**{**data, "call_site": CallSite(**site) if site else None})
+
+
+def _size(size_bytes: int) -> str:
+    """
+    >>> _size(4), _size(4096), _size(3 * 2**20)
+    ('4 B', '4.0 KiB', '3.0 MiB')
+    """
+    if size_bytes < 1024:
+        return f"{size_bytes} B"
+    if size_bytes < 2**20:
+        return f"{size_bytes / 1024:.1f} KiB"
+    return f"{size_bytes / 2**20:.1f} MiB"
+
+
+class CollectiveLedger:
+    """The last ``length`` collectives of this rank, the phase and the step the main thread is in, and when it last
+    made progress (entered or left a collective, or changed phase).
+
+    >>> ledger = CollectiveLedger(length=2)
+    >>> for op in ("barrier", "broadcast", "all_reduce"):
+    ...     with ledger.collective(op, 8):
+    ...         pass
+    >>> [record.op for record in ledger.records], ledger.sequence
+    (['broadcast', 'all_reduce'], 3)
+    """
+
+    def __init__(self, length: int = 64) -> None:
+        self.records: deque[CollectiveRecord] = deque(maxlen=length)
+        self.sequence = 0
+        self.phase: str = "setup"
+        self.step = 0
+        #: The collective the main thread is in, if any.
+        self.current: CollectiveRecord | None = None
+        #: ``time.time()`` of the last progress: a collective entered or left, a phase changed.
+        self.progressed = time.time()
+
+    def enter_phase(self, phase: Phase, step: int | None = None) -> None:
+        self.phase = phase
+        if step is not None:
+            self.step = step
+        self.progressed = time.time()
+
+    @contextmanager
+    def collective(self, op: str, size_bytes: int = 0) -> Iterator[CollectiveRecord]:
+        """Record the collective that runs inside the ``with`` block, issued from the user's line that led here."""
+        self.sequence += 1
+        record = CollectiveRecord(
+            self.sequence, op, size_bytes, self.phase, self.step, caller_site(), started=time.time()
+        )
+        self.records.append(record)
+        self.current = record
+        self.progressed = record.started
+        try:
+            yield record
+        finally:
+            record.ended = self.progressed = time.time()
+            self.current = None
+
+    def last(self, count: int = 8) -> list[CollectiveRecord]:
+        """The last ``count`` records, oldest first (a copy: the main thread may append meanwhile)."""
+        return list(self.records)[-count:]
