@@ -102,6 +102,9 @@ BAD = [
     Bad("typo-sharding", {"optimiser_sharding": True}, r"`optimiser_sharding`.*did you mean `optimizer_sharding`"),
     Bad("typo-guard", {"sync_gaurd": True}, r"`sync_gaurd`.*did you mean `sync_guard`"),
     Bad("managed-argument", {"device_ids": [0]}, r"device_ids.*cannot be passed"),
+    Bad("stall-not-below-timeout", {"stall_report_after": "1h"}, r"stall_report_after='1h'.*shorter than `timeout`"),
+    Bad("stall-negative", {"stall_report_after": -3}, r"stall_report_after=-3.*greater than zero"),
+    Bad("ledger-zero", {"ledger_length": 0}, r"ledger_length=0.*positive integer"),
 ]
 IDS = [case.id for case in BAD]
 
@@ -142,7 +145,7 @@ def test_the_table_covers_every_declared_argument():
 
     tried = {name for case in BAD + FABRIC_BAD for name in case.strategy}
     assert set(ARGUMENT_FIELDS) - tried == {"ddp_comm_state"}  # any object is a valid state
-    assert len(BAD) + len(FABRIC_BAD) >= 45
+    assert len(BAD) + len(FABRIC_BAD) >= 52
 
 
 # Settled when `fit` starts (the launcher is the first point that has the Trainer's settings), before any launch.

@@ -36,7 +36,9 @@ def processes_with(tag: str) -> list[str]:
     return found
 
 
-def run_failing_job(mode: str, rank: int, step: int, timeout_s: float) -> tuple[int, str, float, str]:
+def run_failing_job(
+    mode: str, rank: int, step: int, timeout_s: float, stall: str = "auto"
+) -> tuple[int, str, float, str]:
     """Run the job; return its exit code, output, seconds from the failure to the job's end, and its tag. Whatever
     the outcome, every process of the job is killed before this returns."""
     tag = f"tag-{uuid.uuid4().hex}"
@@ -48,6 +50,7 @@ def run_failing_job(mode: str, rank: int, step: int, timeout_s: float) -> tuple[
         str(step),
         f"{timeout_s:g}s",
         tag,
+        stall,
     ]
     env = {**clean_environment(), "PYTHONPATH": str(REPO_ROOT), "MASTER_PORT": str(free_port())}
     # Not in a new session: the job must clean up after itself; survivors are found by their tag.
@@ -71,7 +74,7 @@ def run_failing_job(mode: str, rank: int, step: int, timeout_s: float) -> tuple[
 
 
 @pytest.mark.parametrize("rank", [0, 1])
-def test_hung_rank_ends_the_job_within_the_timeout(rank):
+def test_hung_rank_ends_the_job_within_the_timeout_and_is_named_with_its_line(rank):
     code, output, since_failure, survivors = run_failing_job("hang", rank, step=3, timeout_s=TIMEOUT_S)
     assert not survivors, f"processes left behind: {survivors}"
     assert code != 0, output[-3000:]
@@ -79,6 +82,34 @@ def test_hung_rank_ends_the_job_within_the_timeout(rank):
     # ended by the collective timeout, long before the hung rank would have woken up by itself
     assert f"timeout ({TIMEOUT_S}s, set by `DDPPlusStrategy(timeout=...)`)" in output, output[-3000:]
     assert since_failure < HANG_S / 2, (since_failure, output[-3000:])
+    # Named while the other rank waits (after a quarter of the timeout), and again in the timeout's error: the stuck
+    # rank, the line it is at with its source, the function, the step (as trainer.global_step counts), its stack.
+    other = 1 - rank
+    named = (
+        f"Rank(s) {other} have waited",
+        f"rank {rank} has not reached it",
+        "failure_job.py:32 in training_step: time.sleep(HANG_S), in its forward of step 3",
+    )
+    assert all(output.count(text) >= 2 for text in named), output[-4000:]
+    assert "a collective has waited longer than 3 s" in output and "line 32, in training_step" in output
+
+
+@pytest.mark.parametrize(
+    ("mode", "issued"),
+    [
+        ("extra_log", 'failure_job.py:34 in training_step: self.log("only_here", torch.tensor(1.0), sync_dist=True)'),
+        ("rank_barrier", 'failure_job.py:36 in training_step: self.trainer.strategy.barrier("only_here")'),
+    ],
+)
+def test_ranks_out_of_step_end_the_job_at_once_naming_each_ranks_collective(mode, issued):
+    code, output, since_failure, survivors = run_failing_job(mode, 0, step=3, timeout_s=120, stall="3s")
+    assert not survivors, f"processes left behind: {survivors}"
+    assert code != 0, output[-3000:]
+    # well before the 120 s collective timeout: the threshold, one exchange through the store, and the ending
+    assert since_failure < 30, (since_failure, output[-3000:])
+    assert "The ranks are out of step" in output and issued in output, output[-4000:]
+    assert "rank 1 issued gradient all_reduce" in output and "sync_dist=True` on some ranks only" in output
+    assert "the job ends now, without waiting for the collective timeout: the ranks are out of step" in output
 
 
 @pytest.mark.parametrize("rank", [0, 1])

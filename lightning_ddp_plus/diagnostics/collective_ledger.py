@@ -100,12 +100,12 @@ class CollectiveLedger:
         self.progressed = time.time()
 
     @contextmanager
-    def collective(self, op: str, size_bytes: int = 0) -> Iterator[CollectiveRecord]:
-        """Record the collective that runs inside the ``with`` block, issued from the user's line that led here."""
+    def collective(self, op: str, size_bytes: int = 0, users_call: bool = True) -> Iterator[CollectiveRecord]:
+        """Record the collective that runs inside the ``with`` block, issued from the user's line that led here
+        (``users_call=False``: Lightning's loop issued it, and the user's line would only be ``trainer.fit``)."""
         self.sequence += 1
-        record = CollectiveRecord(
-            self.sequence, op, size_bytes, self.phase, self.step, caller_site(), started=time.time()
-        )
+        site = caller_site() if users_call else None
+        record = CollectiveRecord(self.sequence, op, size_bytes, self.phase, self.step, site, started=time.time())
         self.records.append(record)
         self.current = record
         self.progressed = record.started

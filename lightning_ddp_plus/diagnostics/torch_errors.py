@@ -13,6 +13,7 @@ from datetime import timedelta
 from lightning_ddp_plus.config.timeout import format_timeout
 from lightning_ddp_plus.conflicts.errors import DDPConflictError
 from lightning_ddp_plus.conflicts.rules import rule_for_torch_error
+from lightning_ddp_plus.diagnostics.stalls import StallReport
 from lightning_ddp_plus.processes import reachability
 
 #: Messages of collective timeouts (gloo, NCCL, the c10d store), not of other timeouts such as a DataLoader's.
@@ -57,15 +58,27 @@ PEER_CLOSED_NOTE = (
 )
 
 
-def explain(exception: BaseException, timeout: timedelta) -> None:
-    """Append to a torch error which rule it is and the fix, or what a collective timeout or a closed peer means,
-    and then which ranks are still reachable. The package's own errors already say all of it."""
+def stall_note(report: StallReport, timeout: timedelta) -> str:
+    if report.kind == "out_of_step":
+        return (
+            "lightning-ddp-plus: the ranks were out of step, so the job ended without waiting for the timeout (one "
+            f"rank ended its process so that every rank's collective returned).\n{report.text}"
+        )
+    return f"{timeout_note(timeout)}\nWhat the ranks reported while the collective waited:\n{report.text}"
+
+
+def explain(exception: BaseException, timeout: timedelta, stall: StallReport | None = None) -> None:
+    """Append to a torch error which rule it is and the fix, or what a collective timeout or a closed peer means
+    (what the ranks reported, when the stall watchdog saw it), and then which ranks are still reachable. The
+    package's own errors already say all of it."""
     if isinstance(exception, DDPConflictError) or not exception.args or not isinstance(exception.args[0], str):
         return
     message = exception.args[0]
     about_peers = bool(COLLECTIVE_TIMEOUT.search(message) or PEER_CLOSED.search(message))
-    if COLLECTIVE_TIMEOUT.search(message):
-        note: str | None = timeout_note(timeout)
+    if about_peers and stall is not None:
+        note: str | None = stall_note(stall, timeout)
+    elif COLLECTIVE_TIMEOUT.search(message):
+        note = timeout_note(timeout)
     elif PEER_CLOSED.search(message):
         note = PEER_CLOSED_NOTE
     else:

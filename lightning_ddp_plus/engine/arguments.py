@@ -32,10 +32,15 @@ from typing import Any, Literal
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_ddp_plus.config.backend import normalize_backend
-from lightning_ddp_plus.config.checks import require_bool, require_one_of, require_positive_int_or_none
+from lightning_ddp_plus.config.checks import (
+    require_bool,
+    require_one_of,
+    require_positive_int,
+    require_positive_int_or_none,
+)
 from lightning_ddp_plus.config.messages import ArgumentTypeError, ArgumentValueError, closest_name, describe_bad_value
 from lightning_ddp_plus.config.settings import DDPSettings, require_bool_or_auto, require_bucket_cap
-from lightning_ddp_plus.config.timeout import DEFAULT_TIMEOUT, TimeoutLike, parse_timeout
+from lightning_ddp_plus.config.timeout import DEFAULT_TIMEOUT, TimeoutLike, format_timeout, parse_timeout
 from lightning_ddp_plus.conflicts.check import ConflictMode
 from lightning_ddp_plus.diagnostics.replicas import check_every_n_steps
 from lightning_ddp_plus.persistence.resume import ResumeMode
@@ -65,6 +70,11 @@ def _flag(argument: str, value: Any) -> bool:
 def _choice(fix: str) -> Check:
     """One of the names the field's ``Literal`` type allows; ``fix`` says what each means."""
     return lambda argument, value: require_one_of(argument, value, typing.get_args(argument_types()[argument]), fix)
+
+
+def _stall_threshold(argument: str, value: Any) -> Any:
+    """``"auto"``, ``None``, or a duration in ``timeout``'s forms (parsed; compared with ``timeout`` afterwards)."""
+    return value if value in ("auto", None) else parse_timeout(value, argument)
 
 
 def _count(example: str) -> Check:
@@ -231,6 +241,16 @@ class DDPPlusArguments:
     gradient clipping). Checkpoints hold the consolidated, plain optimizer state (gathered on rank 0 at each save).
     Default ``False``."""
 
+    stall_report_after: TimeoutLike | Literal["auto"] | None = argument("auto", _stall_threshold)
+    """How long a collective may be waited in before the ranks compare what they are doing, through the job's store,
+    and say why: ranks out of step (a collective issued on some ranks only, e.g. ``self.log(..., sync_dist=True)`` on
+    one rank) end the job at once with each rank's collective and line; a rank that has not reached the collective is
+    named with its line and stack, and the collective timeout's error carries the same report. ``"auto"`` (default):
+    a quarter of ``timeout``, at most 5 minutes. ``None``: off. The same forms as ``timeout``, and shorter than it."""
+
+    ledger_length: int = argument(64, lambda argument, value: require_positive_int(argument, value, "64"))
+    """The collectives each rank remembers (its collective ledger), for the stall report."""
+
     ddp_kwargs: Mapping[str, Any] = field(default_factory=dict, metadata={"declared": False})
     """Further ``DistributedDataParallel`` arguments (a front end's ``**kwargs``), checked against its signature."""
 
@@ -242,6 +262,16 @@ class DDPPlusArguments:
         self._check_across_arguments()
 
     def _check_across_arguments(self) -> None:
+        threshold = self.stall_threshold
+        if threshold is not None and threshold >= self.collective_timeout:
+            raise ArgumentValueError(
+                describe_bad_value(
+                    "stall_report_after",
+                    format_timeout(threshold),
+                    f"it must be shorter than `timeout` ({format_timeout(self.collective_timeout)}), which ends the job.",
+                    "set it well below the timeout (e.g. a quarter of it: `'auto'`), or raise `timeout`.",
+                )
+            )
         check_comm_wrapper(self.ddp_comm_wrapper, self.comm_hook)
         check_auto_with_hook(self.bucket_cap_mb, self.comm_hook)
         conflicts = refusals(
@@ -291,6 +321,16 @@ class DDPPlusArguments:
         """``timeout`` as its check parsed it."""
         assert isinstance(self.timeout, timedelta)
         return self.timeout
+
+    @property
+    def stall_threshold(self) -> timedelta | None:
+        """``stall_report_after`` in effect: ``"auto"`` decided (a quarter of the timeout, at most 5 minutes)."""
+        if self.stall_report_after is None:
+            return None
+        if self.stall_report_after == "auto":
+            return min(self.collective_timeout / 4, timedelta(minutes=5))
+        assert isinstance(self.stall_report_after, timedelta)
+        return self.stall_report_after
 
     @property
     def comm_hook(self) -> CommHook | HookFunction | None:

@@ -22,10 +22,14 @@ setup, ``shard_optimizers`` once the optimizers exist, ``batch_starts`` before e
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
@@ -43,10 +47,13 @@ from lightning_ddp_plus.conflicts.check import (
 from lightning_ddp_plus.conflicts.facts import ModelFacts, running_stat_buffers
 from lightning_ddp_plus.conflicts.rules import CheckedSettings
 from lightning_ddp_plus.diagnostics import torch_errors
+from lightning_ddp_plus.diagnostics.collective_ledger import CollectiveLedger
 from lightning_ddp_plus.diagnostics.replicas import ReplicaGuard
+from lightning_ddp_plus.diagnostics.stall_watchdog import StallWatchdog
 from lightning_ddp_plus.diagnostics.telemetry import SyncTelemetry
 from lightning_ddp_plus.engine.arguments import DDPPlusArguments, FrontEnd
 from lightning_ddp_plus.engine.setup_line import InEffect, setup_line
+from lightning_ddp_plus.processes.restart import restart_attempt, store_client
 from lightning_ddp_plus.sharding import optimizer as sharding
 from lightning_ddp_plus.sync.accumulation import AccumulationWindow, SyncStats, scale_gradients
 from lightning_ddp_plus.sync.buckets import BucketTuner
@@ -56,6 +63,11 @@ from lightning_ddp_plus.sync.side_channel import SideChannel
 from lightning_ddp_plus.sync.step_guard import SyncFault, SyncGuard
 from lightning_ddp_plus.sync.uneven import RankBatches, UnevenInputsCheck, uneven_flags
 from lightning_ddp_plus.sync.wrapper import wrap_module
+
+#: Fits in this process, for the stall watchdog's keys in the job's store.
+_FIT_NUMBERS = itertools.count(1)
+#: How long the stall watchdog's store client waits for the store (a cut link must not hold up the job's end).
+STORE_TIMEOUT = timedelta(seconds=5)
 
 
 class DDPPlusEngine:
@@ -76,7 +88,17 @@ class DDPPlusEngine:
         self.conflicts = ConflictCheck(arguments.checkpointing_conflict, warn=warn, info=info)
         self.hooks = HookAssembly(arguments.comm_hook, arguments.ddp_comm_state, arguments.ddp_comm_wrapper)
         self.replica_guard = ReplicaGuard(arguments.verify_replicas_every_n_steps)
-        self.channel = SideChannel()
+        #: The last collectives of this rank (``stall_report_after``): what the stall watchdog compares.
+        self.ledger = CollectiveLedger(arguments.ledger_length)
+        threshold = arguments.stall_threshold
+        self.stall_watchdog = StallWatchdog(self.ledger, threshold) if threshold is not None else None
+        #: Whether fits start the watchdog: a front end sets it when it stops the engine at the end of every fit
+        #: (the Trainer's ``teardown``), before the process group and the store it asks can go away.
+        self.watch_stalls = False
+        self._failed = False
+        #: Bytes of the gradients a synced backward all-reduces (set when wrapping).
+        self.gradient_bytes = 0
+        self.channel = SideChannel(record=self.ledger.collective)
         self.sync_guard = SyncGuard(arguments.sync_guard, self.channel, warn=warn)
         self.uneven = UnevenInputsCheck(arguments.uneven_inputs, info=info)
         self._warn, self._info = warn, info
@@ -96,6 +118,8 @@ class DDPPlusEngine:
     def wrap(self, module: Module, device_ids: list[int] | None) -> DistributedDataParallel:
         """Wrap ``module`` in ``DistributedDataParallel`` with the settings, and start a fit on it."""
         self.settings = self.arguments.settings.resolve_auto(bool(running_stat_buffers(module)))
+        trainable = [p for p in module.parameters() if p.requires_grad]
+        self.gradient_bytes = sum(p.numel() * p.element_size() for p in trainable)
         ddp = wrap_module(module, self.settings, device_ids)
         self.start_fit(ddp, module)
         return ddp
@@ -106,6 +130,8 @@ class DDPPlusEngine:
         self.window.reset()
         self.uneven.reset()
         self.channel.start(self.arguments.collective_timeout)
+        self._failed = False
+        self._start_stall_watchdog()
         self.sync_guard.attach(ddp)
         self.hooks.register(ddp)
         self._handle = ddp.register_forward_pre_hook(self._training_forward_starts)
@@ -116,6 +142,27 @@ class DDPPlusEngine:
         if self.buckets is not None:
             self.buckets.attach()
         self._ddp = ddp
+
+    def _start_stall_watchdog(self) -> None:
+        """The watchdog of this fit, on every rank (a collective: every rank counts its fits alike)."""
+        if not self.watch_stalls or self.stall_watchdog is None:
+            return
+        if not dist.is_initialized() or dist.get_world_size() < 2:
+            return
+        store = store_client(STORE_TIMEOUT)  # fails fast on a cut link, rather than at the collective timeout
+        if store is None:
+            self._warn("DDPPlusStrategy: no client of the job's store could be made, so stalls are not explained.")
+            return
+        # every rank runs the same fits in the same order, so the numbers agree; keys of earlier fits stay apart
+        prefix = f"ddp_plus/stalls/attempt_{restart_attempt() or 0}/fit_{next(_FIT_NUMBERS)}"
+        self.stall_watchdog.start(store, dist.get_rank(), dist.get_world_size(), prefix)
+
+    def synced_backward(self, synced: bool, users_call: bool) -> AbstractContextManager[Any]:
+        """Around a backward: a synced one is the gradient all-reduce of its step, in the ledger (``users_call``: the
+        user called the backward, as ``manual_backward`` or ``fabric.backward``, so the user's line is named)."""
+        if not synced:
+            return nullcontext()
+        return self.ledger.collective("gradient all_reduce", self.gradient_bytes, users_call=users_call)
 
     def _reducer_rebuilt(self, ddp: DistributedDataParallel) -> None:
         if self.telemetry is not None:
@@ -129,12 +176,15 @@ class DDPPlusEngine:
         self.replica_guard.detach()
         self.sync_guard.detach()
         self.channel.stop()
+        if self.stall_watchdog is not None:
+            self.stall_watchdog.stop(orderly=not self._failed)
         if self.buckets is not None:
             self.buckets.stop()
         self._ddp = None
 
     def _training_forward_starts(self, ddp: DistributedDataParallel, args: Any) -> None:
         if ddp.training and torch.is_grad_enabled():
+            self.ledger.enter_phase("forward", step=self.window.stats.optimizer_steps)  # as trainer.global_step
             if self.before_training_forward is not None:
                 self.before_training_forward(ddp)
             self._forward_synced = ddp.require_backward_grad_sync
@@ -189,6 +239,7 @@ class DDPPlusEngine:
         ``post_forward``: DDP's forward had finished (automatic optimization, Fabric), rather than still running
         around this backward (Lightning's manual optimization).
         """
+        self.ledger.enter_phase("backward")
         if not self.conflicts.pending:
             return loss
         view = self.checked_settings()
@@ -241,6 +292,7 @@ class DDPPlusEngine:
         returns True when a held uneven-inputs flag decided that this batch ends the epoch (see ``batch_starts``).
         ``failed``: the backward raised an error that ``recovers_from`` accepted."""
         self.window.record_backward(synced)
+        self.ledger.enter_phase("optimizer step" if synced else "data fetch")
         if self.telemetry is not None:
             self.telemetry.after_backward(synced)
         if not synced or self._ddp is None:
@@ -282,6 +334,7 @@ class DDPPlusEngine:
 
     def after_optimizer_step(self) -> int:
         step = self.window.record_optimizer_step()
+        self.ledger.enter_phase("data fetch", step=step)
         if self.telemetry is not None:
             self.telemetry.end_step(step)
         self.replica_guard.step_done(step)
@@ -310,7 +363,9 @@ class DDPPlusEngine:
 
     def explain(self, exception: BaseException) -> None:
         """Append to a torch error which rule it is and the fix, or what a collective timeout means."""
-        torch_errors.explain(exception, self.arguments.collective_timeout)
+        self._failed = True
+        report = self.stall_watchdog.last_report if self.stall_watchdog is not None else None
+        torch_errors.explain(exception, self.arguments.collective_timeout, report)
 
     # ------------------------------------------------------------------ results across processes
 

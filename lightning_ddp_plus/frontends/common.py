@@ -36,6 +36,10 @@ from lightning_ddp_plus.sync.ddp_internals import logging_data
 from lightning_ddp_plus.sync.wrapper import wrapping_stream
 
 
+def _size(tensor: Any) -> int:
+    return int(tensor.numel() * tensor.element_size()) if isinstance(tensor, Tensor) else 0
+
+
 @dataclass(frozen=True)
 class BackwardDone:
     """What a guarded backward returned, and whether a deferred uneven-inputs flag ended the epoch on this batch."""
@@ -159,6 +163,47 @@ class DDPPlusFrontEnd:
     def register_strategies(cls, strategy_registry: Any) -> None:
         register_names(strategy_registry, cls, cls.registry_label)
 
+    # ------------------------------------------------------------------ collectives, in the ledger
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        with self.engine.ledger.collective("barrier"):
+            super().barrier(*args, **kwargs)  # type: ignore[misc]
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        with self.engine.ledger.collective(f"broadcast from rank {src}"):
+            return super().broadcast(obj, src)  # type: ignore[misc]
+
+    def all_gather(self, tensor: Tensor, *args: Any, **kwargs: Any) -> Any:
+        with self.engine.ledger.collective("all_gather", _size(tensor)):
+            return super().all_gather(tensor, *args, **kwargs)  # type: ignore[misc]
+
+    def reduce(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's reduction (what ``self.log(..., sync_dist=True)`` calls), in the ledger."""
+        with self.engine.ledger.collective("all_reduce", _size(tensor)):
+            return super().reduce(tensor, *args, **kwargs)  # type: ignore[misc]
+
+    def all_reduce(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        """Fabric's reduction (``fabric.all_reduce``), in the ledger."""
+        with self.engine.ledger.collective("all_reduce", _size(tensor)):
+            return super().all_reduce(tensor, *args, **kwargs)  # type: ignore[misc]
+
+    def on_validation_start(self) -> None:
+        self.engine.ledger.enter_phase("validation")
+        super().on_validation_start()  # type: ignore[misc]
+
+    def on_validation_end(self) -> None:
+        self.engine.ledger.enter_phase("data fetch")
+        super().on_validation_end()  # type: ignore[misc]
+
+    def save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
+        ledger = self.engine.ledger
+        phase = ledger.phase
+        ledger.enter_phase("checkpoint save")
+        try:
+            super().save_checkpoint(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            ledger.enter_phase(phase)  # type: ignore[arg-type]
+
     # ------------------------------------------------------------------ the wrapper and the backward
 
     def _wrap(self, module: Module, device_ids: list[int] | None) -> DistributedDataParallel:
@@ -197,7 +242,9 @@ class DDPPlusFrontEnd:
         result: Any = loss
         failed = False
         try:
-            result = run(loss)
+            # with the loss divided by k, Lightning's loop called the backward: the user's line would be trainer.fit
+            with engine.synced_backward(synced, users_call=not divided_by_steps):
+                result = run(loss)
         except RuntimeError as error:
             if not (synced and engine.recovers_from(error)):
                 raise

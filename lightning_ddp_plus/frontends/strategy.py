@@ -108,6 +108,7 @@ class DDPPlusStrategy(DDPPlusFrontEnd, AtomicCheckpoints, DDPStrategy):
         self.resume = ResumeCoordinator(
             options.resume_from_last, options.collective_timeout, self, warn=rank_zero_warn, info=rank_zero_info
         )
+        self.engine.watch_stalls = True  # every fit ends with teardown, which stops the watchdog
         self._backward_syncs = True
         self._static_graph_flushed = False
 

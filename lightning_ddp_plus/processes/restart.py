@@ -111,3 +111,16 @@ def init_process_group(
     )
     kwargs: dict[str, Any] = {"device_id": device_id} if device_id is not None else {}
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
+
+
+def store_client(timeout: timedelta) -> dist.Store | None:
+    """A client of the job's store (``MASTER_ADDR``/``MASTER_PORT``) of its own, for a thread that must not share the
+    main thread's connection; ``None`` where the job has no such store."""
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not host or not port or not port.isdigit():
+        return None
+    try:
+        return dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+    except (RuntimeError, ValueError) as error:
+        log.info(f"no client of the job's store at {host}:{port}: {error}")
+        return None

@@ -2,7 +2,8 @@
 group that carries the gradients: that one may hold bucket all-reduces in flight that a flag all-reduce would be
 paired with, and an NCCL group carries no CPU tensors."""
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
 from typing import Any
 
@@ -15,8 +16,10 @@ class SideChannel:
     gradients: that one may hold bucket all-reduces in flight that a flag all-reduce would be paired with, and an
     NCCL group carries no CPU tensors."""
 
-    def __init__(self) -> None:
+    def __init__(self, record: Callable[[str, int], AbstractContextManager[Any]] | None = None) -> None:
         self._group: Any = None
+        #: Called around each collective with its name and size (the engine's collective ledger).
+        self.record = record or (lambda op, size: nullcontext())
 
     @property
     def open(self) -> bool:
@@ -52,7 +55,8 @@ class SideChannel:
         if self._group is None:
             return list(values)
         tensor = torch.tensor(list(values), dtype=torch.int64)
-        dist.all_reduce(tensor, op=op, group=self._group)
+        with self.record("flag all_reduce (sync guard, uneven inputs)", 8 * len(values)):
+            dist.all_reduce(tensor, op=op, group=self._group)
         return tensor.tolist()
 
     def gather(self, values: Sequence[int]) -> list[list[int]]:
@@ -61,5 +65,6 @@ class SideChannel:
             return [list(values)]
         tensor = torch.tensor(list(values), dtype=torch.int64)
         gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size(self._group))]
-        dist.all_gather(gathered, tensor, group=self._group)
+        with self.record("flag all_gather (sync guard, uneven inputs)", 8 * len(values)):
+            dist.all_gather(gathered, tensor, group=self._group)
         return [t.tolist() for t in gathered]

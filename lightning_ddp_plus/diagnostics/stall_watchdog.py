@@ -1,0 +1,210 @@
+"""The stall watchdog: a thread on every rank that notices a collective waited in too long, and has the ranks explain
+it to each other through the job's store, never through the process group that is stuck.
+
+Every ``poll_seconds`` the thread looks at this rank's ledger. When the main thread has waited in a collective longer
+than the threshold, it asks for an episode (one counter in the store). Every rank's thread sees the new episode at its
+next poll, writes its state there (``stalls.RankState``: its ledger's last records, its phase and step, and where its
+main thread is, with its stack) and reads the others'. Every rank then takes the same decision (``explain_stall``):
+
+- out of step: rank 0 prints the report and ends its process, which ends the job at once instead of at the timeout
+  (the popen launcher's child ranks exit when their parent is gone; under torchrun the agent stops the others). A
+  gloo wait cannot be interrupted from another thread: ``ProcessGroup.abort`` returns at once, but the blocked wait
+  only returns when a peer's connection closes (measured on torch 2.13). A rank whose collective fails first ("Connection
+  closed by peer") ends through the strategy's ``on_exception`` with the same report;
+- not reached, or every rank waits: the report is printed by the first waiting rank; the collective timeout still
+  ends the job, and its error carries the same report (``last_report``).
+
+The store is reached through a client of this thread's own, so a main thread blocked inside a store call cannot
+block it; the store's server runs in rank 0's process on a thread of its own, so rank 0's main thread being stuck
+does not stop it from answering. That server ends with rank 0's process, and a client that asks a server that is
+gone prints a long C++ warning: so every rank says in the store when its thread stopped, and rank 0 stops last,
+after the others (at most ``STOP_WAIT_SECONDS``), at the end of a fit and at the process's exit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from lightning_ddp_plus.diagnostics.call_sites import stack_text, user_call_site
+from lightning_ddp_plus.diagnostics.collective_ledger import CollectiveLedger
+from lightning_ddp_plus.diagnostics.stalls import RankState, StallReport, explain_stall, state_of
+
+#: How often the thread looks at the ledger and at the store.
+POLL_SECONDS = 0.5
+#: How long a rank waits for the others' states in an episode before it reports without them.
+EXCHANGE_SECONDS = 5.0
+#: How long rank 0's thread waits, when stopping, for the other ranks' threads to stop first.
+STOP_WAIT_SECONDS = 2.0
+
+_running: list[StallWatchdog] = []
+
+
+def main_thread_frame() -> Any:
+    """The main thread's current frame (read from another thread)."""
+    return sys._current_frames().get(threading.main_thread().ident or -1)
+
+
+class StallWatchdog:
+    """The thread of one rank, for one fit.
+
+    Args:
+        ledger: this rank's collective ledger.
+        threshold: how long a collective may be waited in before the ranks compare states.
+        end_process: ends this process (out of step: rank 0 ends, which ends the job).
+        say: how a report reaches the user.
+    """
+
+    def __init__(
+        self,
+        ledger: CollectiveLedger,
+        threshold: timedelta,
+        end_process: Callable[[int], None] = os._exit,
+        say: Callable[[str], None] | None = None,
+    ) -> None:
+        self.ledger, self.threshold = ledger, threshold.total_seconds()
+        self._end_process, self._say = end_process, say or _to_stderr
+        #: The last report this rank took part in (``None``: no stall yet), for the timeout's error.
+        self.last_report: StallReport | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._handled = 0
+        self._requested_for: int | None = None
+        self._store: Any = None
+        self._rank, self._world_size, self._prefix = 0, 1, ""
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A spawned worker gets the watchdog unstarted (threads, events and store clients do not cross)."""
+        state = dict(self.__dict__)
+        state.update(_stop=None, _thread=None, _store=None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._stop = threading.Event()
+
+    def start(self, store: Any, rank: int, world_size: int, prefix: str) -> None:
+        """Watch this rank; ``store``: a client of the job's store for this thread alone."""
+        self.stop()
+        self._stop.clear()
+        self._handled = int(store.add(f"{prefix}/episodes", 0))  # episodes before this fit are not its
+        self._requested_for = None
+        self._store, self._rank, self._world_size, self._prefix = store, rank, world_size, prefix
+        self._thread = threading.Thread(
+            target=self._run, args=(store, rank, world_size, prefix), name="ddp-plus-stall-watchdog", daemon=True
+        )
+        self._thread.start()
+        if not _running:
+            atexit.register(_stop_every_watchdog)  # Fabric has no end of fit: the process's exit is its end
+        _running.append(self)
+
+    def stop(self, orderly: bool = True) -> None:
+        """Stop the thread. ``orderly`` (the job goes on, or ends well): rank 0, whose process hosts the store, stops
+        after the others (see the module's docstring). After a failure nobody waits: a store behind a cut link may
+        not answer for a long time, and the job is ending anyway."""
+        if self._thread is None:
+            return
+        self._stop.set()
+        self._thread.join(timeout=2 * POLL_SECONDS)  # a daemon thread: one stuck in a store call is left behind
+        self._thread = None
+        if self in _running:
+            _running.remove(self)
+        if orderly:
+            self._stop_in_order()
+
+    def _stop_in_order(self) -> None:
+        stopped, store = f"{self._prefix}/stopped", self._store
+
+        def say_stopped() -> None:
+            with contextlib.suppress(Exception):  # the store may be gone already (rank 0 ended first)
+                store.add(stopped, 1)
+
+        if self._rank != 0:
+            signal = threading.Thread(target=say_stopped, name="ddp-plus-stall-watchdog-stop", daemon=True)
+            signal.start()
+            signal.join(timeout=STOP_WAIT_SECONDS)
+            return
+        deadline = time.time() + STOP_WAIT_SECONDS
+        with contextlib.suppress(Exception):
+            while int(store.add(stopped, 0)) < self._world_size - 1 and time.time() < deadline:
+                time.sleep(0.02)
+
+    def _run(self, store: Any, rank: int, world_size: int, prefix: str) -> None:
+        episodes = f"{prefix}/episodes"
+        while not self._stop.wait(POLL_SECONDS):
+            try:
+                current = self.ledger.current
+                waited = time.time() - current.started if current is not None else 0.0
+                if current is not None and waited > self.threshold and self._requested_for != current.sequence:
+                    self._requested_for = current.sequence  # once per collective
+                    store.add(episodes, 1)
+                latest = int(store.add(episodes, 0))  # read the counter without waiting
+                if latest > self._handled:
+                    self._exchange(store, rank, world_size, prefix, latest)
+            except Exception as error:  # noqa: BLE001 - the watchdog must never take the job down by itself
+                if not self._stop.is_set() and not isinstance(error, (dist.DistNetworkError, dist.DistStoreError)):
+                    self._say(f"lightning-ddp-plus: rank {rank}'s stall watchdog stopped: {error}")
+                return  # a store that is gone: rank 0's process ended, and with it the job
+
+    def _exchange(self, store: Any, rank: int, world_size: int, prefix: str, latest: int) -> None:
+        """Write this rank's state under every episode it has not answered (two ranks may ask at once), then decide
+        on the latest one with every rank's state."""
+        frame = main_thread_frame()
+        mine = state_of(rank, self.ledger, user_call_site(frame), stack_text(frame))
+        for episode in range(self._handled + 1, latest + 1):
+            store.set(f"{prefix}/{episode}/{rank}", json.dumps(mine.as_data()))
+        self._handled = latest
+        key = f"{prefix}/{latest}"
+        states = [mine]
+        deadline = time.time() + EXCHANGE_SECONDS
+        for other in (r for r in range(world_size) if r != rank):
+            while not store.check([f"{key}/{other}"]) and time.time() < deadline:
+                time.sleep(0.05)
+            if store.check([f"{key}/{other}"]):
+                states.append(RankState.from_data(json.loads(store.get(f"{key}/{other}"))))
+        states.sort(key=lambda state: state.rank)
+        if all(state.current is None for state in states):
+            return  # the wait ended before the states were read
+        report = explain_stall(states)
+        missing = world_size - len(states)
+        if missing:
+            report = StallReport(report.kind, f"{report.text} ({missing} rank(s) did not answer.)", report.culprits)
+        repeated = self.last_report is not None and (self.last_report.kind, self.last_report.culprits) == (
+            report.kind,
+            report.culprits,
+        )
+        self.last_report = report
+        if not repeated:
+            self._act(report, states, rank)
+
+    def _act(self, report: StallReport, states: list[RankState], rank: int) -> None:
+        waiting = [state.rank for state in states if state.current is not None]
+        if report.kind == "out_of_step":
+            if rank == 0:
+                self._say(
+                    "lightning-ddp-plus: the job ends now, without waiting for the collective timeout: the ranks are "
+                    f"out of step (rank 0 ends its process, and the other ranks end with it).\n{report.text}"
+                )
+                self._end_process(1)
+            return
+        if rank == min(waiting):
+            self._say(f"lightning-ddp-plus: a collective has waited longer than {self.threshold:g} s.\n{report.text}")
+
+
+def _stop_every_watchdog() -> None:
+    for watchdog in _running:
+        watchdog.stop()
+
+
+def _to_stderr(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
