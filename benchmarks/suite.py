@@ -4,7 +4,8 @@
 
 Benchmarks (each alternates its variants A B A B ... on one process group, reports medians, min/max and ratios):
   overhead   automatic optimization, time per optimizer step: stock, ddp_plus (conflict check on, off; per-step
-             sync guard off; uneven_inputs="join"), +telemetry, +replica guard (every step)
+             sync guard off; uneven_inputs="join"), +telemetry, +replica guard (every step), and ddp_plus with the
+             collective ledger, stall watchdog and phase timings off (or the phase timings alone)
   hooks      ddp_plus with none / fp16 / bf16 / powersgd: bytes and time per step (telemetry on for all)
   setup      time from Trainer.fit to the end of the first optimizer step: stock, ddp_plus validator on / off
   scaling    samples per second with 1 and 2 processes (ddp_plus), and the ratio to 1 process
@@ -103,6 +104,9 @@ def variants(name: str):
             "ddp_plus_uneven_join": plus(uneven_inputs="join"),
             "ddp_plus_telemetry": plus(telemetry=True),
             "ddp_plus_guard_every_step": plus(verify_replicas_every_n_steps=1),
+            # the collective ledger, the stall watchdog and the phase timings off: what they cost per step
+            "ddp_plus_ledger_off": plus(stall_report_after=None, ledger_length=0, find_stragglers_every_n_steps=None),
+            "ddp_plus_stragglers_off": plus(find_stragglers_every_n_steps=None),
         }
     if name == "hooks":
         return {hook or "none": plus(telemetry=True, ddp_comm_hook=hook) for hook in (None, "fp16", "bf16", "powersgd")}
@@ -200,7 +204,10 @@ def main() -> None:
     for bench in args.only:
         started = time.perf_counter()
         if bench == "overhead":
-            results[bench] = summarize(bench, launch(args, bench, 2), "stock", "step_s")
+            results[bench] = summary = summarize(bench, launch(args, bench, 2), "stock", "step_s")
+            for off in ("ddp_plus_ledger_off", "ddp_plus_stragglers_off"):  # the ratios issue 27 bounds (< 1 %)
+                ratio = summary["ddp_plus"]["step_s"]["median"] / summary[off]["step_s"]["median"]
+                summary["ddp_plus"][f"ratio_to_{off}"] = ratio
         elif bench == "hooks":
             results[bench] = summarize(bench, launch(args, bench, 2), "none", "step_s")
         elif bench == "setup":

@@ -104,7 +104,15 @@ BAD = [
     Bad("managed-argument", {"device_ids": [0]}, r"device_ids.*cannot be passed"),
     Bad("stall-not-below-timeout", {"stall_report_after": "1h"}, r"stall_report_after='1h'.*shorter than `timeout`"),
     Bad("stall-negative", {"stall_report_after": -3}, r"stall_report_after=-3.*greater than zero"),
-    Bad("ledger-zero", {"ledger_length": 0}, r"ledger_length=0.*positive integer"),
+    Bad("ledger-zero", {"ledger_length": 0}, r"ledger_length=0.*needs the ranks' ledgers.*stall_report_after=None"),
+    Bad("ledger-negative", {"ledger_length": -1}, r"ledger_length=-1.*expected an integer of 0 or more"),
+    Bad("setup-timeout-zero", {"setup_timeout": 0}, r"`setup_timeout=0`.*greater than zero"),
+    Bad(
+        "setup-timeout-backend",
+        {"setup_timeout": "2h", "process_group_backend": "mpi"},
+        r"setup_timeout='2h'.*cannot change the timeout of an 'mpi' group.*raise `timeout` itself",
+    ),
+    Bad("stragglers-zero", {"find_stragglers_every_n_steps": 0}, r"find_stragglers_every_n_steps=0.*positive integer"),
 ]
 IDS = [case.id for case in BAD]
 
@@ -145,7 +153,7 @@ def test_the_table_covers_every_declared_argument():
 
     tried = {name for case in BAD + FABRIC_BAD for name in case.strategy}
     assert set(ARGUMENT_FIELDS) - tried == {"ddp_comm_state"}  # any object is a valid state
-    assert len(BAD) + len(FABRIC_BAD) >= 52
+    assert len(BAD) + len(FABRIC_BAD) >= 56
 
 
 # Settled when `fit` starts (the launcher is the first point that has the Trainer's settings), before any launch.

@@ -33,6 +33,8 @@ CASES = [
     {"uneven": [5, 3], "strategy": {"uneven_inputs": "stop"}},
     {"uneven": [5, 3], "strategy": {"uneven_inputs": "join"}},  # 13
     {"uneven": [3, 5], "strategy": {"uneven_inputs": "join", "gradient_accumulation_steps": 2}},
+    # 15: rank 1's batches arrive 150 ms late; the ranks compare their phase times every 10 steps
+    {"slow_rank": 1, "delay_s": 0.15, "num_samples": 160, "strategy": {"find_stragglers_every_n_steps": 10}},
 ]
 
 
@@ -209,3 +211,19 @@ def test_fabric_example_runs_with_fabrics_own_launcher():
     result = run_job([sys.executable, str(REPO_ROOT / "examples" / "fabric_spirals.py")], timeout=300)
     assert result.returncode == 0, result.stdout[-3000:]
     assert "rank 0: 192 optimizer steps, 192 synced / 192 skipped backwards" in result.stdout
+
+
+def test_a_rank_slow_to_fetch_its_batches_is_named_the_straggler_in_a_fabric_loop(results):
+    """The phase clock follows Fabric's loop too: the time between ``optimizer.step()`` and the next forward is the
+    data fetch, and the other rank waits for it in the gradient all-reduce."""
+    outcome = results[15]
+    assert outcome["error"] is None, outcome["message"]
+    straggler = outcome["straggler"]
+    assert straggler is not None, "no straggler was named"
+    assert (straggler["rank"], straggler["phase"]) == (1, "data fetch")
+    assert straggler["its_ms"] > 100 > straggler["others_ms"]
+    assert straggler["others_wait_ms"] > 100
+
+
+def test_a_balanced_fabric_loop_names_no_straggler(results):
+    assert [case["straggler"] for case in results if case["straggler"] is not None] == [results[15]["straggler"]]

@@ -11,7 +11,7 @@ import uuid
 import pytest
 
 from tests.helpers import REPO_ROOT, clean_environment, free_port
-from tests.scripts.failure_job import HANG_S
+from tests.scripts.failure_job import HANG_S, SETUP_S
 
 pytestmark = pytest.mark.multiprocess
 
@@ -36,8 +36,21 @@ def processes_with(tag: str) -> list[str]:
     return found
 
 
+SCRIPT = REPO_ROOT / "tests" / "scripts" / "failure_job.py"
+
+
+def site(text: str) -> str:
+    """``failure_job.py:N in FUNCTION: TEXT``, as a report names the script's line that holds ``text``."""
+    lines = SCRIPT.read_text().splitlines()
+    number = next(index for index, line in enumerate(lines, 1) if text in line)
+    function = next(
+        line.split("def ")[1].split("(")[0] for line in reversed(lines[:number]) if line.lstrip().startswith("def ")
+    )
+    return f"failure_job.py:{number} in {function}: {text}"
+
+
 def run_failing_job(
-    mode: str, rank: int, step: int, timeout_s: float, stall: str = "auto"
+    mode: str, rank: int, step: int, timeout_s: float, stall: str = "auto", setup_timeout: str = "None"
 ) -> tuple[int, str, float, str]:
     """Run the job; return its exit code, output, seconds from the failure to the job's end, and its tag. Whatever
     the outcome, every process of the job is killed before this returns."""
@@ -51,6 +64,7 @@ def run_failing_job(
         f"{timeout_s:g}s",
         tag,
         stall,
+        setup_timeout,
     ]
     env = {**clean_environment(), "PYTHONPATH": str(REPO_ROOT), "MASTER_PORT": str(free_port())}
     # Not in a new session: the job must clean up after itself; survivors are found by their tag.
@@ -88,28 +102,71 @@ def test_hung_rank_ends_the_job_within_the_timeout_and_is_named_with_its_line(ra
     named = (
         f"Rank(s) {other} have waited",
         f"rank {rank} has not reached it",
-        "failure_job.py:32 in training_step: time.sleep(HANG_S), in its forward of step 3",
+        f"{site('time.sleep(HANG_S)')}, in its forward of step 3",
     )
     assert all(output.count(text) >= 2 for text in named), output[-4000:]
-    assert "a collective has waited longer than 3 s" in output and "line 32, in training_step" in output
+    line = site("time.sleep(HANG_S)").split(":")[1].split(" ")[0]
+    assert "a collective has waited longer than 3 s" in output and f"line {line}, in training_step" in output
+
+
+SIGTERM_BROADCAST = (
+    r"rank 1 waits in broadcast issued at training_epoch_loop.py:\d+ in _broadcast_sigterm_tensor: "
+    r"torch.distributed.broadcast\(sigterm_tensor, src=0\) \(a collective of Lightning's or torch's own, outside the "
+    r"ledger"
+)
 
 
 @pytest.mark.parametrize(
-    ("mode", "issued"),
+    ("mode", "issued", "other"),
     [
-        ("extra_log", 'failure_job.py:34 in training_step: self.log("only_here", torch.tensor(1.0), sync_dist=True)'),
-        ("rank_barrier", 'failure_job.py:36 in training_step: self.trainer.strategy.barrier("only_here")'),
+        (
+            "extra_log",
+            site('self.log("only_here", torch.tensor(1.0), sync_dist=True)'),
+            r"rank 1 issued gradient all_reduce",
+        ),
+        (
+            "rank_barrier",
+            site('self.trainer.strategy.barrier("only_here")'),
+            r"rank 1 issued gradient all_reduce",
+        ),
+        # rank 0's third validation batch logs with sync_dist; rank 1, back in training, waits in the broadcast that
+        # Lightning's loop issues before every training batch (outside the ledger: seen on its main thread's stack)
+        (
+            "extra_val_batch",
+            site('self.log("val_loss", loss, on_step=True, on_epoch=False, sync_dist=True)')
+            + " (collective 17, step 4, validation)",
+            SIGTERM_BROADCAST,
+        ),
     ],
 )
-def test_ranks_out_of_step_end_the_job_at_once_naming_each_ranks_collective(mode, issued):
-    code, output, since_failure, survivors = run_failing_job(mode, 0, step=3, timeout_s=120, stall="3s")
+def test_ranks_out_of_step_end_the_job_at_once_naming_each_ranks_collective(mode, issued, other):
+    step = 4 if mode == "extra_val_batch" else 3  # validation every 4 steps, so training goes on after it
+    code, output, since_failure, survivors = run_failing_job(mode, 0, step=step, timeout_s=120, stall="3s")
     assert not survivors, f"processes left behind: {survivors}"
     assert code != 0, output[-3000:]
     # well before the 120 s collective timeout: the threshold, one exchange through the store, and the ending
     assert since_failure < 30, (since_failure, output[-3000:])
     assert "The ranks are out of step" in output and issued in output, output[-4000:]
-    assert "rank 1 issued gradient all_reduce" in output and "sync_dist=True` on some ranks only" in output
+    assert re.search(other, output) and "sync_dist=True` on some ranks only" in output, output[-4000:]
     assert "the job ends now, without waiting for the collective timeout: the ranks are out of step" in output
+
+
+STEP_TIMEOUT_S = 3  # shorter than rank 0's setup (SETUP_S): only `setup_timeout` lets the setup through
+
+
+def test_setup_timeout_covers_a_slow_setup_and_timeout_the_steps():
+    """Rank 0 prepares for SETUP_S in ``setup`` while rank 1 waits in DDP's first broadcast, longer than the step
+    timeout: the setup timeout lets it through (and the rendezvous). A rank hung at step 3 is then noticed after the
+    short step timeout, not the setup's minute."""
+    code, output, since_failure, survivors = run_failing_job(
+        "slow_setup", 1, step=3, timeout_s=STEP_TIMEOUT_S, setup_timeout="60s"
+    )
+    assert not survivors, f"processes left behind: {survivors}"
+    assert code != 0, output[-3000:]
+    assert f"rank 0 prepares for {SETUP_S} s" in output and "setup_timeout=1m" in output  # the setup line shows it
+    assert "rank 1 hangs at step 3" in output, output[-3000:]
+    assert f"timeout ({STEP_TIMEOUT_S}s, set by `DDPPlusStrategy(timeout=...)`)" in output, output[-3000:]
+    assert since_failure < 30, (since_failure, output[-3000:])
 
 
 @pytest.mark.parametrize("rank", [0, 1])

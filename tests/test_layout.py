@@ -132,6 +132,8 @@ DDP_INTERNALS = {
     "_run_comm_hook",
     "_delay_all_reduce",
     "_get_ddp_logging_data",
+    "_execution_engine",
+    "_set_pg_timeout",
     "_set_ddp_runtime_logging_sample_rate",
     "set_runtime_stats_and_log",
     "prepare_for_forward",

@@ -22,6 +22,7 @@ def test_report_of_a_real_run(tmp_path, capsys):
         "--trainer.enable_checkpointing=false",
         "--trainer.strategy.init_args.telemetry=true",
         "--trainer.strategy.init_args.gradient_accumulation_steps=2",
+        "--trainer.strategy.init_args.find_stragglers_every_n_steps=1",
         "--data.init_args.num_train=512",
         "--data.init_args.num_val=64",
     ]
@@ -45,6 +46,14 @@ def test_report_of_a_real_run(tmp_path, capsys):
     assert float(summary["synced_backwards"]) == 2 and float(summary["skipped_backwards"]) == 2
     printed = float(summary["median_MB_per_step"])  # 3 significant digits
     assert printed == pytest.approx(parameter_bytes / 2**20, rel=5e-3)
+    # every rank's phase times side by side: logged at each comparison (every step here), printed as bars
+    with open(metrics) as file:
+        phase_rows = [row for row in csv.DictReader(file) if row.get("ddp/rank1/data_fetch_ms")]
+    assert len(phase_rows) == 2
+    assert all(float(row["ddp/rank0/compute_ms"]) > 0 and float(row["ddp/rank1/compute_ms"]) > 0 for row in phase_rows)
+    assert "phase times per rank (median ms per optimizer step over 2 comparison(s)):" in output
+    for phase in ("data fetch", "compute", "collective wait", "optimizer step"):
+        assert re.search(rf"  {phase} +rank 0 #* +[\d.]+\n +rank 1 #* +[\d.]+", output), output
 
 
 def test_report_says_what_is_missing(tmp_path):

@@ -1,12 +1,20 @@
 """The collective ledger, the user's call site and the stall decision, without processes: records built the way a
 rank builds them, and the decision over every rank's state."""
 
+import dataclasses
 import json
 import sys
 
 import pytest
 
-from lightning_ddp_plus.diagnostics.call_sites import CallSite, is_library_file, stack_text, user_call_site
+from lightning_ddp_plus.diagnostics.call_sites import (
+    CallSite,
+    CollectiveCall,
+    collective_in_progress,
+    is_library_file,
+    stack_text,
+    user_call_site,
+)
 from lightning_ddp_plus.diagnostics.collective_ledger import CollectiveLedger, CollectiveRecord
 from lightning_ddp_plus.diagnostics.stalls import RankState, explain_stall, state_of
 
@@ -135,3 +143,52 @@ def test_there_is_nothing_to_explain_without_a_waiting_rank():
     (ledger,) = in_step_ledgers(1)
     with pytest.raises(ValueError, match="no rank waits"):
         explain_stall([state(0, ledger)])
+
+
+def test_a_rank_waiting_in_a_collective_outside_the_ledger_is_out_of_step_when_every_rank_answered():
+    """Lightning issues some collectives itself (its loop's SIGTERM broadcast before every training batch): a rank
+    waiting there while the other waits in the ledger's collective is out of step, when the answers of every rank
+    crossed the network; a rank that did not answer may sit behind a cut link, and then nothing is concluded."""
+    rank0, rank1 = in_step_ledgers()
+    rank0.enter_phase("validation", step=2)
+    site = CallSite("model.py", 61, "validation_step", 'self.log("val_loss", loss, sync_dist=True)')
+    extra = CollectiveRecord(rank0.sequence + 1, "all_reduce", 4, "validation", 2, site, 0.0)
+    rank1.enter_phase("data fetch", step=2)
+    loop = CallSite("training_epoch_loop.py", 265, "_broadcast_sigterm_tensor", "torch.distributed.broadcast(t, 0)")
+    outside = CollectiveCall("broadcast", loop)
+    states = [state(0, rank0, extra, site=site), dataclasses.replace(state(1, rank1), outside_ledger=outside)]
+    report = explain_stall(states, world_size=2)
+    assert report.kind == "out_of_step" and report.culprits == (0, 1)
+    assert "rank 1 waits in broadcast issued at training_epoch_loop.py:265 in _broadcast_sigterm_tensor" in report.text
+    assert 'rank 0 waits in all_reduce of 4 B at model.py:61 in validation_step: self.log("val_loss"' in report.text
+    assert explain_stall([states[0]], world_size=2).kind != "out_of_step"  # rank 1 did not answer
+    again = RankState.from_data(json.loads(json.dumps(states[1].as_data())))
+    assert again == states[1]
+
+
+def test_the_collective_a_thread_waits_in_is_read_from_its_stack():
+    import torch.distributed as dist
+
+    seen = {}
+
+    def wait_in_barrier():
+        def spy(*args, **kwargs):
+            seen["call"] = collective_in_progress(sys._getframe(1))  # from inside torch.distributed's barrier
+            raise RuntimeError("not initialized")  # stop here: no process group is needed
+
+        original = dist.distributed_c10d._get_default_group
+        dist.distributed_c10d._get_default_group = spy
+        try:
+            dist.barrier()  # the caller line that is named
+        finally:
+            dist.distributed_c10d._get_default_group = original
+
+    with pytest.raises(RuntimeError):
+        wait_in_barrier()
+    call = seen["call"]
+    assert call is not None and call.op == "barrier"
+    assert (
+        call.issued_at.function == "wait_in_barrier"
+        and call.issued_at.source == "dist.barrier()  # the caller line that is named"
+    )
+    assert collective_in_progress(sys._getframe()) is None  # a thread in its own code waits in no collective

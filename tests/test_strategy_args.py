@@ -1,5 +1,6 @@
 """Construction-time and Trainer-time validation of ``DDPPlusStrategy``: no process is started in this file."""
 
+import os
 import warnings
 from datetime import timedelta
 
@@ -141,6 +142,9 @@ class FakeCUDAAccelerator(CPUAccelerator):
     def is_available() -> bool:
         return True
 
+    def setup_device(self, device: torch.device) -> None:
+        """Nothing to set up: no kernel runs on the claimed devices."""
+
 
 def test_gloo_is_accepted_on_cuda_devices():
     strategy = trainer(DDPPlusStrategy(process_group_backend="gloo"), accelerator=FakeCUDAAccelerator()).strategy
@@ -222,3 +226,73 @@ def test_reducer_errors_get_their_rule():
     error = RuntimeError("Expected to mark a variable ready only once. ... marked as ready twice")
     DDPPlusStrategy().on_exception(error)
     assert "this is rule R1" in str(error) and "Fix: set static_graph=True" in str(error)
+
+
+def test_a_timeout_before_the_first_step_names_setup_timeout_and_after_it_timeout():
+    """Before the first training step the group waits `setup_timeout` (when given), and a timeout there says so."""
+    message = "[gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 3000ms for recv operation to complete"
+    in_setup = RuntimeError(message)
+    DDPPlusStrategy(timeout="3s", setup_timeout="2h").on_exception(in_setup)
+    assert "timeout (2h, set by `DDPPlusStrategy(setup_timeout=...)`)" in str(in_setup)
+    assert "raise `setup_timeout` only if that rank is legitimately slow" in str(in_setup)
+    plain = RuntimeError(message)
+    DDPPlusStrategy(timeout="3s").on_exception(plain)
+    assert "(3s, set by `DDPPlusStrategy(timeout=...)`)" in str(plain)
+    assert "raise `setup_timeout` rather than `timeout`" in str(plain)
+
+
+FLIGHT_RECORDER_VARIABLES = (
+    "TORCH_FR_BUFFER_SIZE",
+    "TORCH_NCCL_TRACE_BUFFER_SIZE",
+    "TORCH_FR_DUMP_TEMP_FILE",
+    "TORCH_NCCL_DEBUG_INFO_TEMP_FILE",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT",
+)
+
+
+def test_on_nccl_the_stall_report_turns_on_nccls_flight_recorder_and_the_timeout_says_where_it_dumped(monkeypatch):
+    for name in FLIGHT_RECORDER_VARIABLES:
+        monkeypatch.delenv(name, raising=False)  # and restored as they were afterwards
+    strategy = trainer(DDPPlusStrategy(timeout="10m"), accelerator=FakeCUDAAccelerator()).strategy
+    assert strategy.process_group_backend == "nccl"
+    if not torch.distributed.is_nccl_available():  # the real path: set in each process, right before the group
+        with pytest.raises(ValueError, match="has no 'nccl' backend"):
+            strategy.setup_environment()
+        assert not torch.distributed.is_initialized()
+    else:
+        strategy.engine.prepare_process_group(strategy.process_group_backend, os.environ)
+    assert os.environ["TORCH_FR_BUFFER_SIZE"] == os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "2000"
+    assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert os.environ["TORCH_FR_DUMP_TEMP_FILE"] == "/tmp/nccl_trace_rank_"
+    error = RuntimeError(
+        "Watchdog caught collective operation timeout: WorkNCCL(SeqNum=5, OpType=ALLREDUCE) ran for 600000 "
+        "milliseconds before timing out."
+    )
+    strategy.on_exception(error)
+    assert "set by `DDPPlusStrategy(timeout=...)`" in str(error)
+    assert "NCCL flight recorder on (the last 2000 collectives per rank; dumped on a timeout to " in str(error)
+    assert "/tmp/nccl_trace_rank_<rank>; read with `python -m torch.distributed.flight_recorder.fr_trace" in str(error)
+
+
+@pytest.mark.parametrize(
+    ("backend", "arguments", "environ", "expected"),
+    [
+        ("gloo", {}, {}, {}),  # gloo has no flight recorder
+        ("nccl", {"stall_report_after": None}, {}, {}),  # the stall report off: nothing of it
+        ("nccl", {}, {"TORCH_NCCL_TRACE_BUFFER_SIZE": "0"}, {"TORCH_NCCL_TRACE_BUFFER_SIZE": "0"}),  # the user's off
+        (
+            "nccl",
+            {},
+            {"TORCH_FR_BUFFER_SIZE": "64", "TORCH_FR_DUMP_TEMP_FILE": "/scratch/fr_"},
+            {
+                "TORCH_FR_BUFFER_SIZE": "64",
+                "TORCH_FR_DUMP_TEMP_FILE": "/scratch/fr_",
+                "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",  # the one variable the user left unset
+            },
+        ),
+    ],
+)
+def test_the_flight_recorder_keeps_what_the_user_set(backend, arguments, environ, expected):
+    engine = DDPPlusStrategy(**arguments).engine
+    engine.prepare_process_group(backend, environ)
+    assert environ == expected

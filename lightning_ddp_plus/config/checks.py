@@ -69,17 +69,19 @@ def require_positive_int_or_none(argument: str, value: Any, example: str, meanin
     return value
 
 
-def require_positive_int(argument: str, value: Any, example: str) -> int:
-    """An integer of at least 1 (``None`` and ``bool`` are refused).
+def require_count(argument: str, value: Any, example: str) -> int:
+    """An integer of at least 0 (``None`` and ``bool`` are refused).
 
-    >>> require_positive_int("ledger_length", 0, "64")
+    >>> require_count("ledger_length", -1, "64")
     Traceback (most recent call last):
     ...
-    lightning_ddp_plus.config.messages.ArgumentValueError: `ledger_length=0` is not valid: expected a positive integer. Fix: set e.g. `ledger_length=64`.
+    lightning_ddp_plus.config.messages.ArgumentValueError: `ledger_length=-1` is not valid: expected an integer of 0 or more. Fix: set e.g. `ledger_length=64`.
     """
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ArgumentValueError(
-            describe_bad_value(argument, value, "expected a positive integer.", f"set e.g. `{argument}={example}`.")
+            describe_bad_value(
+                argument, value, "expected an integer of 0 or more.", f"set e.g. `{argument}={example}`."
+            )
         )
     return value
 

@@ -112,3 +112,38 @@ def format_timeout(value: timedelta) -> str:
     if remaining > 1e-9 or not parts:
         parts.append(f"{remaining:g}s")
     return "".join(parts)
+
+
+def check_setup_timeout(
+    setup_timeout: timedelta | None, backend: str | None, can_set: bool, settable_backends: tuple[str, ...]
+) -> None:
+    """``setup_timeout`` needs a torch that changes a group's timeout after its creation, on a backend it changes.
+
+    >>> check_setup_timeout(timedelta(hours=2), "mpi", True, ("gloo", "nccl"))
+    Traceback (most recent call last):
+    ...
+    lightning_ddp_plus.config.messages.ArgumentValueError: `setup_timeout='2h'` is not valid: the step timeout is set on the process group once the first training step starts, and torch cannot change the timeout of an 'mpi' group (only of gloo and NCCL groups). Fix: drop `setup_timeout` and raise `timeout` itself, or use a gloo or NCCL backend.
+    """
+    if setup_timeout is None or backend is None:
+        return
+    shown = format_timeout(setup_timeout)
+    if not can_set:
+        raise ArgumentValueError(
+            describe_bad_value(
+                "setup_timeout",
+                shown,
+                "this torch cannot change a process group's timeout once the group exists "
+                "(`torch.distributed.distributed_c10d._set_pg_timeout` is missing).",
+                "drop `setup_timeout` and raise `timeout` itself, or use a torch release that has it.",
+            )
+        )
+    if backend not in settable_backends:
+        raise ArgumentValueError(
+            describe_bad_value(
+                "setup_timeout",
+                shown,
+                "the step timeout is set on the process group once the first training step starts, and torch "
+                f"cannot change the timeout of an {backend!r} group (only of gloo and NCCL groups).",
+                "drop `setup_timeout` and raise `timeout` itself, or use a gloo or NCCL backend.",
+            )
+        )

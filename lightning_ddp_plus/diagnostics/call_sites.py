@@ -82,6 +82,58 @@ def caller_site() -> CallSite | None:
     return user_call_site(sys._getframe(1))
 
 
+#: ``torch.distributed``'s collectives, by the name of the function a thread waits in.
+COLLECTIVE_FUNCTIONS = frozenset(
+    {
+        "all_reduce",
+        "broadcast",
+        "barrier",
+        "monitored_barrier",
+        "all_gather",
+        "all_gather_into_tensor",
+        "all_gather_object",
+        "broadcast_object_list",
+        "reduce",
+        "gather",
+        "gather_object",
+        "scatter",
+        "scatter_object_list",
+        "reduce_scatter",
+        "reduce_scatter_tensor",
+        "all_to_all",
+        "all_to_all_single",
+    }
+)
+_TORCH_DISTRIBUTED = os.sep + os.path.join("torch", "distributed") + os.sep
+
+
+@dataclass(frozen=True)
+class CollectiveCall:
+    """A collective of ``torch.distributed`` that a thread is inside, and the line that called it (Lightning's own,
+    such as the loop's SIGTERM broadcast, or the user's): one the collective ledger does not see."""
+
+    op: str
+    issued_at: CallSite
+
+    def __str__(self) -> str:
+        return f"{self.op} issued at {self.issued_at}"
+
+
+def collective_in_progress(frame: FrameType | None) -> CollectiveCall | None:
+    """The ``torch.distributed`` collective the thread whose innermost frame is ``frame`` waits in, if it waits in
+    one (its innermost frames are ``torch.distributed``'s, one of them a collective)."""
+    op = None
+    while frame is not None and _TORCH_DISTRIBUTED in os.path.abspath(frame.f_code.co_filename):
+        if frame.f_code.co_name in COLLECTIVE_FUNCTIONS and frame.f_code.co_filename.endswith("distributed_c10d.py"):
+            op = frame.f_code.co_name  # the outermost one: all_gather_object waits inside its own all_gather
+        frame = frame.f_back
+    if op is None or frame is None:
+        return None
+    code = frame.f_code
+    source = linecache.getline(code.co_filename, frame.f_lineno).strip()
+    return CollectiveCall(op, CallSite(code.co_filename, frame.f_lineno, code.co_name, source))
+
+
 def stack_text(frame: FrameType | None, limit: int = 12) -> str:
     """The innermost ``limit`` frames of a stack, innermost last, as a traceback prints them."""
     if frame is None:

@@ -20,9 +20,17 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 from lightning_ddp_plus.diagnostics.call_sites import CallSite, caller_site
+from lightning_ddp_plus.diagnostics.phase_timings import PhaseClock, TimedPhase
 
 #: Where in a training step the main thread is.
 Phase = Literal["setup", "data fetch", "forward", "backward", "optimizer step", "validation", "checkpoint save"]
+#: The phase clock's name of each phase (``None``: not timed).
+_TIMED: dict[str, TimedPhase | None] = {
+    "data fetch": "data fetch",
+    "forward": "compute",
+    "backward": "compute",
+    "optimizer step": "optimizer step",
+}
 
 
 @dataclass
@@ -83,8 +91,11 @@ class CollectiveLedger:
     (['broadcast', 'all_reduce'], 3)
     """
 
-    def __init__(self, length: int = 64) -> None:
+    def __init__(self, length: int = 64, clock: PhaseClock | None = None) -> None:
+        #: ``length`` 0: no records (and no call sites looked up); phases and the clock still follow the thread.
         self.records: deque[CollectiveRecord] = deque(maxlen=length)
+        #: Told of every phase and collective (straggler attribution), if any.
+        self.clock = clock
         self.sequence = 0
         self.phase: str = "setup"
         self.step = 0
@@ -98,22 +109,36 @@ class CollectiveLedger:
         if step is not None:
             self.step = step
         self.progressed = time.time()
+        if self.clock is not None:
+            self.clock.switch(_TIMED.get(phase))
 
     @contextmanager
-    def collective(self, op: str, size_bytes: int = 0, users_call: bool = True) -> Iterator[CollectiveRecord]:
+    def collective(
+        self, op: str, size_bytes: int = 0, users_call: bool = True, waits: bool = True
+    ) -> Iterator[CollectiveRecord | None]:
         """Record the collective that runs inside the ``with`` block, issued from the user's line that led here
-        (``users_call=False``: Lightning's loop issued it, and the user's line would only be ``trainer.fit``)."""
+        (``users_call=False``: Lightning's loop issued it, and the user's line would only be ``trainer.fit``).
+
+        ``waits=False``: the block also computes (the backward around the gradient all-reduce), and whoever runs it
+        tells the clock when the waiting starts."""
         self.sequence += 1
-        site = caller_site() if users_call else None
-        record = CollectiveRecord(self.sequence, op, size_bytes, self.phase, self.step, site, started=time.time())
-        self.records.append(record)
-        self.current = record
-        self.progressed = record.started
+        clock = self.clock if waits and self.clock is not None and self.clock.phase is not None else None
+        resumed = clock.switch("collective wait") if clock is not None else None
+        record = None
+        if self.records.maxlen:
+            site = caller_site() if users_call else None
+            record = CollectiveRecord(self.sequence, op, size_bytes, self.phase, self.step, site, started=time.time())
+            self.records.append(record)
+            self.current = record
+            self.progressed = record.started
         try:
             yield record
         finally:
-            record.ended = self.progressed = time.time()
-            self.current = None
+            if record is not None:
+                record.ended = self.progressed = time.time()
+                self.current = None
+            if clock is not None:
+                clock.switch(resumed)
 
     def last(self, count: int = 8) -> list[CollectiveRecord]:
         """The last ``count`` records, oldest first (a copy: the main thread may append meanwhile)."""

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from lightning_ddp_plus.diagnostics.call_sites import stack_text, user_call_site
+from lightning_ddp_plus.diagnostics.call_sites import collective_in_progress, stack_text, user_call_site
 from lightning_ddp_plus.diagnostics.collective_ledger import CollectiveLedger
 from lightning_ddp_plus.diagnostics.stalls import RankState, StallReport, explain_stall, state_of
 
@@ -160,7 +160,9 @@ class StallWatchdog:
         """Write this rank's state under every episode it has not answered (two ranks may ask at once), then decide
         on the latest one with every rank's state."""
         frame = main_thread_frame()
-        mine = state_of(rank, self.ledger, user_call_site(frame), stack_text(frame))
+        mine = state_of(
+            rank, self.ledger, user_call_site(frame), stack_text(frame), outside_ledger=collective_in_progress(frame)
+        )
         for episode in range(self._handled + 1, latest + 1):
             store.set(f"{prefix}/{episode}/{rank}", json.dumps(mine.as_data()))
         self._handled = latest
@@ -175,7 +177,7 @@ class StallWatchdog:
         states.sort(key=lambda state: state.rank)
         if all(state.current is None for state in states):
             return  # the wait ended before the states were read
-        report = explain_stall(states)
+        report = explain_stall(states, world_size)
         missing = world_size - len(states)
         if missing:
             report = StallReport(report.kind, f"{report.text} ({missing} rank(s) did not answer.)", report.culprits)

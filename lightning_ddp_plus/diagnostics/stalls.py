@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from lightning_ddp_plus.diagnostics.call_sites import CallSite
+from lightning_ddp_plus.diagnostics.call_sites import CallSite, CollectiveCall
 from lightning_ddp_plus.diagnostics.collective_ledger import CollectiveRecord
 
 StallKind = Literal["out_of_step", "not_reached", "every_rank_waits"]
@@ -46,6 +46,9 @@ class RankState:
     site: CallSite | None
     stack: str
     last: list[CollectiveRecord] = field(default_factory=list)
+    #: Outside any collective of the ledger: a ``torch.distributed`` collective its main thread waits in all the
+    #: same (one Lightning issues itself, such as its loop's SIGTERM broadcast before every training batch).
+    outside_ledger: CollectiveCall | None = None
 
     def as_data(self) -> dict[str, Any]:
         return {
@@ -58,6 +61,11 @@ class RankState:
             "site": vars(self.site) if self.site else None,
             "stack": self.stack,
             "last": [record.as_data() for record in self.last],
+            "outside_ledger": (
+                {"op": self.outside_ledger.op, "issued_at": vars(self.outside_ledger.issued_at)}
+                if self.outside_ledger
+                else None
+            ),
         }
 
     @classmethod
@@ -72,6 +80,11 @@ class RankState:
             site=CallSite(**data["site"]) if data["site"] else None,
             stack=data["stack"],
             last=[CollectiveRecord.from_data(record) for record in data["last"]],
+            outside_ledger=(
+                CollectiveCall(outside["op"], CallSite(**outside["issued_at"]))
+                if (outside := data.get("outside_ledger"))
+                else None
+            ),
         )
 
 
@@ -139,6 +152,33 @@ def _out_of_step(states: list[RankState], sequence: int) -> StallReport:
     return StallReport("out_of_step", text, tuple(rank for rank, record in at.items() if record.op != majority))
 
 
+def _waits_in(state: RankState) -> str:
+    if state.current is not None:
+        return f"rank {state.rank} waits in {state.current.describe()}"
+    assert state.outside_ledger is not None
+    return (
+        f"rank {state.rank} waits in {state.outside_ledger} (a collective of Lightning's or torch's own, outside the "
+        f"ledger; its last collective in the ledger was {state.sequence}), at {_where(state)}"
+    )
+
+
+def _in_different_collectives(states: list[RankState]) -> StallReport:
+    """Every rank waits in a collective, some in one the ledger does not see: they cannot pair up."""
+    kinds = [state.current.op if state.current is not None else f"outside: {state.outside_ledger}" for state in states]
+    majority = max(set(kinds), key=lambda kind: (kinds.count(kind), kind))
+    if kinds.count(majority) <= len(kinds) / 2:
+        majority = ""
+    text = (
+        "The ranks are out of step: every rank waits in a collective, but not in the same one, so they can never "
+        "pair up; no rank is hung and waiting longer cannot help. "
+        + "; ".join(_waits_in(state) for state in states)
+        + ". The likely cause: "
+        + LIKELY_CAUSES
+        + ". Fix: issue the same collectives on every rank, in the same order."
+    )
+    return StallReport("out_of_step", text, tuple(s.rank for s, kind in zip(states, kinds) if kind != majority))
+
+
 def _not_reached(waiting: list[RankState], behind: list[RankState]) -> StallReport:
     leader = max(waiting, key=_position)
     collective = leader.current
@@ -160,9 +200,13 @@ def _not_reached(waiting: list[RankState], behind: list[RankState]) -> StallRepo
     return StallReport("not_reached", text, tuple(s.rank for s in behind))
 
 
-def explain_stall(states: list[RankState]) -> StallReport:
+def explain_stall(states: list[RankState], world_size: int | None = None) -> StallReport:
     """The decision for every rank's state (see the module's docstring): the ranks' ledgers are compared by sequence
     number first (a different collective at one number is out of step), then by how far each rank got.
+
+    A rank outside the ledger's collectives whose main thread still waits in a ``torch.distributed`` collective
+    (Lightning issues some itself) while the others wait in the ledger's is out of step too, when every rank of the
+    ``world_size`` answered: their answers crossed the network, so a cut link does not explain the wait.
 
     >>> site = CallSite("model.py", 57, "training_step", 'self.log("extra", x, sync_dist=True)')
     >>> log = CollectiveRecord(17, "all_reduce", 4, "forward", 3, site, 0.0)
@@ -177,6 +221,10 @@ def explain_stall(states: list[RankState]) -> StallReport:
     mismatch = first_mismatch(states)
     if mismatch is not None:
         return _out_of_step(states, mismatch)
+    everyone = world_size is None or len(states) == world_size
+    every_rank_waits = all(s.current is not None or s.outside_ledger is not None for s in states)
+    if everyone and every_rank_waits and any(s.current is None for s in states):
+        return _in_different_collectives(states)
     ahead = max(_position(state) for state in waiting)
     behind = [s for s in states if _position(s) < ahead or s.current is None]
     if behind:
@@ -190,8 +238,16 @@ def explain_stall(states: list[RankState]) -> StallReport:
     return StallReport("every_rank_waits", text, ())
 
 
-def state_of(rank: int, ledger: Any, site: CallSite | None, stack: str, now: float | None = None) -> RankState:
-    """This rank's state, from its ledger and its main thread's innermost user frame and stack."""
+def state_of(
+    rank: int,
+    ledger: Any,
+    site: CallSite | None,
+    stack: str,
+    now: float | None = None,
+    outside_ledger: CollectiveCall | None = None,
+) -> RankState:
+    """This rank's state, from its ledger and its main thread's innermost user frame, stack, and the collective
+    outside the ledger it waits in, if any."""
     now = time.time() if now is None else now
     current = ledger.current
     since = current.started if current is not None else ledger.progressed
@@ -205,4 +261,5 @@ def state_of(rank: int, ledger: Any, site: CallSite | None, stack: str, now: flo
         site=site,
         stack=stack,
         last=ledger.last(),
+        outside_ledger=outside_ledger if current is None else None,
     )

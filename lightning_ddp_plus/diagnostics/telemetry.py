@@ -18,6 +18,7 @@ from typing import Any
 import lightning.pytorch as pl
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_ddp_plus.diagnostics.phase_timings import TIMED_PHASES, PhaseTimes
 from lightning_ddp_plus.sync.comm_hooks import CommHook, HookAssembly
 from lightning_ddp_plus.sync.ddp_internals import logging_data, set_timing_sample_rate
 
@@ -83,6 +84,19 @@ def compressed_bytes(hook: Any, handed_bytes: int, element_size: int, compressed
     if hook in (CommHook.POWERSGD, CommHook.BATCHED_POWERSGD) and compressed_elements:
         return compressed_elements * element_size
     return handed_bytes
+
+
+def phase_metrics(times: list[PhaseTimes], prefix: str = "ddp/") -> dict[str, float]:
+    """Every rank's phase medians, as ``ddp/rank1/data_fetch_ms`` (what ``ddp-plus report`` draws side by side).
+
+    >>> phase_metrics([PhaseTimes(1, 150.0, 6.0, 0.5, 0.4)])["ddp/rank1/data_fetch_ms"]
+    150.0
+    """
+    return {
+        f"{prefix}rank{rank_times.rank}/{phase.replace(' ', '_')}_ms": rank_times.of(phase)
+        for rank_times in times
+        for phase in TIMED_PHASES
+    }
 
 
 class SyncTelemetry:
@@ -171,6 +185,7 @@ class DDPTelemetry(pl.Callback):
 
     def __init__(self) -> None:
         self._logged_step = -1
+        self._logged_phase_times: list[PhaseTimes] | None = None
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -182,6 +197,11 @@ class DDPTelemetry(pl.Callback):
         if telemetry.last.step % max(1, trainer.log_every_n_steps) == 0:  # type: ignore[attr-defined]
             for logger in trainer.loggers:
                 logger.log_metrics(telemetry.last.as_metrics(), step=trainer.global_step)
+        phase_times = getattr(trainer.strategy, "phase_times", None)
+        if phase_times and phase_times is not self._logged_phase_times:  # a new comparison of the ranks
+            self._logged_phase_times = phase_times
+            for logger in trainer.loggers:
+                logger.log_metrics(phase_metrics(phase_times), step=trainer.global_step)
         if trainer.progress_bar_callback is not None:
             pl_module.log(
                 "ddp_MB", telemetry.last.bytes_sent / 2**20, on_step=True, on_epoch=False, prog_bar=True, logger=False

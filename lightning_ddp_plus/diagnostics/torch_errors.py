@@ -8,6 +8,7 @@ Lightning replaces an exception's message on its way out of ``fit``; the front e
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from datetime import timedelta
 
 from lightning_ddp_plus.config.timeout import format_timeout
@@ -43,12 +44,19 @@ def reducer_error_note(message: str) -> str | None:
     )
 
 
-def timeout_note(timeout: timedelta) -> str:
+def timeout_note(timeout: timedelta, argument: str = "timeout") -> str:
+    """``argument``: what set the timeout in effect (``setup_timeout`` before the first training step)."""
+    legitimately_slow = (
+        "raise `setup_timeout` only if that rank is legitimately slow (e.g. data preparation on rank 0)"
+        if argument == "setup_timeout"
+        else "if that rank is legitimately slow before training (data preparation on rank 0, loading a large "
+        "model), raise `setup_timeout` rather than `timeout`"
+    )
     return (
         f"lightning-ddp-plus: a collective waited longer than the process group's timeout "
-        f"({format_timeout(timeout)}, set by `DDPPlusStrategy(timeout=...)`): another rank is hung, "
-        "crashed or much slower, or cut off. Fix: find the rank that stopped (its own error or a stack dump); "
-        "raise `timeout` only if that rank is legitimately slow (e.g. data preparation on rank 0)."
+        f"({format_timeout(timeout)}, set by `DDPPlusStrategy({argument}=...)`): another rank is hung, "
+        f"crashed or much slower, or cut off. Fix: find the rank that stopped (its own error or a stack dump); "
+        f"{legitimately_slow}."
     )
 
 
@@ -58,16 +66,28 @@ PEER_CLOSED_NOTE = (
 )
 
 
-def stall_note(report: StallReport, timeout: timedelta) -> str:
+def stall_note(report: StallReport, timeout: timedelta, argument: str = "timeout") -> str:
     if report.kind == "out_of_step":
         return (
             "lightning-ddp-plus: the ranks were out of step, so the job ended without waiting for the timeout (one "
             f"rank ended its process so that every rank's collective returned).\n{report.text}"
         )
-    return f"{timeout_note(timeout)}\nWhat the ranks reported while the collective waited:\n{report.text}"
+    return f"{timeout_note(timeout, argument)}\nWhat the ranks reported while the collective waited:\n{report.text}"
 
 
-def explain(exception: BaseException, timeout: timedelta, stall: StallReport | None = None) -> None:
+@dataclass(frozen=True)
+class TimeoutContext:
+    """What a collective timeout's note says: the timeout in effect and the argument that set it (``setup_timeout``
+    before the first training step), what the ranks reported while the collective waited, and where NCCL's flight
+    recorder wrote its dumps."""
+
+    timeout: timedelta
+    argument: str = "timeout"
+    stall: StallReport | None = None
+    flight_recorder: str | None = None
+
+
+def explain(exception: BaseException, context: TimeoutContext) -> None:
     """Append to a torch error which rule it is and the fix, or what a collective timeout or a closed peer means
     (what the ranks reported, when the stall watchdog saw it), and then which ranks are still reachable. The
     package's own errors already say all of it."""
@@ -75,14 +95,16 @@ def explain(exception: BaseException, timeout: timedelta, stall: StallReport | N
         return
     message = exception.args[0]
     about_peers = bool(COLLECTIVE_TIMEOUT.search(message) or PEER_CLOSED.search(message))
-    if about_peers and stall is not None:
-        note: str | None = stall_note(stall, timeout)
+    if about_peers and context.stall is not None:
+        note: str | None = stall_note(context.stall, context.timeout, context.argument)
     elif COLLECTIVE_TIMEOUT.search(message):
-        note = timeout_note(timeout)
+        note = timeout_note(context.timeout, context.argument)
     elif PEER_CLOSED.search(message):
         note = PEER_CLOSED_NOTE
     else:
         note = reducer_error_note(message)
+    if about_peers and context.flight_recorder is not None:
+        note = f"{note or ''}\nlightning-ddp-plus: {context.flight_recorder}".lstrip("\n")
     if note is not None:
         exception.args = (f"{message}\n\n{note}", *exception.args[1:])
     # the probes take up to 2 s, so the note above is in place first, whatever happens to them

@@ -34,13 +34,19 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_ddp_plus.config.backend import normalize_backend
 from lightning_ddp_plus.config.checks import (
     require_bool,
+    require_count,
     require_one_of,
-    require_positive_int,
     require_positive_int_or_none,
 )
 from lightning_ddp_plus.config.messages import ArgumentTypeError, ArgumentValueError, closest_name, describe_bad_value
 from lightning_ddp_plus.config.settings import DDPSettings, require_bool_or_auto, require_bucket_cap
-from lightning_ddp_plus.config.timeout import DEFAULT_TIMEOUT, TimeoutLike, format_timeout, parse_timeout
+from lightning_ddp_plus.config.timeout import (
+    DEFAULT_TIMEOUT,
+    TimeoutLike,
+    check_setup_timeout,
+    format_timeout,
+    parse_timeout,
+)
 from lightning_ddp_plus.conflicts.check import ConflictMode
 from lightning_ddp_plus.diagnostics.replicas import check_every_n_steps
 from lightning_ddp_plus.persistence.resume import ResumeMode
@@ -49,6 +55,7 @@ from lightning_ddp_plus.sharding.optimizer import OptimizerSharding, check_optim
 from lightning_ddp_plus.sync.accumulation import ShortWindow, check_accumulation_steps
 from lightning_ddp_plus.sync.buckets import check_auto_with_hook
 from lightning_ddp_plus.sync.comm_hooks import CommHook, HookFunction, check_comm_wrapper, parse_comm_hook
+from lightning_ddp_plus.sync.ddp_internals import CAN_SET_GROUP_TIMEOUT, GROUP_TIMEOUT_BACKENDS
 from lightning_ddp_plus.sync.uneven import UnevenInputs
 
 #: The front ends, by the class name their messages use.
@@ -75,6 +82,10 @@ def _choice(fix: str) -> Check:
 def _stall_threshold(argument: str, value: Any) -> Any:
     """``"auto"``, ``None``, or a duration in ``timeout``'s forms (parsed; compared with ``timeout`` afterwards)."""
     return value if value in ("auto", None) else parse_timeout(value, argument)
+
+
+def _setup_timeout(argument: str, value: Any) -> timedelta | None:
+    return None if value is None else parse_timeout(value, argument)
 
 
 def _count(example: str) -> Check:
@@ -110,6 +121,12 @@ class DDPPlusArguments:
     timeout: TimeoutLike | None = argument(DEFAULT_TIMEOUT, lambda argument, value: parse_timeout(value, argument))
     """How long a collective may wait before the job fails: seconds, a ``timedelta``, ``"90s"``, ``"30m"``, ``"2h"``,
     ``"1h30m"``, ``"1d"``, ``"0:30:00"`` or ``"1 day, 0:00:00"``. Default 30 minutes."""
+
+    setup_timeout: TimeoutLike | None = argument(None, _setup_timeout)
+    """How long a collective may wait from the process group's creation to the first training step: the ranks
+    waiting while rank 0 prepares data or loads a large model. The first training forward sets the group's timeout
+    to ``timeout`` (and the end of the fit back), so a stuck step is not waited for as long. The same forms as
+    ``timeout``; ``None`` (default): ``timeout`` throughout. Needs a gloo or NCCL process group."""
 
     find_unused_parameters: bool = argument(False, _flag)
     """Let DDP find parameters that get no gradient in an iteration."""
@@ -248,8 +265,15 @@ class DDPPlusArguments:
     named with its line and stack, and the collective timeout's error carries the same report. ``"auto"`` (default):
     a quarter of ``timeout``, at most 5 minutes. ``None``: off. The same forms as ``timeout``, and shorter than it."""
 
-    ledger_length: int = argument(64, lambda argument, value: require_positive_int(argument, value, "64"))
-    """The collectives each rank remembers (its collective ledger), for the stall report."""
+    ledger_length: int = argument(64, lambda argument, value: require_count(argument, value, "64"))
+    """The collectives each rank remembers (its collective ledger), for the stall report. ``0``: none (the ledger
+    is off), which needs ``stall_report_after=None``."""
+
+    find_stragglers_every_n_steps: int | None = argument(50, _count("50"))
+    """Every N optimizer steps, the ranks compare their median time per step in data fetch, compute (less the time
+    waited in collectives), collective wait and optimizer step (one gather of four integers per rank), and a rank
+    the others wait for gets one warning (repeated at most every 5 minutes) naming it, the phase and the figures.
+    ``None``: off."""
 
     ddp_kwargs: Mapping[str, Any] = field(default_factory=dict, metadata={"declared": False})
     """Further ``DistributedDataParallel`` arguments (a front end's ``**kwargs``), checked against its signature."""
@@ -262,16 +286,7 @@ class DDPPlusArguments:
         self._check_across_arguments()
 
     def _check_across_arguments(self) -> None:
-        threshold = self.stall_threshold
-        if threshold is not None and threshold >= self.collective_timeout:
-            raise ArgumentValueError(
-                describe_bad_value(
-                    "stall_report_after",
-                    format_timeout(threshold),
-                    f"it must be shorter than `timeout` ({format_timeout(self.collective_timeout)}), which ends the job.",
-                    "set it well below the timeout (e.g. a quarter of it: `'auto'`), or raise `timeout`.",
-                )
-            )
+        self._check_timeouts()
         check_comm_wrapper(self.ddp_comm_wrapper, self.comm_hook)
         check_auto_with_hook(self.bucket_cap_mb, self.comm_hook)
         conflicts = refusals(
@@ -288,6 +303,33 @@ class DDPPlusArguments:
                 + " ".join(conflicts)
                 + " Fix: use `optimizer_sharding=True` (the same memory saving, the step after the backward), or "
                 "change the settings named."
+            )
+
+    def _check_timeouts(self) -> None:
+        """``stall_report_after`` against ``timeout``, a ledger to compare while the report is on, and
+        ``setup_timeout`` against a backend named here (``"auto"`` is judged once the device is known)."""
+        if self.setup_timeout is not None:
+            check_setup_timeout(self.process_group_timeout, self.backend, CAN_SET_GROUP_TIMEOUT, GROUP_TIMEOUT_BACKENDS)
+        threshold = self.stall_threshold
+        if threshold is not None and threshold >= self.collective_timeout:
+            raise ArgumentValueError(
+                describe_bad_value(
+                    "stall_report_after",
+                    format_timeout(threshold),
+                    f"it must be shorter than `timeout` ({format_timeout(self.collective_timeout)}), which ends the job.",
+                    "set it well below the timeout (e.g. a quarter of it: `'auto'`), or raise `timeout`.",
+                )
+            )
+        if threshold is not None and self.ledger_length == 0:
+            raise ArgumentValueError(
+                describe_bad_value(
+                    "ledger_length",
+                    0,
+                    "the stall report needs the ranks' ledgers, and `stall_report_after` is on "
+                    f"({format_timeout(threshold)}).",
+                    "keep a ledger (e.g. `ledger_length=64`, the default), or turn the report off with "
+                    "`stall_report_after=None`.",
+                )
             )
 
     @classmethod
@@ -321,6 +363,12 @@ class DDPPlusArguments:
         """``timeout`` as its check parsed it."""
         assert isinstance(self.timeout, timedelta)
         return self.timeout
+
+    @property
+    def process_group_timeout(self) -> timedelta:
+        """The timeout the process group is created with: ``setup_timeout``, else ``timeout``."""
+        assert self.setup_timeout is None or isinstance(self.setup_timeout, timedelta)
+        return self.setup_timeout or self.collective_timeout
 
     @property
     def stall_threshold(self) -> timedelta | None:

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, MutableMapping
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from datetime import timedelta
 from typing import Any
 
@@ -48,9 +48,12 @@ from lightning_ddp_plus.conflicts.facts import ModelFacts, running_stat_buffers
 from lightning_ddp_plus.conflicts.rules import CheckedSettings
 from lightning_ddp_plus.diagnostics import torch_errors
 from lightning_ddp_plus.diagnostics.collective_ledger import CollectiveLedger
+from lightning_ddp_plus.diagnostics.flight_recorder import FlightRecorder, turn_on_flight_recorder
+from lightning_ddp_plus.diagnostics.phase_timings import StragglerWatch
 from lightning_ddp_plus.diagnostics.replicas import ReplicaGuard
 from lightning_ddp_plus.diagnostics.stall_watchdog import StallWatchdog
 from lightning_ddp_plus.diagnostics.telemetry import SyncTelemetry
+from lightning_ddp_plus.diagnostics.torch_errors import TimeoutContext
 from lightning_ddp_plus.engine.arguments import DDPPlusArguments, FrontEnd
 from lightning_ddp_plus.engine.setup_line import InEffect, setup_line
 from lightning_ddp_plus.processes.restart import restart_attempt, store_client
@@ -58,7 +61,12 @@ from lightning_ddp_plus.sharding import optimizer as sharding
 from lightning_ddp_plus.sync.accumulation import AccumulationWindow, SyncStats, scale_gradients
 from lightning_ddp_plus.sync.buckets import BucketTuner
 from lightning_ddp_plus.sync.comm_hooks import HookAssembly
-from lightning_ddp_plus.sync.ddp_internals import rebuild_reducer, replay_forward
+from lightning_ddp_plus.sync.ddp_internals import (
+    queue_backward_callback,
+    rebuild_reducer,
+    replay_forward,
+    set_group_timeout,
+)
 from lightning_ddp_plus.sync.side_channel import SideChannel
 from lightning_ddp_plus.sync.step_guard import SyncFault, SyncGuard
 from lightning_ddp_plus.sync.uneven import RankBatches, UnevenInputsCheck, uneven_flags
@@ -88,8 +96,14 @@ class DDPPlusEngine:
         self.conflicts = ConflictCheck(arguments.checkpointing_conflict, warn=warn, info=info)
         self.hooks = HookAssembly(arguments.comm_hook, arguments.ddp_comm_state, arguments.ddp_comm_wrapper)
         self.replica_guard = ReplicaGuard(arguments.verify_replicas_every_n_steps)
-        #: The last collectives of this rank (``stall_report_after``): what the stall watchdog compares.
-        self.ledger = CollectiveLedger(arguments.ledger_length)
+        every = arguments.find_stragglers_every_n_steps
+        #: Straggler attribution: this rank's phase timings, compared across ranks every N steps.
+        self.stragglers = StragglerWatch(every, warn) if every is not None else None
+        #: The last collectives of this rank (``stall_report_after``): what the stall watchdog compares. It also
+        #: tells the phase clock of every phase and collective.
+        self.ledger = CollectiveLedger(
+            arguments.ledger_length, clock=self.stragglers.clock if self.stragglers is not None else None
+        )
         threshold = arguments.stall_threshold
         self.stall_watchdog = StallWatchdog(self.ledger, threshold) if threshold is not None else None
         #: Whether fits start the watchdog: a front end sets it when it stops the engine at the end of every fit
@@ -110,7 +124,12 @@ class DDPPlusEngine:
         #: Called at the start of every training forward, before its sync state is read (Fabric's window uses it).
         self.before_training_forward: Callable[[DistributedDataParallel], None] | None = None
         self._forward_synced = True
-        self._handle: Any = None
+        self._handles: list[Any] = []
+        self._broadcasts_buffers = False
+        self._buffer_broadcast = ExitStack()
+        self._steps_started = False
+        #: NCCL's flight recorder in effect, where ``prepare_process_group`` turned it on.
+        self.flight_recorder: FlightRecorder | None = None
         self._epoch = 0
 
     # ------------------------------------------------------------------ setup and teardown
@@ -134,7 +153,13 @@ class DDPPlusEngine:
         self._start_stall_watchdog()
         self.sync_guard.attach(ddp)
         self.hooks.register(ddp)
-        self._handle = ddp.register_forward_pre_hook(self._training_forward_starts)
+        self._handles = [ddp.register_forward_pre_hook(self._forward_starts)]
+        self._broadcasts_buffers = bool(self.settings.broadcast_buffers) and any(True for _ in module.buffers())
+        if self._broadcasts_buffers:
+            # DDP broadcasts the buffers between its own forward pre-hooks and the module's: a collective
+            self._handles.append(module.register_forward_pre_hook(self._buffers_broadcast))
+        if self.stragglers is not None:
+            self.stragglers.reset()
         self.conflicts.attach(ddp, module)
         self.replica_guard.attach(ddp, module, with_buffers=bool(self.settings.broadcast_buffers))
         if self.telemetry is not None:
@@ -157,21 +182,31 @@ class DDPPlusEngine:
         prefix = f"ddp_plus/stalls/attempt_{restart_attempt() or 0}/fit_{next(_FIT_NUMBERS)}"
         self.stall_watchdog.start(store, dist.get_rank(), dist.get_world_size(), prefix)
 
+    def _set_timeout(self, timeout: timedelta) -> None:
+        """The default group's timeout, where ``setup_timeout`` made the two differ (checked before launch)."""
+        if self.arguments.setup_timeout is not None and dist.is_available() and dist.is_initialized():
+            set_group_timeout(timeout)
+
     def synced_backward(self, synced: bool, users_call: bool) -> AbstractContextManager[Any]:
         """Around a backward: a synced one is the gradient all-reduce of its step, in the ledger (``users_call``: the
         user called the backward, as ``manual_backward`` or ``fabric.backward``, so the user's line is named)."""
         if not synced:
             return nullcontext()
-        return self.ledger.collective("gradient all_reduce", self.gradient_bytes, users_call=users_call)
+        # the backward computes inside the block too: the clock is switched to waiting when the gradients are computed
+        return self.ledger.collective("gradient all_reduce", self.gradient_bytes, users_call=users_call, waits=False)
 
     def _reducer_rebuilt(self, ddp: DistributedDataParallel) -> None:
         if self.telemetry is not None:
             self.telemetry.reducer_rebuilt(ddp)
 
     def teardown(self) -> None:
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._buffer_broadcast.close()
+        if self._steps_started:
+            self._steps_started = False
+            self._set_timeout(self.arguments.process_group_timeout)  # what comes next (another fit) sets up again
         self.conflicts.detach()
         self.replica_guard.detach()
         self.sync_guard.detach()
@@ -182,12 +217,20 @@ class DDPPlusEngine:
             self.buckets.stop()
         self._ddp = None
 
-    def _training_forward_starts(self, ddp: DistributedDataParallel, args: Any) -> None:
+    def _forward_starts(self, ddp: DistributedDataParallel, args: Any) -> None:
         if ddp.training and torch.is_grad_enabled():
+            if not self._steps_started:
+                self._steps_started = True
+                self._set_timeout(self.arguments.collective_timeout)  # setup is over: a step waits `timeout`
             self.ledger.enter_phase("forward", step=self.window.stats.optimizer_steps)  # as trainer.global_step
             if self.before_training_forward is not None:
                 self.before_training_forward(ddp)
             self._forward_synced = ddp.require_backward_grad_sync
+        if self._broadcasts_buffers and ddp.require_forward_param_sync:  # DDP's condition to broadcast buffers
+            self._buffer_broadcast.enter_context(self.ledger.collective("buffer broadcast", users_call=False))
+
+    def _buffers_broadcast(self, module: Module, args: Any) -> None:
+        self._buffer_broadcast.close()
 
     @property
     def forward_synced(self) -> bool:
@@ -240,6 +283,8 @@ class DDPPlusEngine:
         around this backward (Lightning's manual optimization).
         """
         self.ledger.enter_phase("backward")
+        if self.stragglers is not None and self._forward_synced and loss.grad_fn is not None:
+            loss.grad_fn.register_prehook(self._backward_starts)
         if not self.conflicts.pending:
             return loss
         view = self.checked_settings()
@@ -253,6 +298,15 @@ class DDPPlusEngine:
         )
         rebuild_reducer(ddp, resolved.find_unused_parameters, resolved.static_graph)
         return replay_forward(ddp, loss, self._forward_synced, post_forward)
+
+    def _backward_starts(self, grad_outputs: Any) -> None:
+        queue_backward_callback(self._gradients_computed)
+
+    def _gradients_computed(self) -> None:
+        """This rank's backward has computed every gradient: from here to the backward's end it waits for the
+        gradient all-reduce (the reducer's own callback, queued after this one, waits for it)."""
+        if self.stragglers is not None:
+            self.stragglers.clock.switch("collective wait")
 
     @staticmethod
     def _agree(facts: ModelFacts, module: Module, device: torch.device) -> ModelFacts:
@@ -335,6 +389,8 @@ class DDPPlusEngine:
     def after_optimizer_step(self) -> int:
         step = self.window.record_optimizer_step()
         self.ledger.enter_phase("data fetch", step=step)
+        if self.stragglers is not None:
+            self.stragglers.step_done(step, self.channel.rank, self.channel.gather)
         if self.telemetry is not None:
             self.telemetry.end_step(step)
         self.replica_guard.step_done(step)
@@ -365,7 +421,19 @@ class DDPPlusEngine:
         """Append to a torch error which rule it is and the fix, or what a collective timeout means."""
         self._failed = True
         report = self.stall_watchdog.last_report if self.stall_watchdog is not None else None
-        torch_errors.explain(exception, self.arguments.collective_timeout, report)
+        recorder = self.flight_recorder.describe() if self.flight_recorder is not None else None
+        if self._steps_started or self.arguments.setup_timeout is None:
+            context = TimeoutContext(self.arguments.collective_timeout, "timeout", report, recorder)
+        else:
+            context = TimeoutContext(self.arguments.process_group_timeout, "setup_timeout", report, recorder)
+        torch_errors.explain(exception, context)
+
+    def prepare_process_group(self, backend: str, environ: MutableMapping[str, str]) -> None:
+        """Before the process group is created, in each process: on NCCL, with the stall report on, NCCL's flight
+        recorder (the variables the user has not set), said in the setup line."""
+        if backend == "nccl" and self.stall_watchdog is not None:
+            self.flight_recorder = turn_on_flight_recorder(environ)
+            self._info(f"lightning-ddp-plus: {self.flight_recorder.describe()}")
 
     # ------------------------------------------------------------------ results across processes
 

@@ -56,7 +56,11 @@ def resolved_values(arguments: DDPPlusArguments, effect: InEffect) -> dict[str, 
     """The values that differ from what was given: decided, parsed or resolved."""
     settings = effect.settings
     auto = "auto->" if arguments.broadcast_buffers == "auto" else ""
+    threshold = arguments.stall_threshold
+    stall = "None" if threshold is None else format_timeout(threshold)
     return {
+        "setup_timeout": "None" if arguments.setup_timeout is None else format_timeout(arguments.process_group_timeout),
+        "stall_report_after": ("auto->" if arguments.stall_report_after == "auto" else "") + stall,
         "bucket_cap_mb": _bucket_cap(settings, effect.buckets),
         "broadcast_buffers": f"{auto}{settings.broadcast_buffers}",
         "find_unused_parameters": str(settings.find_unused_parameters),
@@ -75,7 +79,7 @@ def setup_line(
     >>> from lightning_ddp_plus.config.settings import DDPSettings
     >>> effect = InEffect(DDPSettings(), "none", 1, "mean", "on (store)")
     >>> setup_line("DDPPlusStrategy", DDPPlusArguments(timeout=300), effect, "gloo", 2).split(", ")[:4]
-    ['DDPPlusStrategy: backend=gloo', 'timeout=5m', 'world_size=2', 'find_unused_parameters=False']
+    ['DDPPlusStrategy: backend=gloo', 'timeout=5m', 'world_size=2', 'setup_timeout=None']
     """
     resolved = resolved_values(arguments, effect)
     rest = ", ".join(

@@ -8,6 +8,7 @@ it overrides a method both frameworks have (``setup_environment``, ``teardown``,
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -21,7 +22,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_ddp_plus.config.backend import has_default_backend, resolve_backend_for_device
 from lightning_ddp_plus.config.settings import DDPSettings
+from lightning_ddp_plus.config.timeout import check_setup_timeout
 from lightning_ddp_plus.conflicts.rules import Finding
+from lightning_ddp_plus.diagnostics.phase_timings import PhaseTimes
 from lightning_ddp_plus.diagnostics.telemetry import SyncTelemetry
 from lightning_ddp_plus.engine.arguments import DDPPlusArguments, FrontEnd
 from lightning_ddp_plus.engine.engine import DDPPlusEngine
@@ -32,7 +35,7 @@ from lightning_ddp_plus.sharding.optimizer import check_overlap_backend
 from lightning_ddp_plus.sync.accumulation import SyncStats, WindowPosition
 from lightning_ddp_plus.sync.buckets import BucketChoice
 from lightning_ddp_plus.sync.comm_hooks import CommHook, HookCallCounter, HookFunction
-from lightning_ddp_plus.sync.ddp_internals import logging_data
+from lightning_ddp_plus.sync.ddp_internals import CAN_SET_GROUP_TIMEOUT, GROUP_TIMEOUT_BACKENDS, logging_data
 from lightning_ddp_plus.sync.wrapper import wrapping_stream
 
 
@@ -87,8 +90,14 @@ class DDPPlusFrontEnd:
 
     @property
     def timeout(self) -> timedelta:
-        """The collective timeout the process group is created with."""
+        """The collective timeout of the training steps (``setup_timeout``, when given, covers what comes before)."""
         return self.engine.arguments.collective_timeout
+
+    @property
+    def phase_times(self) -> list[PhaseTimes]:
+        """Every rank's median phase times at the last comparison (``find_stragglers_every_n_steps``)."""
+        stragglers = self.engine.stragglers
+        return stragglers.last_times if stragglers is not None else []
 
     @property
     def comm_hook(self) -> CommHook | HookFunction | None:
@@ -142,15 +151,23 @@ class DDPPlusFrontEnd:
                 backend, device_type, check_available=backend is not None
             )
             check_overlap_backend(self.engine.arguments.optimizer_sharding, self._process_group_backend)
+            self._check_setup_timeout(self._process_group_backend)
 
     def _check_backend_present(self) -> None:
         """In each process, before the process group is created: the backend exists in this torch."""
-        resolve_backend_for_device(self.engine.arguments.backend, self.root_device.type)
+        self._check_setup_timeout(resolve_backend_for_device(self.engine.arguments.backend, self.root_device.type))
+
+    def _check_setup_timeout(self, backend: str) -> None:
+        arguments = self.engine.arguments
+        if arguments.setup_timeout is not None:
+            setup_timeout = arguments.process_group_timeout
+            check_setup_timeout(setup_timeout, backend, CAN_SET_GROUP_TIMEOUT, GROUP_TIMEOUT_BACKENDS)
 
     def _get_process_group_backend(self) -> str:
         return resolve_backend_for_device(self.engine.arguments.backend, self.root_device.type, check_available=False)
 
     def setup_environment(self) -> None:
+        self.engine.prepare_process_group(self._get_process_group_backend(), os.environ)
         super().setup_environment()  # type: ignore[misc]
         register_process_group_shutdown()
         reachability.publish_host()

@@ -111,7 +111,7 @@ class DDPPlusFabricStrategy(DDPPlusFrontEnd, AtomicCheckpoints, DDPStrategy):
             checkpoint_io=checkpoint_io,
             precision=precision,
             process_group_backend=options.backend,
-            timeout=options.collective_timeout,
+            timeout=options.process_group_timeout,  # the engine sets `timeout` at the first training step
             start_method=options.start_method,
         )
         self.engine.before_training_forward = self._window_before_forward

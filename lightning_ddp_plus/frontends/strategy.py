@@ -101,12 +101,12 @@ class DDPPlusStrategy(DDPPlusFrontEnd, AtomicCheckpoints, DDPStrategy):
             ddp_comm_wrapper=options.ddp_comm_wrapper,
             model_averaging_period=options.model_averaging_period,
             process_group_backend=options.backend,
-            timeout=options.collective_timeout,
+            timeout=options.process_group_timeout,  # the engine sets `timeout` at the first training step
             start_method=options.start_method,
             **ddp_kwargs(self.engine.settings),
         )
         self.resume = ResumeCoordinator(
-            options.resume_from_last, options.collective_timeout, self, warn=rank_zero_warn, info=rank_zero_info
+            options.resume_from_last, options.process_group_timeout, self, warn=rank_zero_warn, info=rank_zero_info
         )
         self.engine.watch_stalls = True  # every fit ends with teardown, which stops the watchdog
         self._backward_syncs = True

@@ -40,6 +40,10 @@ class SideChannel:
             self._group = None
 
     @property
+    def rank(self) -> int:
+        return dist.get_rank(self._group) if self._group is not None else 0
+
+    @property
     def size(self) -> int:
         return dist.get_world_size(self._group) if self._group is not None else 1
 
@@ -65,6 +69,6 @@ class SideChannel:
             return [list(values)]
         tensor = torch.tensor(list(values), dtype=torch.int64)
         gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size(self._group))]
-        with self.record("flag all_gather (sync guard, uneven inputs)", 8 * len(values)):
+        with self.record("flag all_gather (uneven inputs, phase timings)", 8 * len(values)):
             dist.all_gather(gathered, tensor, group=self._group)
         return [t.tolist() for t in gathered]

@@ -4,6 +4,9 @@ Each case trains a small model with a plain Fabric loop over this rank's shard (
 regression data set and records the outcome, the counts, and every rank's final parameters.
 """
 
+import dataclasses
+import time
+
 import lightning as L
 import torch
 import torch.distributed as dist
@@ -73,6 +76,8 @@ def run_case(case: dict) -> dict:
                     outcome["steps"] += 1
         else:
             for xb, yb in fabric.strategy.micro_batches(batches):
+                if case.get("slow_rank") == rank:  # its batch arrives late: a slow loader on this rank only
+                    time.sleep(case["delay_s"])
                 if "warmup" in case:  # the auxiliary head trains for the first `warmup` steps only
                     fabric.backward(nn.functional.mse_loss(model(xb, aux=outcome["steps"] < case["warmup"]), yb))
                 else:
@@ -86,6 +91,8 @@ def run_case(case: dict) -> dict:
                             next(model.parameters()).add_(1e-3)
     except Exception as error:  # noqa: BLE001 - the outcome is what the test checks
         outcome.update(error=type(error).__name__, message=str(error)[:1500])
+    stragglers = fabric.strategy.engine.stragglers
+    finding = stragglers.last_finding if stragglers is not None else None
     flat = flat_parameters(model)
     gathered = [torch.zeros_like(flat) for _ in range(2)]
     dist.all_gather(gathered, flat)
@@ -102,6 +109,7 @@ def run_case(case: dict) -> dict:
         "static_graph": fabric.strategy.settings.static_graph,
         "bucket_choice": None if fabric.strategy.bucket_choice is None else [fabric.strategy.bucket_choice.chosen_mb],
         "params": [t.tolist() for t in gathered],
+        "straggler": None if finding is None else dataclasses.asdict(finding),
     }
 
 
