@@ -66,7 +66,7 @@ def test_a_balanced_run_names_no_one(results):
 def test_a_rank_slower_by_less_than_the_thresholds_is_not_named():
     step = [PhaseTimes(0, 2, 100, 25, 1), PhaseTimes(1, 2 + 15, 100, 10, 1)]  # 15 ms: under the 20 ms floor
     assert find_straggler(step, 50) is None
-    share = [PhaseTimes(0, 2, 400, 55, 1), PhaseTimes(1, 2 + 50, 400, 5, 1)]  # 50 ms of a 460 ms step: under 20 %
+    share = [PhaseTimes(0, 2, 400, 55, 1), PhaseTimes(1, 2 + 50, 400, 5, 1)]  # 50 ms of a 460 ms step: under 25 %
     assert THRESHOLDS.min_excess_share * 458 > 50
     assert find_straggler(share, 50) is None
     named = [PhaseTimes(0, 2, 100, 55, 1), PhaseTimes(1, 2 + 50, 100, 5, 1)]

@@ -45,7 +45,7 @@ class StragglerThresholds:
     """
 
     min_excess_ms: float = 20.0
-    min_excess_share: float = 0.2
+    min_excess_share: float = 0.25
     min_wait_share: float = 0.5
 
 
