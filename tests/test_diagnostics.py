@@ -1,9 +1,11 @@
-"""Diagnostics: replica-drift guard, sync telemetry and broadcast_buffers="auto", with real 2-rank gloo runs."""
+"""Diagnostics: replica-drift guard, sync telemetry, broadcast_buffers="auto" and straggler attribution, with real
+2-rank gloo runs."""
 
 import pytest
 import torch
 
 from lightning_ddp_plus import DDPPlusStrategy, DDPSettings
+from lightning_ddp_plus.diagnostics.phase_timings import PhaseTimes, find_straggler
 from lightning_ddp_plus.diagnostics.replicas import fingerprints, first_mismatch
 from tests.helpers import TinyRegression, run_case_job
 
@@ -58,9 +60,66 @@ CASES = [
 ]
 
 
+# Straggler attribution: a rank sleeping DELAY_S per batch while its batch loads or in its training step
+DELAY_S = 0.12
+STRAGGLER_CASES = [
+    {"name": "balanced", "slow": None, "rank": 0, "delay_s": 0, "steps": 30, "every": 10},
+    {"name": "slow data on rank 1", "slow": "data", "rank": 1, "delay_s": DELAY_S, "steps": 20, "every": 10},
+    {"name": "slow compute on rank 1", "slow": "compute", "rank": 1, "delay_s": DELAY_S, "steps": 20, "every": 10},
+    # a BatchNorm: DDP broadcasts buffers at every forward, so rank 1 waits there, not in the gradient all-reduce
+    {
+        "name": "slow data on rank 0, buffers",
+        "slow": "data",
+        "rank": 0,
+        "delay_s": DELAY_S,
+        "steps": 20,
+        "every": 10,
+        "buffers": True,
+    },
+]
+CASES += [{"straggler": case, "name": case["name"]} for case in STRAGGLER_CASES]
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     return run_case_job("diagnostics_job.py", CASES, tmp_path_factory.mktemp("diagnostics") / "results.json")
+
+
+@pytest.fixture(scope="module")
+def stragglers(results):
+    return {case["name"]: case for case in results if "straggler" in case}
+
+
+@pytest.mark.parametrize(
+    ("name", "rank", "phase"),
+    [
+        ("slow data on rank 1", 1, "data fetch"),
+        ("slow compute on rank 1", 1, "compute"),
+        ("slow data on rank 0, buffers", 0, "data fetch"),
+    ],
+)
+@pytest.mark.multiprocess
+def test_the_slow_rank_is_named_once_with_its_phase_and_figures(stragglers, name, rank, phase):
+    outcome = stragglers[name]
+    assert len(outcome["warnings"]) == 1, outcome["warnings"]  # two comparisons, one warning: repeats are held back
+    warning = outcome["warnings"][0]
+    assert f"rank {rank} is the straggler: {phase} " in warning
+    assert "median of the last 10 steps" in warning and "every rank waits for it" in warning
+    last = {times["rank"]: times for times in outcome["comparisons"][-1]}
+    slow, other = last[rank], last[1 - rank]
+    key = phase.replace(" ", "_") + "_ms"
+    assert slow[key] - other[key] > 0.8 * DELAY_S * 1000  # the delay lands in the phase it was put in
+    assert other["collective_wait_ms"] - slow["collective_wait_ms"] > 0.8 * DELAY_S * 1000  # and the other waits
+
+
+@pytest.mark.multiprocess
+def test_a_balanced_run_names_no_one(stragglers):
+    outcome = stragglers["balanced"]
+    assert outcome["warnings"] == []
+    assert len(outcome["comparisons"]) == 3  # every 10 steps, 30 steps
+    for comparison in outcome["comparisons"]:
+        times = [PhaseTimes(**rank_times) for rank_times in comparison]
+        assert find_straggler(times, 10) is None
 
 
 @pytest.mark.multiprocess

@@ -178,6 +178,8 @@ def test_a_sharded_checkpoint_is_consolidated_and_portable(results):
         assert case[resumed]["started_at"] == plain["steps"] // 2, resumed  # it resumed, and did not start over
         assert close(plain["params"], case[resumed]["params"]), resumed
     assert case["resumed_sharded"]["sharded"] and not case["resumed_stock"]["sharded"]
+    # each save of the sharded run's last.ckpt gathered the state on rank 0: a collective, in the ledger
+    assert case["with_sharding"]["consolidations"] >= 1 and case["plain"]["consolidations"] == 0
 
 
 @pytest.mark.multiprocess
@@ -187,6 +189,7 @@ def test_fabric_save_and_load_of_a_sharded_optimizer(results):
     assert case["resumed_sharded"]["steps"] == case["plain"]["steps"] == 6
     assert case["resumed_sharded"]["started_at"] == 3
     assert case["resumed_sharded"]["lr"] == case["plain"]["lr"]
+    assert case["with_sharding"]["consolidations"] == 1 and case["plain"]["consolidations"] == 0  # fabric.save
 
 
 @pytest.mark.multiprocess

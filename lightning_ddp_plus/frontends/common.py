@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -203,6 +204,22 @@ class DDPPlusFrontEnd:
         """Fabric's reduction (``fabric.all_reduce``), in the ledger."""
         with self.engine.ledger.collective("all_reduce", _size(tensor)):
             return super().all_reduce(tensor, *args, **kwargs)  # type: ignore[misc]
+
+    def optimizer_state(self, optimizer: Any) -> Any:
+        """The Trainer's optimizer state at a save: a sharded optimizer's is consolidated on rank 0, a collective."""
+        with self._consolidation(optimizer):
+            return super().optimizer_state(optimizer)  # type: ignore[misc]
+
+    def get_optimizer_state(self, optimizer: Any) -> Any:
+        """Fabric's optimizer state at a save, as ``optimizer_state``."""
+        with self._consolidation(optimizer):
+            return super().get_optimizer_state(optimizer)  # type: ignore[misc]
+
+    def _consolidation(self, optimizer: Any) -> AbstractContextManager[Any]:
+        inner = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer wraps the Trainer's
+        if not hasattr(inner, "consolidate_state_dict"):
+            return nullcontext()
+        return self.engine.ledger.collective("optimizer state consolidation", users_call=False)
 
     def on_validation_start(self) -> None:
         self.engine.ledger.enter_phase("validation")

@@ -134,7 +134,14 @@ def fit(
         "started_at": start.step,
         "lr": optimizer.param_groups[0]["lr"],
         "numels": [[p.numel() for p in group["params"]] for group in optimizer.param_groups],
+        "consolidations": consolidations(trainer.strategy),
     }
+
+
+def consolidations(strategy: Any) -> int:
+    """The consolidations of sharded optimizer state in the strategy's collective ledger (its last 64 collectives)."""
+    ledger = getattr(getattr(strategy, "engine", None), "ledger", None)
+    return sum(record.op == "optimizer state consolidation" for record in ledger.records) if ledger else 0
 
 
 def fabric_fit(sharding: Any, root: Path, save_after: int | None = None, load: bool = False) -> dict:
@@ -174,6 +181,7 @@ def fabric_fit(sharding: Any, root: Path, save_after: int | None = None, load: b
         "state_bytes": state_bytes(optimizer.optimizer),
         "steps": steps,
         "started_at": started_at,
+        "consolidations": consolidations(fabric.strategy),
     }
 
 

@@ -1,6 +1,7 @@
-"""Straggler attribution on 2 ranks (popen launcher): several fits in one launch, one per case.
+"""Straggler attribution on 2 ranks: ``run_case`` is one fit (the diagnostics job runs these cases among its own;
+``straggler_job.py OUT_JSON CASES_JSON`` runs them alone).
 
-``straggler_job.py OUT_JSON CASES_JSON``: each case is ``{"name", "slow" (None, "data" or "compute"), "rank", "delay_s",
+A case: each case is ``{"name", "slow" (None, "data" or "compute"), "rank", "delay_s",
 "steps", "every", "buffers" (a BatchNorm, so DDP broadcasts buffers in every forward)}``. A slow rank sleeps
 ``delay_s`` per batch while its batch is loaded (``data``) or in its ``training_step`` (``compute``). Rank 0 writes,
 per case, the straggler warnings given (rank 0 gives them) and every comparison's per-rank phase medians.
