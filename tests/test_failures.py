@@ -52,14 +52,20 @@ def site(text: str) -> str:
 
 
 def run_failing_job(
-    mode: str, rank: int, step: int, timeout_s: float, stall: str = "auto", setup_timeout: str = "None"
+    mode: str,
+    rank: int,
+    step: int,
+    timeout_s: float,
+    stall: str = "auto",
+    setup_timeout: str = "None",
+    script: str = "failure_job.py",
 ) -> tuple[int, str, float, str]:
     """Run the job; return its exit code, output, seconds from the failure to the job's end, and its tag. Whatever
     the outcome, every process of the job is killed before this returns."""
     tag = f"tag-{uuid.uuid4().hex}"
     args = [
         sys.executable,
-        str(REPO_ROOT / "tests" / "scripts" / "failure_job.py"),
+        str(REPO_ROOT / "tests" / "scripts" / script),
         mode,
         str(rank),
         str(step),
@@ -157,6 +163,41 @@ def test_ranks_out_of_step_end_the_job_at_once_naming_each_ranks_collective(mode
     assert since_failure < 30, (since_failure, output[-3000:])
     assert "The ranks are out of step" in output and issued in output, output[-4000:]
     assert re.search(other, output) and "sync_dist=True` on some ranks only" in output, output[-4000:]
+    assert "the job ends now, without waiting for the collective timeout: the ranks are out of step" in output
+
+
+FABRIC_SCRIPT = REPO_ROOT / "tests" / "scripts" / "fabric_failure_job.py"
+
+
+def fabric_site(text: str) -> str:
+    number = next(i for i, line in enumerate(FABRIC_SCRIPT.read_text().splitlines(), 1) if text in line)
+    return f"fabric_failure_job.py:{number} in main: {text}"
+
+
+def test_a_hung_rank_in_a_fabric_loop_is_named_and_its_parent_ending_ends_the_job():
+    """Fabric: the stall report names the hung rank 1 at its line while rank 0 waits in ``fabric.backward``; rank 0's
+    timeout ends its process, and rank 1, started by Fabric's launcher, ends as soon as its parent is gone."""
+    code, output, since_failure, survivors = run_failing_job(
+        "hang", 1, step=3, timeout_s=STEP_TIMEOUT_S, stall="auto", script=FABRIC_SCRIPT.name
+    )
+    assert not survivors, f"processes left behind: {survivors}"
+    assert code != 0, output[-3000:]
+    assert since_failure < 30, (since_failure, output[-3000:])  # not the 120 s of the hang
+    backward = fabric_site("fabric.backward(nn.functional.mse_loss(model(xb), yb))")
+    assert re.search(rf"Rank\(s\) 0 have waited \d+ s in gradient all_reduce of 644 B at {re.escape(backward)}", output)
+    hung = re.escape(fabric_site("time.sleep(HANG_S)"))
+    assert re.search(rf"rank 1 has not reached it: for \d+ s it has been at {hung}", output), output[-4000:]
+
+
+def test_ranks_out_of_step_in_a_fabric_loop_end_the_job_at_once():
+    code, output, since_failure, survivors = run_failing_job(
+        "extra_all_reduce", 0, step=3, timeout_s=120, stall="1s", script=FABRIC_SCRIPT.name
+    )
+    assert not survivors, f"processes left behind: {survivors}"
+    assert code != 0, output[-3000:]
+    assert since_failure < 30, (since_failure, output[-3000:])
+    assert f"rank 0 issued all_reduce of 4 B at {fabric_site('fabric.all_reduce(torch.tensor(1.0))')}" in output
+    assert "rank 1 issued gradient all_reduce of 644 B at " + fabric_site("fabric.backward(") in output
     assert "the job ends now, without waiting for the collective timeout: the ranks are out of step" in output
 
 

@@ -204,7 +204,7 @@ class StallWatchdog:
 
 
 def _stop_every_watchdog() -> None:
-    for watchdog in _running:
+    for watchdog in _running:  # stop() removes it from the list
         watchdog.stop()
 
 

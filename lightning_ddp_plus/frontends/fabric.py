@@ -47,6 +47,7 @@ from lightning_ddp_plus.engine.arguments import takes_declared_arguments
 from lightning_ddp_plus.engine.engine import DDPPlusEngine
 from lightning_ddp_plus.frontends.common import DDPPlusFrontEnd
 from lightning_ddp_plus.persistence.io import AtomicCheckpoints
+from lightning_ddp_plus.processes.launcher import ParentWatchedFabricLauncher, watch_parent
 from lightning_ddp_plus.sharding.optimizer import refuse_clipping
 from lightning_ddp_plus.sync.accumulation import WindowPosition, scale_gradients
 from lightning_ddp_plus.sync.uneven import PaddedBatches, RankBatches
@@ -115,6 +116,7 @@ class DDPPlusFabricStrategy(DDPPlusFrontEnd, AtomicCheckpoints, DDPStrategy):
             start_method=options.start_method,
         )
         self.engine.before_training_forward = self._window_before_forward
+        self.engine.watch_stalls = True  # Fabric has no end of a fit: the process's exit stops the watchdog
         self._backward_sync_control = _SyncControl(self.engine)
         self._ddp: DistributedDataParallel | None = None
         self._position: WindowPosition | None = None
@@ -137,9 +139,13 @@ class DDPPlusFabricStrategy(DDPPlusFrontEnd, AtomicCheckpoints, DDPStrategy):
         assert self.parallel_devices is not None
         self._judge_backend_before_launch(self.parallel_devices[0].type)
         super()._configure_launcher()
+        if self._start_method == "popen":
+            assert self.cluster_environment is not None
+            self._launcher = ParentWatchedFabricLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     @override
     def _setup_distributed(self) -> None:
+        watch_parent()  # a child rank ends when rank 0's process is gone (a failure in the user's loop there)
         self._check_backend_present()
         super()._setup_distributed()
 

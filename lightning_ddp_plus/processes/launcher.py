@@ -22,6 +22,9 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 import torch.distributed as dist
+from lightning.fabric.strategies.launchers.subprocess_script import (
+    _SubprocessScriptLauncher as _FabricSubprocessScriptLauncher,
+)
 from lightning.fabric.utilities.distributed import _destroy_dist_connection
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from typing_extensions import override
@@ -32,6 +35,18 @@ PARENT_PID_VARIABLE = "DDP_PLUS_LAUNCHER_PID"
 
 #: ``before_launch(trainer, function, args) -> args``: may settle Trainer settings and adjust the launched call.
 BeforeLaunch = Callable[[Any, Callable[..., Any], tuple[Any, ...]], tuple[Any, ...]]
+
+
+class ParentWatchedFabricLauncher(_FabricSubprocessScriptLauncher):
+    """Fabric's popen launcher, plus: the child ranks it starts exit as soon as the launching process is gone
+    (``watch_parent``). ``fabric.launch()`` returns to the user's script in rank 0, so a failure there never passes
+    through the launcher, and without this the children would wait in their next collective until the timeout."""
+
+    @override
+    def launch(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if not self.cluster_environment.creates_processes_externally:
+            os.environ[PARENT_PID_VARIABLE] = str(os.getpid())  # inherited by the children it starts
+        return super().launch(function, *args, **kwargs)
 
 
 class _SettlesBeforeLaunch:
