@@ -31,6 +31,7 @@ def test_suite_runs_every_benchmark_at_a_tiny_size(tmp_path):
     summary = json.loads((tmp_path / "suite.json").read_text())
     assert set(summary) >= {"overhead", "hooks", "setup", "scaling", "manual_accumulation", "machine", "config"}
     assert summary["overhead"]["stock"]["ratio_to_stock"] == 1.0
+    assert summary["overhead"]["ddp_plus"]["ratio_to_ddp_plus_ledger_off"] > 0
     assert set(summary["hooks"]) == {"none", "fp16", "bf16", "powersgd"}
     # bytes are counted, not timed: fp16 and bf16 send half of what plain all-reduce sends
     plain = summary["hooks"]["none"]["bytes_per_step"]["median"]
@@ -110,3 +111,15 @@ def test_the_ddp_or_zero_example_plans_a_model_from_the_meta_device():
     assert result.returncode == 0, result.stdout[-3000:]
     assert "memory plan per rank, world size 8, device 24.00 GiB" in result.stdout
     assert result.stdout.count("verdict: ") == 2
+
+
+def test_the_straggler_noise_and_ledger_cost_benchmarks_run_at_a_tiny_size(tmp_path):
+    noise = [sys.executable, str(REPO_ROOT / "benchmarks" / "straggler_noise.py")]
+    tiny = ["--repeats", "1", "--steps", "10", "--every", "5", "--width", "32", "--layers", "1", "--delay-ms", "60"]
+    result = run_job([*noise, *tiny, "--out", str(tmp_path), "--timeout", "240"], timeout=400)
+    assert result.returncode == 0, result.stdout[-3000:]
+    summary = json.loads((tmp_path / "straggler_noise.json").read_text())
+    assert summary["balanced_comparisons"] == 2 and summary["balanced_warnings"] == []
+    assert "rank 1 is the straggler: data fetch" in summary["slow_data"][0]["warnings"][0]
+    cost = run_job([sys.executable, str(REPO_ROOT / "benchmarks" / "ledger_cost.py"), "--steps", "500"], timeout=120)
+    assert cost.returncode == 0 and "ledger off (ledger_length=0" in cost.stdout, cost.stdout[-2000:]

@@ -81,25 +81,29 @@ class StallWatchdog:
         self._handled = 0
         self._requested_for: int | None = None
         self._store: Any = None
+        self._server: Any = None
         self._rank, self._world_size, self._prefix = 0, 1, ""
 
     def __getstate__(self) -> dict[str, Any]:
         """A spawned worker gets the watchdog unstarted (threads, events and store clients do not cross)."""
         state = dict(self.__dict__)
-        state.update(_stop=None, _thread=None, _store=None)
+        state.update(_stop=None, _thread=None, _store=None, _server=None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._stop = threading.Event()
 
-    def start(self, store: Any, rank: int, world_size: int, prefix: str) -> None:
-        """Watch this rank; ``store``: a client of the job's store for this thread alone."""
+    def start(self, store: Any, rank: int, world_size: int, prefix: str, server: Any = None) -> None:
+        """Watch this rank; ``store``: a client of the job's store for this thread alone. ``server``: on rank 0, the
+        job's own store object, held until the orderly stop: a script that destroys the process group itself
+        (common with Fabric) would otherwise take the store's server down while the other ranks' threads ask it."""
         self.stop()
         self._stop.clear()
         self._handled = int(store.add(f"{prefix}/episodes", 0))  # episodes before this fit are not its
         self._requested_for = None
         self._store, self._rank, self._world_size, self._prefix = store, rank, world_size, prefix
+        self._server = server
         self._thread = threading.Thread(
             target=self._run, args=(store, rank, world_size, prefix), name="ddp-plus-stall-watchdog", daemon=True
         )
@@ -121,6 +125,7 @@ class StallWatchdog:
             _running.remove(self)
         if orderly:
             self._stop_in_order()
+        self._store = self._server = None  # released here, on the stopping thread, not at the interpreter's end
 
     def _stop_in_order(self) -> None:
         stopped, store = f"{self._prefix}/stopped", self._store
@@ -142,6 +147,8 @@ class StallWatchdog:
     def _run(self, store: Any, rank: int, world_size: int, prefix: str) -> None:
         episodes = f"{prefix}/episodes"
         while not self._stop.wait(POLL_SECONDS):
+            if not dist.is_initialized():
+                return  # this rank destroyed its process group: nothing of it can stall any more
             try:
                 current = self.ledger.current
                 waited = time.time() - current.started if current is not None else 0.0

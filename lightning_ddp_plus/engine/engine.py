@@ -62,6 +62,7 @@ from lightning_ddp_plus.sync.accumulation import AccumulationWindow, SyncStats, 
 from lightning_ddp_plus.sync.buckets import BucketTuner
 from lightning_ddp_plus.sync.comm_hooks import HookAssembly
 from lightning_ddp_plus.sync.ddp_internals import (
+    default_store,
     queue_backward_callback,
     rebuild_reducer,
     replay_forward,
@@ -180,7 +181,9 @@ class DDPPlusEngine:
             return
         # every rank runs the same fits in the same order, so the numbers agree; keys of earlier fits stay apart
         prefix = f"ddp_plus/stalls/attempt_{restart_attempt() or 0}/fit_{next(_FIT_NUMBERS)}"
-        self.stall_watchdog.start(store, dist.get_rank(), dist.get_world_size(), prefix)
+        rank = dist.get_rank()
+        server = default_store() if rank == 0 else None
+        self.stall_watchdog.start(store, rank, dist.get_world_size(), prefix, server=server)
 
     def _set_timeout(self, timeout: timedelta) -> None:
         """The default group's timeout, where ``setup_timeout`` made the two differ (checked before launch)."""
@@ -430,7 +433,7 @@ class DDPPlusEngine:
 
     def prepare_process_group(self, backend: str, environ: MutableMapping[str, str]) -> None:
         """Before the process group is created, in each process: on NCCL, with the stall report on, NCCL's flight
-        recorder (the variables the user has not set), said in the setup line."""
+        recorder (the variables the user has not set); rank 0 says where its dumps go."""
         if backend == "nccl" and self.stall_watchdog is not None:
             self.flight_recorder = turn_on_flight_recorder(environ)
             self._info(f"lightning-ddp-plus: {self.flight_recorder.describe()}")
