@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 from lightning_ddp_plus.diagnostics.call_sites import CallSite, caller_site
 from lightning_ddp_plus.diagnostics.phase_timings import PhaseClock, TimedPhase
+from lightning_ddp_plus.memory.sizes import format_size
 
 #: Where in a training step the main thread is.
 Phase = Literal["setup", "data fetch", "forward", "backward", "optimizer step", "validation", "checkpoint save"]
@@ -54,7 +55,8 @@ class CollectiveRecord:
         """
         where = f" at {self.call_site}" if self.call_site is not None else ""
         return (
-            f"{self.op} of {_size(self.size_bytes)}{where} (collective {self.sequence}, step {self.step}, {self.phase})"
+            f"{self.op} of {format_size(self.size_bytes, digits=1)}{where} "
+            f"(collective {self.sequence}, step {self.step}, {self.phase})"
         )
 
     def as_data(self) -> dict[str, Any]:
@@ -65,18 +67,6 @@ class CollectiveRecord:
     def from_data(cls, data: dict[str, Any]) -> CollectiveRecord:
         site = data.get("call_site")
         return cls(**{**data, "call_site": CallSite(**site) if site else None})
-
-
-def _size(size_bytes: int) -> str:
-    """
-    >>> _size(4), _size(4096), _size(3 * 2**20)
-    ('4 B', '4.0 KiB', '3.0 MiB')
-    """
-    if size_bytes < 1024:
-        return f"{size_bytes} B"
-    if size_bytes < 2**20:
-        return f"{size_bytes / 1024:.1f} KiB"
-    return f"{size_bytes / 2**20:.1f} MiB"
 
 
 class CollectiveLedger:

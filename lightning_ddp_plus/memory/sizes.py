@@ -44,13 +44,13 @@ def parse_size(text: str | int, argument: str = "--device-memory") -> int:
     return int(float(match.group(1)) * _UNITS[unit])
 
 
-def format_size(size: float) -> str:
-    """``size`` bytes in the largest binary unit that keeps it at least 1.
+def format_size(size: float, digits: int = 2) -> str:
+    """``size`` bytes in the largest binary unit that keeps it at least 1, with ``digits`` decimals.
 
-    >>> format_size(85899345920), format_size(1536), format_size(12)
-    ('80.00 GiB', '1.50 KiB', '12 B')
+    >>> format_size(85899345920), format_size(1536), format_size(12), format_size(4096, digits=1)
+    ('80.00 GiB', '1.50 KiB', '12 B', '4.0 KiB')
     """
     for unit, factor in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(size) >= factor:
-            return f"{size / factor:.2f} {unit}"
+            return f"{size / factor:.{digits}f} {unit}"
     return f"{int(size)} B"
