@@ -152,12 +152,16 @@ class ConflictCheck:
         if self._probe is not None:
             self._probe.stop()
 
-    def decide(self, loss: Tensor, view: CheckedSettings, agree: Callable[[ModelFacts], ModelFacts]) -> CheckedSettings:
+    def decide(
+        self, loss: Tensor | None, view: CheckedSettings, agree: Callable[[ModelFacts], ModelFacts]
+    ) -> CheckedSettings:
         """At the first backward: the settings to train with (``view``, or its resolution). Raises
-        ``DDPConflictError`` in ``"error"`` mode, and in ``"resolve"`` mode when no safe fix exists."""
+        ``DDPConflictError`` in ``"error"`` mode, and in ``"resolve"`` mode when no safe fix exists. ``loss`` is
+        ``None`` on a rank whose first forward failed: it joins the others' agreement and takes their decision."""
         probe, self._probe = self._probe, None
         assert probe is not None
-        facts = self._last_facts = agree(probe.facts(loss))
+        # a rank whose first forward failed (out of memory) adds nothing: it takes the others' observation
+        facts = self._last_facts = agree(probe.facts(loss) if loss is not None else ModelFacts(observed=True))
         if self._verifying:
             self._verify_fixes(facts)
             return view

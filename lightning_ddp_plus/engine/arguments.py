@@ -55,6 +55,7 @@ from lightning_ddp_plus.sharding.optimizer import OptimizerSharding, check_optim
 from lightning_ddp_plus.sync.accumulation import ShortWindow, check_accumulation_steps
 from lightning_ddp_plus.sync.buckets import check_auto_with_hook
 from lightning_ddp_plus.sync.comm_hooks import CommHook, HookFunction, check_comm_wrapper, parse_comm_hook
+from lightning_ddp_plus.sync.micro_batches import check_micro_batch_size, micro_batch_refusals
 from lightning_ddp_plus.sync.ddp_internals import CAN_SET_GROUP_TIMEOUT, GROUP_TIMEOUT_BACKENDS
 from lightning_ddp_plus.sync.uneven import UnevenInputs
 
@@ -173,6 +174,15 @@ class DDPPlusArguments:
     automatic and manual optimization. The same as ``Trainer(accumulate_grad_batches=...)``: set either (they must
     agree if both are set; checked when ``fit`` starts, before any process is launched)."""
 
+    micro_batch_size: int | Literal["auto"] | None = argument(None, check_micro_batch_size)
+    """Rows per chunk: each training batch is split along its first dimension into chunks of this many rows, each
+    runs forward and backward with its loss weighted by its share of the rows, only the last one all-reduces, and one
+    optimizer step follows the batch: the global batch, the schedule and ``global_step`` stay as they are. It
+    multiplies with accumulation. ``"auto"``: start with the whole batch; when any rank runs out of memory in a
+    forward or backward, every rank drops the batch's gradients, halves the size and runs the batch again, and keeps
+    the size that held (logged once, saved in checkpoints). ``None`` (default): the whole batch; an out-of-memory error
+    on one rank then ends every rank with an error that names it. Automatic optimization only."""
+
     short_window: ShortWindow = argument(
         "mean", _choice("use 'mean' (average over the micro-batches the window had) or 'lightning' (divide by k).")
     )
@@ -289,6 +299,19 @@ class DDPPlusArguments:
         self._check_timeouts()
         check_comm_wrapper(self.ddp_comm_wrapper, self.comm_hook)
         check_auto_with_hook(self.bucket_cap_mb, self.comm_hook)
+        micro_batch_conflicts = micro_batch_refusals(
+            self.micro_batch_size,
+            self.sync_guard,
+            self.static_graph,
+            self.gradient_accumulation_steps,
+            self.optimizer_sharding == "overlap",
+        )
+        if micro_batch_conflicts:
+            raise ArgumentValueError(
+                describe_bad_value(
+                    "micro_batch_size", self.micro_batch_size, " ".join(micro_batch_conflicts), micro_batch_conflicts.fix
+                )
+            )
         conflicts = refusals(
             self.optimizer_sharding,
             self.comm_hook,

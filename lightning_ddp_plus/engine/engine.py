@@ -8,7 +8,8 @@
 - ``BucketTuner``: ``bucket_cap_mb="auto"``, timing bucket sizes during the first optimizer steps;
 - ``SyncGuard``: after every synced backward, that every rank's reducer all-reduced every bucket (``sync_guard``);
 - ``UnevenInputsCheck``: ranks whose shards hold different numbers of batches;
-- ``optimizer_sharding``: the optimizers wrapped in ``ZeroRedundancyOptimizer`` (``shard_optimizers``).
+- ``optimizer_sharding``: the optimizers wrapped in ``ZeroRedundancyOptimizer`` (``shard_optimizers``);
+- ``MicroBatchSizer``: ``micro_batch_size``, and what every rank does after an out-of-memory error on one.
 
 The sync guard and the uneven-inputs check share one small gloo group (``SideChannel``) and, where they can, the
 guard's per-step agreement (a store look-up on gloo). The engine decides nothing itself: the rules decide
@@ -68,6 +69,13 @@ from lightning_ddp_plus.sync.ddp_internals import (
     replay_forward,
     set_group_timeout,
 )
+from lightning_ddp_plus.sync.micro_batches import (
+    PHASES,
+    BatchOutOfMemory,
+    MicroBatchSizer,
+    OutOfMemory,
+    free_memory,
+)
 from lightning_ddp_plus.sync.side_channel import SideChannel
 from lightning_ddp_plus.sync.step_guard import SyncFault, SyncGuard
 from lightning_ddp_plus.sync.uneven import RankBatches, UnevenInputsCheck, uneven_flags
@@ -77,6 +85,10 @@ from lightning_ddp_plus.sync.wrapper import wrap_module
 _FIT_NUMBERS = itertools.count(1)
 #: How long the stall watchdog's store client waits for the store (a cut link must not hold up the job's end).
 STORE_TIMEOUT = timedelta(seconds=5)
+
+
+def _out_of_memory_key(rank: int) -> str:
+    return f"ddp_plus/out_of_memory/attempt_{restart_attempt() or 0}/rank_{rank}"
 
 
 class DDPPlusEngine:
@@ -116,6 +128,7 @@ class DDPPlusEngine:
         self.channel = SideChannel(record=self.ledger.collective)
         self.sync_guard = SyncGuard(arguments.sync_guard, self.channel, warn=warn)
         self.uneven = UnevenInputsCheck(arguments.uneven_inputs, info=info)
+        self.micro_batches = MicroBatchSizer(arguments.micro_batch_size, info=info)
         self._warn, self._info = warn, info
         self.telemetry: SyncTelemetry | None = SyncTelemetry() if arguments.telemetry else None
         self.buckets: BucketTuner | None = (
@@ -290,6 +303,9 @@ class DDPPlusEngine:
             loss.grad_fn.register_prehook(self._backward_starts)
         if not self.conflicts.pending:
             return loss
+        return self._decide_conflicts(ddp, loss, post_forward)
+
+    def _decide_conflicts(self, ddp: DistributedDataParallel, loss: Any, post_forward: bool) -> Any:
         view = self.checked_settings()
         module = ddp.module
         device = next(module.parameters()).device
@@ -300,7 +316,7 @@ class DDPPlusEngine:
             self.settings, find_unused_parameters=resolved.find_unused_parameters, static_graph=resolved.static_graph
         )
         rebuild_reducer(ddp, resolved.find_unused_parameters, resolved.static_graph)
-        return replay_forward(ddp, loss, self._forward_synced, post_forward)
+        return loss if loss is None else replay_forward(ddp, loss, self._forward_synced, post_forward)
 
     def _backward_starts(self, grad_outputs: Any) -> None:
         queue_backward_callback(self._gradients_computed)
@@ -359,16 +375,90 @@ class DDPPlusEngine:
             scale_gradients(self._ddp.module.parameters(), self.uneven.take_rescale())
         return stop
 
-    def _guard_synced_backward(self, ddp: DistributedDataParallel, failed: bool) -> bool:
+    def _guard_synced_backward(
+        self,
+        ddp: DistributedDataParallel,
+        failed: bool,
+        out_of_memory: OutOfMemory | None = None,
+        started: bool = True,
+    ) -> bool:
         deferred = self.uneven.take_deferred()
         step = self.window.stats.optimizer_steps + 1
         flags = uneven_flags(deferred.last) if deferred else [0, 0]
-        outcome = self.sync_guard.check(ddp, step, flags, aborted=failed)
+        if self.micro_batches.auto:  # every rank's flags have the same length: the setting is the same everywhere
+            flags.append(int(out_of_memory is not None))
+        never_started = out_of_memory is not None and not started
+        outcome = self.sync_guard.check(
+            ddp, step, flags, aborted=failed or out_of_memory is not None, never_started=never_started
+        )
+        if self.micro_batches.auto and outcome.flag_maximums[-1]:
+            if deferred is not None:  # the batch runs again, and its uneven-inputs flag with it
+                self.uneven.defer_to_step_check(deferred)
+                if deferred.last:
+                    self.sync_guard.request_agreement()
+            raise BatchOutOfMemory(self._out_of_memory_everywhere(out_of_memory))
         if outcome.fault is not None:
             self._sync_fault(ddp, outcome.fault)
         if deferred is None:
             return False
         return self.uneven.decide(deferred, outcome.flag_maximums, self.channel.gather, self._epoch)
+
+    # ------------------------------------------------------------------ out of memory (micro_batch_size)
+
+    def out_of_memory(self, failure: OutOfMemory, synced_backward_started: bool) -> None:
+        """On a rank whose attempt at a batch ran out of memory (``micro_batch_size="auto"``), in place of its synced
+        backward: issue the bucket all-reduces the other ranks' backward waits for and agree with them. Raises
+        ``BatchOutOfMemory`` on every rank (the others raise it from their ``after_backward``)."""
+        assert self._ddp is not None and self.sync_guard.active
+        if self.conflicts.pending:  # the others' first backward decides the conflict check with a collective
+            self._decide_conflicts(self._ddp, None, post_forward=True)
+        self._guard_synced_backward(self._ddp, failed=True, out_of_memory=failure, started=synced_backward_started)
+        raise AssertionError("the agreement after an out-of-memory error did not see it")  # pragma: no cover
+
+    def _out_of_memory_everywhere(self, local: OutOfMemory | None) -> list[OutOfMemory]:
+        """Every rank's failure in this attempt (one gather, only after one)."""
+        mine = [1, PHASES.index(local.phase), local.rows, local.batch_rows] if local is not None else [0, 0, 0, 0]
+        rows = self.channel.gather(mine)
+        return [
+            OutOfMemory(rank=rank, phase=PHASES[row[1]], rows=row[2], batch_rows=row[3])
+            for rank, row in enumerate(rows)
+            if row[0]
+        ]
+
+    def recover_from_out_of_memory(self, failures: list[OutOfMemory], device: torch.device) -> None:
+        """Every rank, after the agreement: free what the attempt held, give the wrapper a new reducer (a backward
+        that failed half way leaves the old one expecting hooks and, on the first step, bucket orders that differ
+        between ranks), and halve the size (raises when a single row did not fit)."""
+        free_memory(device)
+        if self._ddp is not None:
+            rebuild_reducer(self._ddp, self.settings.find_unused_parameters, self.settings.static_graph)
+            self._reducer_rebuilt(self._ddp)
+        self.micro_batches.shrink(failures)
+
+    def publish_out_of_memory(self, failure: OutOfMemory, message: str) -> None:
+        """Where ``micro_batch_size`` is not ``"auto"``: leave in the job's store why this rank is about to fail, so
+        that the ranks whose collective then breaks say that instead of the transport's error."""
+        store = default_store()
+        if store is None:
+            return
+        try:
+            store.set(_out_of_memory_key(failure.rank), message)
+        except (RuntimeError, ValueError):
+            pass
+
+    def peer_out_of_memory(self, world_size: int) -> str | None:
+        """What a rank that ran out of memory left in the job's store (``publish_out_of_memory``), if one did."""
+        store = default_store()
+        if store is None:
+            return None
+        for rank in range(world_size):
+            key = _out_of_memory_key(rank)
+            try:
+                if store.check([key]):
+                    return bytes(store.get(key)).decode()
+            except (RuntimeError, ValueError):
+                return None
+        return None
 
     def _sync_fault(self, ddp: DistributedDataParallel, fault: SyncFault) -> None:
         """Some rank's reducer did not all-reduce every bucket (now completed on every rank): rule R6 decides."""

@@ -9,8 +9,8 @@ it overrides a method both frameworks have (``setup_environment``, ``teardown``,
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Generator, Mapping
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -36,12 +36,30 @@ from lightning_ddp_plus.sharding.optimizer import check_overlap_backend
 from lightning_ddp_plus.sync.accumulation import SyncStats, WindowPosition
 from lightning_ddp_plus.sync.buckets import BucketChoice
 from lightning_ddp_plus.sync.comm_hooks import CommHook, HookCallCounter, HookFunction
+from lightning_ddp_plus.sync.micro_batches import (
+    PHASES,
+    BatchOutOfMemory,
+    MicroBatchOutOfMemoryError,
+    OutOfMemory,
+    batch_rows,
+    default_mode_message,
+    is_out_of_memory,
+)
 from lightning_ddp_plus.sync.ddp_internals import CAN_SET_GROUP_TIMEOUT, GROUP_TIMEOUT_BACKENDS, logging_data
 from lightning_ddp_plus.sync.wrapper import wrapping_stream
 
 
 def _size(tensor: Any) -> int:
     return int(tensor.numel() * tensor.element_size()) if isinstance(tensor, Tensor) else 0
+
+
+@dataclass(frozen=True)
+class ChunksDone:
+    """A batch trained in chunks: its loss (each chunk's weighted by its rows, summed: the batch's mean for a mean
+    loss; detached, the backwards ran) and the last chunk's output of the step function."""
+
+    loss: Tensor | None
+    output: Any
 
 
 @dataclass(frozen=True)
@@ -286,3 +304,108 @@ class DDPPlusFrontEnd:
         finally:
             restore()
         return BackwardDone(result, engine.after_backward(synced, failed=failed))
+
+    # ------------------------------------------------------------------ micro-batches and out-of-memory errors
+
+    def _train_in_chunks(
+        self,
+        ddp: DistributedDataParallel,
+        batch: Any,
+        *,
+        step: Callable[[Any], tuple[Tensor | None, Any]],
+        backward: Callable[[Tensor, bool], None],
+        synced: bool,
+        split_hook: Any = None,
+    ) -> ChunksDone:
+        """Train one batch in chunks of ``micro_batch_size`` rows: ``step(chunk)`` runs the forward and returns its
+        loss (``None``: nothing to backward) and output, ``backward(weighted loss, synced)`` its backward; only the
+        last chunk's is synced (when ``synced``). With ``"auto"``, an out-of-memory error on any rank runs the batch
+        again on every rank with half the rows per chunk, until it fits."""
+        sizer = self.engine.micro_batches
+        buffers = [b.detach().clone() for b in ddp.module.buffers()] if sizer.auto else []
+        broadcasts_buffers = ddp.require_forward_param_sync
+        while True:
+            try:
+                return self._chunks_attempt(ddp, batch, step, backward, synced, split_hook)
+            except BatchOutOfMemory as agreed:
+                failures = agreed.failures
+            # the batch runs again from what it started with: running statistics, and DDP's buffer broadcast
+            for buffer, saved in zip(ddp.module.buffers(), buffers):
+                buffer.copy_(saved)
+            ddp.require_forward_param_sync = broadcasts_buffers
+            self.engine.recover_from_out_of_memory(failures, self.root_device)
+
+    def _chunks_attempt(
+        self,
+        ddp: DistributedDataParallel,
+        batch: Any,
+        step: Callable[[Any], tuple[Tensor | None, Any]],
+        backward: Callable[[Tensor, bool], None],
+        synced: bool,
+        split_hook: Any,
+    ) -> ChunksDone:
+        engine = self.engine
+        chunks = engine.micro_batches.chunks(batch, split_hook)
+        total = sum(chunk.rows for chunk in chunks)
+        losses: list[Tensor] = []
+        output: Any = None
+        for index, chunk in enumerate(chunks):
+            last = index == len(chunks) - 1
+            phase = "forward"
+            try:
+                with nullcontext() if last else _sync_off(ddp):
+                    loss, output = step(chunk.data)
+                if loss is None:
+                    continue
+                weighted = loss * (chunk.rows / total)
+                losses.append(weighted.detach())
+                phase = "backward"
+                backward(weighted, synced and last)
+            except BatchOutOfMemory:
+                raise
+            except Exception as error:  # noqa: BLE001  # only out-of-memory errors are taken over, others re-raised
+                if not (engine.micro_batches.auto and is_out_of_memory(error)):
+                    raise
+                failure = OutOfMemory(engine.channel.rank, phase, chunk.rows, total)
+                del error  # the traceback holds the failed attempt's activations
+                # a failed synced backward may have launched some of its buckets; before it, none was
+                engine.out_of_memory(failure, synced_backward_started=phase == "backward" and last and synced)
+        return ChunksDone(sum(losses) if losses else None, output)  # type: ignore[arg-type]
+
+    @contextmanager
+    def _out_of_memory_explained(self, batch: Any) -> Generator[None, None, None]:
+        """Where ``micro_batch_size`` is not ``"auto"``, or outside its chunks: an out-of-memory error on this rank
+        becomes ``MicroBatchOutOfMemoryError`` naming the rank, the phase, the batch's rows and the fix (left in the
+        job's store first), and another rank's collective that breaks because of it says the same, not the
+        transport's error."""
+        try:
+            yield
+        except MicroBatchOutOfMemoryError:
+            raise
+        except Exception as error:
+            engine = self.engine
+            if is_out_of_memory(error):
+                phase = engine.ledger.phase if engine.ledger.phase in PHASES else "forward"
+                rows = batch_rows(batch) or 0
+                chunk = engine.micro_batches.size or rows
+                failure = OutOfMemory(engine.channel.rank, phase, min(chunk, rows), rows)
+                message = default_mode_message(failure, engine.arguments.micro_batch_size)
+                engine.publish_out_of_memory(failure, message)
+                raise MicroBatchOutOfMemoryError(message) from error
+            if isinstance(error, RuntimeError) and self.world_size > 1:
+                peer = engine.peer_out_of_memory(self.world_size)
+                if peer is not None:
+                    raise MicroBatchOutOfMemoryError(peer) from None
+            raise
+
+
+@contextmanager
+def _sync_off(ddp: DistributedDataParallel) -> Generator[None, None, None]:
+    """A chunk before the batch's last: its forward prepares no all-reduce (DDP's ``no_sync``, without resetting a
+    setting the caller made)."""
+    before = ddp.require_backward_grad_sync
+    ddp.require_backward_grad_sync = False
+    try:
+        yield
+    finally:
+        ddp.require_backward_grad_sync = before

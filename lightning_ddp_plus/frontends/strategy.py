@@ -48,6 +48,7 @@ from lightning_ddp_plus.processes.restart import init_process_group, under_torch
 from lightning_ddp_plus.sharding.optimizer import refuse_clipping
 from lightning_ddp_plus.sync.accumulation import WindowPosition, scale_gradients, window_position
 from lightning_ddp_plus.sync.ddp_internals import flush_static_graph
+from lightning_ddp_plus.sync.micro_batches import CHECKPOINT_KEY, refuse_micro_batches
 from lightning_ddp_plus.sync.uneven import PaddedBatches, RankBatches, even_by_construction
 from lightning_ddp_plus.sync.wrapper import ddp_kwargs
 
@@ -111,6 +112,10 @@ class DDPPlusStrategy(DDPPlusFrontEnd, AtomicCheckpoints, DDPStrategy):
         self.engine.watch_stalls = True  # every fit ends with teardown, which stops the watchdog
         self._backward_syncs = True
         self._static_graph_flushed = False
+        #: A batch trained in chunks: its gradients, kept from Lightning's zero_grad (which runs between
+        #: ``training_step`` and ``backward``) until the closure's ``backward`` puts them back.
+        self._chunk_gradients: list[tuple[Tensor, Tensor | None]] | None = None
+        self._batch: Any = None
 
     @classmethod
     def from_training_arguments(
@@ -156,12 +161,21 @@ class DDPPlusStrategy(DDPPlusFrontEnd, AtomicCheckpoints, DDPStrategy):
         steps = self.engine.window.reconcile(trainer.accumulate_grad_batches)
         module = self._lightning_module
         manual = module is not None and not module.automatic_optimization
+        refuse_micro_batches(self.options.micro_batch_size, manual, steps, module)
         trainer.accumulate_grad_batches = 1 if manual else steps
         return self.resume.before_launch(trainer, function, args)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        return self.resume.load_checkpoint(checkpoint_path, super().load_checkpoint, *args, **kwargs)
+        checkpoint = self.resume.load_checkpoint(checkpoint_path, super().load_checkpoint, *args, **kwargs)
+        self.engine.micro_batches.load_state_dict(checkpoint.get(CHECKPOINT_KEY, {}))
+        return checkpoint
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], *args: Any, **kwargs: Any) -> None:
+        if self.engine.micro_batches.active:
+            checkpoint[CHECKPOINT_KEY] = self.engine.micro_batches.state_dict()
+        super().save_checkpoint(checkpoint, *args, **kwargs)
 
     @override
     def setup_environment(self) -> None:
@@ -295,7 +309,81 @@ class DDPPlusStrategy(DDPPlusFrontEnd, AtomicCheckpoints, DDPStrategy):
             yield None
 
     @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._batch = args[0] if args else None
+        ddp, module = self.model, self.lightning_module
+        if not self.engine.micro_batches.active or not isinstance(ddp, DistributedDataParallel) or module is None:
+            with self._out_of_memory_explained(self._batch):
+                return super().training_step(*args, **kwargs)
+        with self._out_of_memory_explained(self._batch):
+            return self._training_step_in_chunks(ddp, module, args, kwargs)
+
+    def _training_step_in_chunks(
+        self, ddp: DistributedDataParallel, module: pl.LightningModule, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """The batch in chunks, each chunk's forward and backward here (Lightning's closure then only steps)."""
+        trainer = module.trainer
+        position = self._position()
+        parameters = [p for p in module.parameters() if p.requires_grad]
+        if position.index == 0:  # Lightning zeroes only after training_step: the chunks must start from nothing
+            for parameter in parameters:
+                parameter.grad = None
+        optimizer = trainer.optimizers[0] if trainer.optimizers else None
+        divisor = trainer.accumulate_grad_batches  # Lightning's closure divides the batch's loss by k
+
+        def step(chunk: Any) -> tuple[Tensor | None, Any]:
+            output = super(DDPPlusStrategy, self).training_step(chunk, *args[1:], **kwargs)
+            loss = output.get("loss") if isinstance(output, dict) else output
+            return (loss if isinstance(loss, Tensor) else None), output
+
+        def backward(loss: Tensor, synced: bool) -> None:
+            self._chunk_backward(ddp, loss / divisor, optimizer, position, synced)
+
+        done = self._train_in_chunks(
+            ddp,
+            args[0],
+            step=step,
+            backward=backward,
+            synced=ddp.require_backward_grad_sync,
+            split_hook=getattr(module, "split_batch", None),
+        )
+        # Lightning's zero_grad comes next, then the closure's backward, which puts these back
+        self._chunk_gradients = [(p, p.grad) for p in parameters]
+        for parameter in parameters:
+            parameter.grad = None
+        if isinstance(done.output, dict):
+            return {**done.output, "loss": done.loss}
+        return done.loss
+
+    def _chunk_backward(
+        self,
+        ddp: DistributedDataParallel,
+        loss: Tensor,
+        optimizer: Optimizer | None,
+        position: WindowPosition,
+        synced: bool,
+    ) -> None:
+        done = self._guarded_backward(
+            ddp,
+            loss,
+            position,
+            synced,
+            divided_by_steps=True,
+            post_forward=True,
+            run=lambda loss: super(DDPPlusStrategy, self).backward(loss, optimizer),
+            restore=lambda: None,
+        )
+        self._backward_syncs = synced
+        if done.ends_epoch:
+            self._end_epoch_here()
+
+    @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        if self._chunk_gradients is not None:  # the chunks ran their backwards in training_step
+            for parameter, gradient in self._chunk_gradients:
+                parameter.grad = gradient
+            self._chunk_gradients = None
+            return closure_loss
         ddp = self.model
         if not isinstance(ddp, DistributedDataParallel):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
@@ -364,7 +452,8 @@ class DDPPlusStrategy(DDPPlusFrontEnd, AtomicCheckpoints, DDPStrategy):
             if not lightning_module.automatic_optimization and not self.sync_gradients:
                 rank_zero_warn(self.engine.window.step_mid_window_warning())
             closure = self._rescaling_closure(closure, optimizer)
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        with self._out_of_memory_explained(self._batch):  # the closure runs the training step and the backward
+            output = super().optimizer_step(optimizer, closure, model, **kwargs)
         step = self.engine.after_optimizer_step()
         if lightning_module is not None:
             trainer = lightning_module.trainer

@@ -71,15 +71,17 @@ class Completion:
     unmarked: tuple[Parameter, ...]  # parameters that got no gradient in this backward
 
 
-def complete_reduction(ddp: DistributedDataParallel, message: str) -> Completion:
+def complete_reduction(ddp: DistributedDataParallel, message: str, every_bucket: bool = False) -> Completion:
     """Launch, through the reducer's communication hook, the buckets its backward did not (torch launches buckets
     strictly in order, so: from the first bucket holding a parameter that got no gradient), filled with this rank's
     gradients (zeros where it has none), and wait for them. The main group is consistent afterwards; the values that
-    reach ``.grad`` are settled by ``settle_gradients`` once the ranks agree."""
-    unmarked = unmarked_parameters(ddp, message)
+    reach ``.grad`` are settled by ``settle_gradients`` once the ranks agree.
+
+    ``every_bucket``: this rank's synced backward never started (it failed before), so it launched none."""
+    unmarked = list(reducer_parameters(ddp)) if every_bucket else unmarked_parameters(ddp, message)
     missing = {id(p) for p in unmarked}
     buckets = zeroed_buckets(ddp)
-    first = next(
+    first = 0 if every_bucket else next(
         (index for index, bucket in enumerate(buckets) if any(id(p) in missing for p in bucket.parameters())),
         len(buckets),
     )
@@ -260,9 +262,15 @@ class SyncGuard:
         self._agreement_requested = True
 
     def check(
-        self, ddp: DistributedDataParallel, step: int, flags: Sequence[int] = (), aborted: bool = False
+        self,
+        ddp: DistributedDataParallel,
+        step: int,
+        flags: Sequence[int] = (),
+        aborted: bool = False,
+        never_started: bool = False,
     ) -> GuardOutcome:
-        """After a synced backward (``aborted``: one that raised on this rank): complete this rank's reduction if it
+        """After a synced backward (``aborted``: one that raised on this rank; ``never_started``: this rank failed
+        before its synced backward began, so it launches every bucket): complete this rank's reduction if it
         did not finish, and agree with the other ranks. ``flags`` travel in the same all-reduce (their maximum over
         ranks is returned), so that another per-step decision (uneven inputs) costs no collective of its own.
 
@@ -281,7 +289,7 @@ class SyncGuard:
         self.checks += 1
         if quiet:
             return GuardOutcome(None, [0] * len(flags))
-        completion = complete_reduction(ddp, message or "") if unfinished else None
+        completion = complete_reduction(ddp, message or "", every_bucket=never_started) if unfinished else None
         agreed = self.channel.maximum([int(unfinished), int(aborted), *flags])
         if not agreed[0]:
             return GuardOutcome(None, agreed[2:])

@@ -1,0 +1,424 @@
+"""Micro-batches: a training batch split into chunks of ``micro_batch_size`` rows, one optimizer step per batch.
+
+Each chunk runs forward and backward; only the last one's backward all-reduces (the accumulation window's rule,
+inside one batch), and each chunk's loss is weighted by its share of the batch's rows, so for a loss that is a mean
+over rows the gradient is the whole batch's. The global batch, the learning-rate schedule and ``global_step`` do not
+change.
+
+With ``micro_batch_size="auto"`` an out-of-memory error on any rank makes every rank drop the batch's gradients,
+halve the size and run the same batch again. The pure parts live here (what a batch's rows are, how it is split,
+which errors are out-of-memory, the size after a failure, the messages); the engine runs the agreement, because it
+rides on the per-step guard's (``step_guard``): a rank that failed tells the others there, after issuing the bucket
+all-reduces the others' backward waits for, so no rank is left waiting inside its backward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
+from torch import Tensor
+
+from lightning_ddp_plus.config.messages import ArgumentTypeError, ArgumentValueError, describe_bad_value
+
+#: ``DDPPlusStrategy(micro_batch_size=...)``: rows per chunk, ``"auto"``, or ``None`` (the whole batch at once).
+MicroBatchSize = int | Literal["auto"] | None
+
+#: What the messages of the CPU allocator, cuBLAS and cuDNN say when an allocation fails (torch raises a plain
+#: ``RuntimeError`` for them; CUDA's caching allocator raises ``torch.OutOfMemoryError``).
+_OUT_OF_MEMORY_MESSAGES = (
+    "can't allocate memory",  # DefaultCPUAllocator
+    "out of memory",  # CUDA's own wording, also inside cuDNN/cuBLAS errors
+    "CUBLAS_STATUS_ALLOC_FAILED",
+    "CUDNN_STATUS_ALLOC_FAILED",
+    "CUDNN_STATUS_NOT_ENOUGH_WORKSPACE",
+)
+
+
+def check_micro_batch_size(argument: str, value: Any) -> MicroBatchSize:
+    """``None``, ``"auto"`` or an integer of at least 1.
+
+    >>> check_micro_batch_size("micro_batch_size", 0)
+    Traceback (most recent call last):
+    ...
+    lightning_ddp_plus.config.messages.ArgumentValueError: `micro_batch_size=0` is not valid: it must be at least 1 row per chunk. Fix: write e.g. `micro_batch_size=8`, `micro_batch_size='auto'` (halve on out-of-memory), or None (the whole batch).
+    """
+    fix = (
+        f"write e.g. `{argument}=8`, `{argument}='auto'` (halve on out-of-memory), or None (the whole batch)."
+    )
+    if value is None or value == "auto":
+        return value  # type: ignore[no-any-return]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ArgumentTypeError(
+            describe_bad_value(argument, value, f"expected an integer, 'auto' or None, got {type(value).__name__}.", fix)
+        )
+    if value < 1:
+        raise ArgumentValueError(describe_bad_value(argument, value, "it must be at least 1 row per chunk.", fix))
+    return value
+
+
+class Refusals(list[str]):
+    """Why a ``micro_batch_size`` cannot run with the other settings (empty: it can), and the fix."""
+
+    fix = ""
+
+
+def micro_batch_refusals(
+    setting: MicroBatchSize,
+    sync_guard: bool,
+    static_graph: bool,
+    accumulation_steps: int | None,
+    overlapped_optimizer: bool,
+) -> Refusals:
+    """The settings ``micro_batch_size`` cannot run with, each with its reason.
+
+    >>> list(micro_batch_refusals("auto", sync_guard=False, static_graph=False, accumulation_steps=None, overlapped_optimizer=False))
+    ['the ranks agree on an out-of-memory error inside the per-step guard, which `sync_guard=False` turns off.']
+    """
+    found = Refusals()
+    if setting is None:
+        return found
+    if overlapped_optimizer:
+        found.append(
+            "`optimizer_sharding='overlap'` steps the optimizer inside the backward, so the chunks of a batch would "
+            "each step it."
+        )
+        found.fix = "use `optimizer_sharding=True` with micro-batches."
+    if setting != "auto":
+        return found
+    if not sync_guard:
+        found.append("the ranks agree on an out-of-memory error inside the per-step guard, which `sync_guard=False` "
+                     "turns off.")
+    if static_graph:
+        found.append("a static graph cannot drop a backward that failed half way (torch's reducer keeps its state).")
+    if accumulation_steps is not None and accumulation_steps > 1:
+        found.append(
+            f"with `gradient_accumulation_steps={accumulation_steps}` a failed attempt would have to give back the "
+            "gradients the window accumulated before it, which are not kept."
+        )
+    if not found.fix and found:
+        found.fix = (
+            "use a fixed `micro_batch_size` (it composes with all of these), or change the settings named "
+            "(`sync_guard=True`, `static_graph=False`, a larger batch instead of accumulation)."
+        )
+    return found
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """torch's ``OutOfMemoryError``, or a ``RuntimeError`` whose message is an allocator's failure (the CPU's
+    ``DefaultCPUAllocator: can't allocate memory``, cuBLAS's and cuDNN's allocation failures).
+
+    >>> is_out_of_memory(RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory"))
+    True
+    >>> is_out_of_memory(RuntimeError("Connection closed by peer"))
+    False
+    """
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    if isinstance(error, MemoryError):
+        return True
+    return isinstance(error, RuntimeError) and any(text in str(error) for text in _OUT_OF_MEMORY_MESSAGES)
+
+
+class UnsplittableBatchError(TypeError):
+    """A training batch that ``micro_batch_size`` cannot split; the message names the part and the hook to write."""
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """One chunk of a training batch: what ``training_step`` receives, and how many of the batch's rows it holds
+    (its loss is weighted by ``rows / batch rows``). A LightningModule's ``split_batch(batch, size)`` returns these
+    for batches the strategy cannot split itself."""
+
+    data: Any
+    rows: int
+
+
+_SCALARS = (int, float, bool, str, bytes, type(None))
+
+
+def _hook_fix(where: str) -> str:
+    return (
+        f"{where} Fix: give your LightningModule a `split_batch(self, batch, size)` method that returns a list of "
+        "`lightning_ddp_plus.MicroBatch(data, rows)` (each `data` what `training_step` takes), or set "
+        "`micro_batch_size=None`."
+    )
+
+
+def batch_rows(batch: Any, path: str = "batch") -> int | None:
+    """The rows of a batch: the first dimension of its first tensor with one (``None`` when it holds none)."""
+    if isinstance(batch, Tensor):
+        return int(batch.shape[0]) if batch.dim() > 0 else None
+    for name, part in _parts(batch, path):
+        rows = batch_rows(part, name)
+        if rows is not None:
+            return rows
+    return None
+
+
+def _parts(batch: Any, path: str) -> list[tuple[str, Any]]:
+    if isinstance(batch, Mapping) or _is_batch_encoding(batch):
+        return [(f"{path}[{key!r}]", value) for key, value in batch.items()]
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        return [(f"{path}.{f.name}", getattr(batch, f.name)) for f in dataclasses.fields(batch) if f.init]
+    if isinstance(batch, (list, tuple)):
+        return [(f"{path}[{index}]", value) for index, value in enumerate(batch)]
+    return []
+
+
+def _is_batch_encoding(batch: Any) -> bool:
+    """Hugging Face's ``BatchEncoding`` (a ``UserDict``), recognized without importing ``transformers``."""
+    return type(batch).__name__ == "BatchEncoding" and hasattr(batch, "data") and hasattr(batch, "items")
+
+
+def split_batch(batch: Any, size: int) -> list[MicroBatch]:
+    """``batch`` in chunks of at most ``size`` rows along the first dimension: tensors are split, mappings, lists,
+    tuples, namedtuples, dataclasses and ``BatchEncoding`` split part by part, scalars (and 0-d tensors) copied into
+    every chunk, and a list of scalars with one item per row sliced. Anything else, or a tensor whose first dimension
+    is not the batch's rows, raises ``UnsplittableBatchError`` naming it.
+
+    >>> [chunk.rows for chunk in split_batch({"x": torch.zeros(5, 2), "y": torch.zeros(5)}, 2)]
+    [2, 2, 1]
+    """
+    rows = batch_rows(batch)
+    if rows is None:
+        raise UnsplittableBatchError(
+            _hook_fix(f"micro_batch_size cannot split a training batch of type {type(batch).__name__}: it holds no "
+                      "tensor with a first dimension to split along.")
+        )
+    starts = range(0, rows, size)
+    return [MicroBatch(_slice(batch, start, min(start + size, rows), rows, "batch"), min(size, rows - start))
+            for start in starts]
+
+
+def _slice(batch: Any, start: int, stop: int, rows: int, path: str) -> Any:
+    if isinstance(batch, Tensor):
+        if batch.dim() == 0:
+            return batch
+        if batch.shape[0] != rows:
+            raise UnsplittableBatchError(
+                _hook_fix(f"micro_batch_size cannot split {path}: its first dimension is {batch.shape[0]} where the "
+                          f"batch has {rows} rows.")
+            )
+        return batch[start:stop]
+    if isinstance(batch, _SCALARS):
+        return batch
+    if _is_batch_encoding(batch):
+        return type(batch)({key: _slice(value, start, stop, rows, f"{path}[{key!r}]") for key, value in batch.items()})
+    if isinstance(batch, Mapping):
+        items = {key: _slice(value, start, stop, rows, f"{path}[{key!r}]") for key, value in batch.items()}
+        try:
+            return type(batch)(items)
+        except TypeError:
+            return items
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        changes = {
+            f.name: _slice(getattr(batch, f.name), start, stop, rows, f"{path}.{f.name}")
+            for f in dataclasses.fields(batch)
+            if f.init
+        }
+        return dataclasses.replace(batch, **changes)
+    if isinstance(batch, (list, tuple)):
+        per_row = not hasattr(batch, "_fields") and len(batch) == rows
+        if per_row and all(isinstance(item, _SCALARS) for item in batch):  # e.g. one string per row
+            return type(batch)(batch[start:stop])
+        parts = [_slice(value, start, stop, rows, f"{path}[{index}]") for index, value in enumerate(batch)]
+        if hasattr(batch, "_fields"):  # a namedtuple
+            return type(batch)(*parts)
+        return type(batch)(parts)
+    raise UnsplittableBatchError(
+        _hook_fix(f"micro_batch_size cannot split {path} of type {type(batch).__name__}.")
+    )
+
+
+def size_after_out_of_memory(size: int) -> int | None:
+    """The micro-batch size to try after an out-of-memory error at ``size`` rows: half of it (rounded up, so that
+    3 rows become 2), or ``None`` when a single row did not fit.
+
+    >>> size_after_out_of_memory(32), size_after_out_of_memory(3), size_after_out_of_memory(1)
+    (16, 2, None)
+    """
+    return None if size <= 1 else (size + 1) // 2
+
+
+def free_memory(device: torch.device) -> None:
+    """Return what the failed attempt held: Python's garbage, and the CUDA caching allocator's free blocks."""
+    gc.collect()
+    if device.type == "cuda" and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+#: The phases an out-of-memory error is reported in, by the code that travels in the agreement.
+PHASES = ("forward", "backward", "optimizer step")
+
+
+@dataclass(frozen=True)
+class OutOfMemory:
+    """One rank's out-of-memory error in a training batch."""
+
+    rank: int
+    phase: str  # one of ``PHASES``
+    rows: int  # the rows it was running (the chunk's, or the batch's)
+    batch_rows: int
+
+
+def describe_failures(failures: Sequence[OutOfMemory]) -> str:
+    """>>> describe_failures([OutOfMemory(1, "backward", 16, 32)])
+    'rank 1 in the backward of 16 rows'
+    """
+    return "; ".join(f"rank {f.rank} in the {f.phase} of {f.rows} rows" for f in failures)
+
+
+def shrink_message(failures: Sequence[OutOfMemory], old: int, new: int) -> str:
+    return (
+        f"micro_batch_size='auto': out of memory on {describe_failures(failures)}; every rank now splits each batch "
+        f"into chunks of {new} rows (was {old}), keeping the batch of {failures[0].batch_rows} rows per rank and one "
+        "optimizer step per batch."
+    )
+
+
+class MicroBatchOutOfMemoryError(torch.OutOfMemoryError):
+    """Out of memory on some rank that ``micro_batch_size`` cannot get around (the message says why and what to
+    change); raised on every rank."""
+
+
+def single_row_message(failures: Sequence[OutOfMemory]) -> str:
+    return (
+        f"micro_batch_size='auto': out of memory on {describe_failures(failures)} with chunks of a single row, so no "
+        "micro-batch size fits. Fix: free memory on the device (activation checkpointing, a smaller model or "
+        "sequence, `optimizer_sharding=True`), or shard the model (FSDP)."
+    )
+
+
+def default_mode_message(failure: OutOfMemory, micro_batch_size: MicroBatchSize) -> str:
+    """What every rank raises when a rank ran out of memory and ``micro_batch_size`` is not ``"auto"``."""
+    chunk = f" (a chunk of {failure.rows} rows of micro_batch_size={micro_batch_size})" if micro_batch_size else ""
+    if failure.phase == "optimizer step":
+        fix = (
+            "the optimizer step does not depend on the batch: shard the optimizer state "
+            "(`optimizer_sharding=True`), use a lighter optimizer, or free memory elsewhere."
+        )
+    else:
+        fix = (
+            "set `micro_batch_size='auto'` (every rank halves its chunks together until they fit, the global batch "
+            f"unchanged) or a fixed `micro_batch_size` below {failure.rows}; or lower the batch size."
+        )
+    return (
+        f"Out of memory on rank {failure.rank} in the {failure.phase}, training a batch of {failure.batch_rows} "
+        f"rows{chunk}. Every rank stops here. Fix: {fix}"
+    )
+
+
+class BatchOutOfMemory(Exception):
+    """Raised on every rank once the ranks agreed that some rank ran out of memory in this batch's attempt: the
+    front end's loop over chunks catches it and runs the batch again with smaller chunks. Never leaves the
+    strategy."""
+
+    def __init__(self, failures: Sequence[OutOfMemory]) -> None:
+        super().__init__(describe_failures(failures))
+        self.failures = list(failures)
+
+
+class MicroBatchSizer:
+    """Owns ``micro_batch_size``: the size in effect, how a batch is split, and the size after an out-of-memory
+    error that every rank agreed on.
+
+    Args:
+        setting: ``micro_batch_size`` as given.
+        info: how the one line about a change reaches the user (rank 0 only).
+    """
+
+    def __init__(self, setting: MicroBatchSize, info: Any) -> None:
+        self.setting = setting
+        #: Rows per chunk in effect; ``None``: the whole batch (``"auto"`` before its first out-of-memory error).
+        self.size: int | None = setting if isinstance(setting, int) else None
+        self._info = info
+        #: Every change ``"auto"`` made, as (old size, new size, failures).
+        self.changes: list[tuple[int, int, list[OutOfMemory]]] = []
+
+    @property
+    def active(self) -> bool:
+        return self.setting is not None
+
+    @property
+    def auto(self) -> bool:
+        return self.setting == "auto"
+
+    def chunks(self, batch: Any, split_hook: Any = None) -> list[MicroBatch]:
+        """The batch in chunks of the size in effect (``split_hook``: the LightningModule's ``split_batch``)."""
+        if split_hook is not None:
+            rows = batch_rows(batch)
+            chunks = list(split_hook(batch, self.size or rows or 1))
+            if not chunks or not all(isinstance(chunk, MicroBatch) for chunk in chunks):
+                raise UnsplittableBatchError(
+                    "split_batch(batch, size) must return a non-empty list of `lightning_ddp_plus.MicroBatch(data, "
+                    f"rows)`, got {type(chunks[0]).__name__ if chunks else 'an empty list'}. Fix: wrap each chunk "
+                    "as `MicroBatch(data=chunk, rows=its rows)`."
+                )
+            return chunks
+        rows = batch_rows(batch)
+        return split_batch(batch, self.size if self.size is not None else (rows or 1))
+
+    def shrink(self, failures: Sequence[OutOfMemory]) -> int:
+        """After the ranks agreed on an out-of-memory error: the new size (logged once), or
+        ``MicroBatchOutOfMemoryError`` when a single row did not fit."""
+        old = min(f.rows for f in failures)
+        new = size_after_out_of_memory(old)
+        if new is None:
+            raise MicroBatchOutOfMemoryError(single_row_message(failures))
+        self.changes.append((old, new, list(failures)))
+        self.size = new
+        self._info(shrink_message(failures, old, new))
+        return new
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"micro_batch_size": self.size}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """A resumed fit starts from the size saved (``"auto"`` only: a fixed size stays as given)."""
+        size = state.get("micro_batch_size")
+        if self.auto and isinstance(size, int):
+            self.size = size
+
+
+#: Where a Trainer checkpoint keeps the size in effect.
+CHECKPOINT_KEY = "ddp_plus_micro_batches"
+
+
+def refuse_micro_batches(setting: MicroBatchSize, manual: bool, accumulation_steps: int, module: Any) -> None:
+    """Before launch, once the Trainer and the LightningModule are known: what ``micro_batch_size`` cannot do with
+    them raises; a model with batch normalization gets a warning."""
+    if setting is None:
+        return
+    if manual:
+        raise ArgumentValueError(
+            describe_bad_value(
+                "micro_batch_size",
+                setting,
+                "with manual optimization (`automatic_optimization = False`) your `training_step` runs the backward "
+                "itself, so the strategy cannot run it once per chunk.",
+                "split the batch in your `training_step` and call `self.manual_backward` per chunk (the strategy's "
+                "`gradient_accumulation_steps` syncs only the last), or use automatic optimization.",
+            )
+        )
+    if setting == "auto" and accumulation_steps > 1:
+        raise ArgumentValueError(
+            describe_bad_value(
+                "micro_batch_size",
+                setting,
+                f"with `accumulate_grad_batches={accumulation_steps}` a failed attempt would have to give back the "
+                "gradients the window accumulated before it, which are not kept.",
+                f"give the loader {accumulation_steps}x the batch size and `accumulate_grad_batches=1` (the same "
+                "global batch: 'auto' then splits it as memory allows), or use a fixed `micro_batch_size`.",
+            )
+        )
+    if module is not None and any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in module.modules()):
+        rank_zero_warn(
+            f"micro_batch_size={setting!r}: the model has batch normalization, whose statistics are then computed "
+            "per chunk, not per batch (its running statistics too); the gradients differ from the whole batch's.",
+        )
