@@ -4,7 +4,8 @@
 before the step's backward (so the other rank waits in the all-reduce), ``slow_setup`` does the same after rank 0
 spent ``SETUP_S`` in ``setup`` (rank 1 waits meanwhile in DDP's first broadcast), ``crash`` raises; the modes that put the ranks out of step
 issue a collective on that rank only: ``extra_log`` logs a metric with ``sync_dist=True``, ``rank_barrier`` calls
-the strategy's ``barrier``, ``extra_val_batch`` gives that rank one validation batch more (validation every STEP
+the strategy's ``barrier``, ``extra_val_batch`` gives that rank one validation batch more; ``out_of_memory`` raises torch's
+``OutOfMemoryError`` there (as CUDA's allocator would) (validation every STEP
 steps, each batch's loss logged with ``sync_dist=True``). TAG only marks the command line so the test can find any process left behind.
 """
 
@@ -38,6 +39,8 @@ class Misbehaving(TinyRegression):
                 self.log("only_here", torch.tensor(1.0), sync_dist=True)
             elif self.mode == "rank_barrier":
                 self.trainer.strategy.barrier("only_here")
+            elif self.mode == "out_of_memory":
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
             else:
                 raise RuntimeError(f"deliberate failure on rank {self.global_rank} at step {self.global_step}")
         return super().training_step(batch, batch_idx)

@@ -6,7 +6,11 @@ or in the backward through an autograd function) once a rank's batch has more ro
 allocator failing under an address-space limit (``RLIMIT_AS``) set on one rank at train start.
 """
 
+import faulthandler
 import resource
+import signal
+
+faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 import lightning as L
 import torch
@@ -38,7 +42,7 @@ class MemoryLimited(TinyRegression):
         super().__init__(**kwargs)
         self.limits, self.phase, self.from_step = {int(k): v for k, v in limits.items()}, phase, from_step
         self.rows_seen = 0
-        self.wide = nn.Parameter(torch.linspace(-1, 1, 1 << 18)) if wide else None
+        self.wide = nn.Parameter(torch.linspace(-1, 1, 1 << 20)) if wide else None
         self._saved_limit = None
 
     def on_train_start(self) -> None:
@@ -61,7 +65,7 @@ class MemoryLimited(TinyRegression):
         if over and self.phase == "forward":
             raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate 2.00 GiB ({x.shape[0]} rows)")
         out = self(x)
-        if self.wide is not None:  # rows x 1 MiB, twice over in the backward
+        if self.wide is not None:  # rows x 4 MiB, twice over in the backward
             out = out + (out * self.wide).mean(dim=1, keepdim=True) * 1e-3
         if over and self.phase == "backward":
             out = FailsInBackward.apply(out)
