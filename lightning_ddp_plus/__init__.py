@@ -26,6 +26,7 @@ from lightning_ddp_plus.frontends.strategy import DDPPlusStrategy
 from lightning_ddp_plus.persistence.files import CheckpointResumeError
 from lightning_ddp_plus.persistence.io import AtomicCheckpointIO, CheckpointSaveError
 from lightning_ddp_plus.sync.comm_hooks import CommHook
+from lightning_ddp_plus.sync.micro_batches import MicroBatch, MicroBatchOutOfMemoryError, UnsplittableBatchError
 from lightning_ddp_plus.sync.uneven import UnevenInputsError
 
 __version__ = "0.2.0"
@@ -49,7 +50,10 @@ __all__ = [
     "DDPSettings",
     "DDPTelemetry",
     "HFStyleDDPPlusStrategy",
+    "MicroBatch",
+    "MicroBatchOutOfMemoryError",
     "ReplicaDriftError",
     "UnevenInputsError",
+    "UnsplittableBatchError",
     "parse_timeout",
 ]

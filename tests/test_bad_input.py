@@ -112,6 +112,35 @@ BAD = [
         {"setup_timeout": "2h", "process_group_backend": "mpi"},
         r"setup_timeout='2h'.*cannot change the timeout of an 'mpi' group.*raise `timeout` itself",
     ),
+    Bad("micro-batch-zero", {"micro_batch_size": 0}, r"micro_batch_size=0.*must be at least 1 row"),
+    Bad("micro-batch-negative", {"micro_batch_size": -8}, r"micro_batch_size=-8.*must be at least 1 row"),
+    Bad("micro-batch-string", {"micro_batch_size": "half"}, r"micro_batch_size='half'.*expected an integer, 'auto'"),
+    Bad(
+        "micro-batch-auto-without-guard",
+        {"micro_batch_size": "auto", "sync_guard": False},
+        r"micro_batch_size='auto'.*cannot run.*sync_guard=False",
+    ),
+    Bad(
+        "micro-batch-auto-static-graph",
+        {"micro_batch_size": "auto", "static_graph": True},
+        r"micro_batch_size='auto'.*cannot run.*static graph",
+    ),
+    Bad(
+        "micro-batch-auto-accumulation",
+        {"micro_batch_size": "auto", "gradient_accumulation_steps": 2},
+        r"micro_batch_size='auto'.*cannot run.*gradient_accumulation_steps=2.*Fix: use a fixed",
+    ),
+    Bad(
+        "micro-batch-auto-trainer-accumulation",
+        {"micro_batch_size": "auto"},
+        r"micro_batch_size='auto'.*cannot run with `accumulate_grad_batches=2`.*Fix",
+        trainer={"accumulate_grad_batches": 2},
+    ),
+    Bad(
+        "micro-batch-overlap",
+        {"micro_batch_size": 8, "optimizer_sharding": "overlap"},
+        r"micro_batch_size=8.*optimizer_sharding='overlap'.*Fix: use `optimizer_sharding=True`",
+    ),
     Bad("stragglers-zero", {"find_stragglers_every_n_steps": 0}, r"find_stragglers_every_n_steps=0.*positive integer"),
 ]
 IDS = [case.id for case in BAD]
@@ -153,11 +182,11 @@ def test_the_table_covers_every_declared_argument():
 
     tried = {name for case in BAD + FABRIC_BAD for name in case.strategy}
     assert set(ARGUMENT_FIELDS) - tried == {"ddp_comm_state"}  # any object is a valid state
-    assert len(BAD) + len(FABRIC_BAD) >= 56
+    assert len(BAD) + len(FABRIC_BAD) >= 64
 
 
 # Settled when `fit` starts (the launcher is the first point that has the Trainer's settings), before any launch.
-AT_FIT = {"accumulation-mismatch"}
+AT_FIT = {"accumulation-mismatch", "micro-batch-auto-trainer-accumulation"}
 
 
 @pytest.mark.parametrize("case", BAD, ids=IDS)
@@ -182,7 +211,13 @@ def test_python(tmp_path, case):
 
 
 #: Judged when the device is known (Fabric's connector), or the Trainer's only: not at Fabric's construction.
-NOT_AT_FABRIC_CONSTRUCTION = {"nccl-on-cpu", "xccl-without-xpu", "mpi-not-built", "accumulation-mismatch"}
+NOT_AT_FABRIC_CONSTRUCTION = {
+    "nccl-on-cpu",
+    "xccl-without-xpu",
+    "mpi-not-built",
+    "accumulation-mismatch",
+    "micro-batch-auto-trainer-accumulation",
+}
 
 
 @pytest.mark.parametrize(

@@ -309,7 +309,10 @@ class DDPPlusArguments:
         if micro_batch_conflicts:
             raise ArgumentValueError(
                 describe_bad_value(
-                    "micro_batch_size", self.micro_batch_size, " ".join(micro_batch_conflicts), micro_batch_conflicts.fix
+                    "micro_batch_size",
+                    self.micro_batch_size,
+                    "it cannot run with these settings: " + " ".join(micro_batch_conflicts),
+                    micro_batch_conflicts.fix,
                 )
             )
         conflicts = refusals(

@@ -400,8 +400,8 @@ def refuse_micro_batches(setting: MicroBatchSize, manual: bool, accumulation_ste
             describe_bad_value(
                 "micro_batch_size",
                 setting,
-                "with manual optimization (`automatic_optimization = False`) your `training_step` runs the backward "
-                "itself, so the strategy cannot run it once per chunk.",
+                "it needs automatic optimization: with `automatic_optimization = False` your `training_step` runs the "
+                "backward itself, so the strategy cannot run it once per chunk.",
                 "split the batch in your `training_step` and call `self.manual_backward` per chunk (the strategy's "
                 "`gradient_accumulation_steps` syncs only the last), or use automatic optimization.",
             )
@@ -411,8 +411,8 @@ def refuse_micro_batches(setting: MicroBatchSize, manual: bool, accumulation_ste
             describe_bad_value(
                 "micro_batch_size",
                 setting,
-                f"with `accumulate_grad_batches={accumulation_steps}` a failed attempt would have to give back the "
-                "gradients the window accumulated before it, which are not kept.",
+                f"it cannot run with `accumulate_grad_batches={accumulation_steps}`: a failed attempt would have to "
+                "give back the gradients the window accumulated before it, which are not kept.",
                 f"give the loader {accumulation_steps}x the batch size and `accumulate_grad_batches=1` (the same "
                 "global batch: 'auto' then splits it as memory allows), or use a fixed `micro_batch_size`.",
             )

@@ -1,0 +1,200 @@
+"""``micro_batch_size``: batches split into chunks with one all-reduce and one optimizer step per batch, and
+``"auto"``, where an out-of-memory error on any rank makes every rank halve its chunks and run the batch again.
+
+The jobs are real: 2 gloo ranks, torch's ``OutOfMemoryError`` raised where CUDA's allocator raises it (forward, or
+backward through an autograd function), and the CPU allocator failing under an address-space limit on one rank."""
+
+import dataclasses
+from collections import namedtuple
+
+import pytest
+import torch
+from lightning import Trainer
+
+from lightning_ddp_plus import DDPPlusStrategy, MicroBatch
+from lightning_ddp_plus.sync.micro_batches import (
+    CHECKPOINT_KEY,
+    MicroBatchSizer,
+    UnsplittableBatchError,
+    is_out_of_memory,
+    size_after_out_of_memory,
+    split_batch,
+)
+from tests.helpers import QUIET_TRAINER, TinyRegressionManual, run_case_job
+
+# ------------------------------------------------------------------ splitting, pure
+
+
+Pair = namedtuple("Pair", "x y")
+
+
+@dataclasses.dataclass
+class Sample:
+    ids: torch.Tensor
+    labels: torch.Tensor
+    name: str = "train"
+
+
+def rows_of(chunks):
+    return [chunk.rows for chunk in chunks]
+
+
+def test_tensors_and_every_container_split_along_the_first_dimension():
+    x, y = torch.arange(10).view(5, 2), torch.arange(5)
+    for batch, rebuild in [
+        (x, lambda c: c),
+        ({"x": x, "y": y, "scale": 2.0}, lambda c: c["x"]),
+        ([x, y], lambda c: c[0]),
+        ((x, y), lambda c: c[0]),
+        (Pair(x, y), lambda c: c.x),
+        (Sample(x, y), lambda c: c.ids),
+    ]:
+        chunks = split_batch(batch, 2)
+        assert rows_of(chunks) == [2, 2, 1]
+        assert type(chunks[0].data) is type(batch)
+        assert torch.equal(torch.cat([rebuild(c.data) for c in chunks]), x)
+    dict_chunks = split_batch({"x": x, "y": y, "scale": 2.0}, 2)
+    assert [c.data["scale"] for c in dict_chunks] == [2.0] * 3  # scalars reach every chunk
+    assert split_batch(Sample(x, y), 4)[1].data.name == "train"
+
+
+def test_a_hugging_face_batch_encoding_stays_one():
+    from transformers import BatchEncoding
+
+    batch = BatchEncoding({"input_ids": torch.ones(6, 4, dtype=torch.long), "attention_mask": torch.ones(6, 4)})
+    chunks = split_batch(batch, 4)
+    assert rows_of(chunks) == [4, 2]
+    assert isinstance(chunks[1].data, BatchEncoding)
+    assert chunks[1].data["input_ids"].shape == (2, 4)
+
+
+def test_a_list_of_one_string_per_row_is_sliced_and_a_0d_tensor_copied():
+    batch = {"x": torch.zeros(3, 2), "text": ["a", "b", "c"], "temperature": torch.tensor(0.5)}
+    chunks = split_batch(batch, 2)
+    assert [c.data["text"] for c in chunks] == [["a", "b"], ["c"]]
+    assert all(c.data["temperature"].item() == 0.5 for c in chunks)
+
+
+@pytest.mark.parametrize(
+    ("batch", "named"),
+    [
+        (object(), "type object"),
+        ({"x": torch.zeros(4, 2), "mask": torch.zeros(3)}, "batch['mask']: its first dimension is 3 where the batch has 4"),
+        ({"x": torch.zeros(4, 2), "other": object()}, "batch['other'] of type object"),
+    ],
+)
+def test_a_batch_that_cannot_be_split_names_the_part_and_the_hook_to_write(batch, named):
+    with pytest.raises(UnsplittableBatchError) as raised:
+        split_batch(batch, 2)
+    message = str(raised.value)
+    assert named in message
+    assert "Fix: give your LightningModule a `split_batch(self, batch, size)` method" in message
+
+
+def test_a_split_hook_must_return_micro_batches():
+    sizer = MicroBatchSizer(2, info=print)
+    x = torch.zeros(4, 2)
+    chunks = sizer.chunks(x, lambda batch, size: [MicroBatch(batch[:size], size), MicroBatch(batch[size:], 2)])
+    assert rows_of(chunks) == [2, 2]
+    with pytest.raises(UnsplittableBatchError, match=r"must return a non-empty list of .*MicroBatch.*got Tensor"):
+        sizer.chunks(x, lambda batch, size: [batch[:size]])
+
+
+def test_out_of_memory_in_each_of_its_forms():
+    assert is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert is_out_of_memory(RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 bytes"))
+    assert is_out_of_memory(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"))
+    assert is_out_of_memory(RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED"))
+    assert not is_out_of_memory(RuntimeError("Connection closed by peer [127.0.0.1]:1234"))
+    assert not is_out_of_memory(ValueError("out of memory"))  # not an allocator's error type
+
+
+def test_sizes_halve_down_to_one_row():
+    sizes = [32]
+    while (following := size_after_out_of_memory(sizes[-1])) is not None:
+        sizes.append(following)
+    assert sizes == [32, 16, 8, 4, 2, 1]
+    assert size_after_out_of_memory(5) == 3
+
+
+def test_manual_optimization_is_refused_before_anything_is_launched():
+    strategy = DDPPlusStrategy(micro_batch_size=8)
+    trainer = Trainer(strategy=strategy, accelerator="cpu", devices=2, max_epochs=1, **QUIET_TRAINER)
+    with pytest.raises(ValueError, match=r"`micro_batch_size=8` is not valid: it needs automatic optimization.*Fix"):
+        trainer.fit(TinyRegressionManual())
+    assert strategy.launcher.procs == []
+
+
+# ------------------------------------------------------------------ real jobs
+
+SAVED = "micro_batches.ckpt"
+CASES = [
+    {"name": "reference"},
+    {"name": "fixed 8", "micro_batch_size": 8},
+    {"name": "reference, accumulate 2", "accumulate": 2},
+    {"name": "fixed 8, accumulate 2", "micro_batch_size": 8, "accumulate": 2},
+    {"name": "auto, rank 1 in the forward", "micro_batch_size": "auto", "limits": {"1": 8}, "phase": "forward"},
+    {"name": "auto, both ranks in the backward", "micro_batch_size": "auto", "limits": {"0": 16, "1": 8}, "phase": "backward"},
+    {"name": "auto, a later batch", "micro_batch_size": "auto", "limits": {"0": 8}, "from_step": 2, "save_to": SAVED},
+    {"name": "reference, wide", "wide": True},
+    {"name": "auto, address-space limit", "micro_batch_size": "auto", "limits": {"1": 224}, "phase": "rlimit", "wide": True},
+]
+#: The reference each case must equal, and the size it must end at (``None``: the whole batch).
+EXPECTED = {
+    "reference": ("reference", None),
+    "fixed 8": ("reference", 8),
+    "reference, accumulate 2": ("reference, accumulate 2", None),
+    "fixed 8, accumulate 2": ("reference, accumulate 2", 8),
+    "auto, rank 1 in the forward": ("reference", 8),
+    "auto, both ranks in the backward": ("reference", 8),
+    "auto, a later batch": ("reference", 8),
+    "reference, wide": ("reference, wide", None),
+    "auto, address-space limit": ("reference, wide", None),  # the size the allocator allows: checked below
+}
+
+
+@pytest.fixture(scope="module")
+def micro_batch_results(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("micro_batches")
+    cases = [{**case, "save_to": str(folder / case["save_to"])} if "save_to" in case else case for case in CASES]
+    # one arena: a thread's own malloc arena would reserve 64 MiB of the address space the limit case measures
+    results = run_case_job("micro_batch_job.py", cases, folder / "results.json", env={"MALLOC_ARENA_MAX": "1"})
+    return {result["name"]: result for result in results}, folder
+
+
+@pytest.mark.parametrize("name", list(EXPECTED))
+def test_every_case_equals_its_reference_on_identical_replicas(micro_batch_results, name):
+    results, _ = micro_batch_results
+    result = results[name]
+    reference_name, size = EXPECTED[name]
+    reference = torch.tensor(results[reference_name]["params"][0])
+    rank0, rank1 = (torch.tensor(p) for p in result["params"])
+    assert torch.equal(rank0, rank1)  # identical replicas
+    assert torch.allclose(rank0, reference, atol=1e-5, rtol=0), float((rank0 - reference).abs().max())
+    # one all-reduce and one optimizer step per batch (or window): the global batch did not change
+    assert result["optimizer_steps"] == results[reference_name]["optimizer_steps"] == result["global_step"]
+    if not result.get("wide"):  # one gradient bucket: one all-reduce per step, and one per failed attempt
+        assert result["hook_calls"] == result["optimizer_steps"] + len(result["changes"])
+        assert result["size"] == size
+
+
+def test_auto_halves_on_every_rank_and_names_the_rank_that_failed(micro_batch_results):
+    results, _ = micro_batch_results
+    assert results["auto, rank 1 in the forward"]["changes"] == [[32, 16, [1]], [16, 8, [1]]]
+    assert results["auto, both ranks in the backward"]["changes"] == [[32, 16, [0, 1]], [16, 8, [1]]]
+    assert results["auto, a later batch"]["changes"] == [[32, 16, [0]], [16, 8, [0]]]
+    limited = results["auto, address-space limit"]
+    assert limited["changes"] and all(ranks == [1] for _, _, ranks in limited["changes"])
+    assert limited["size"] == limited["changes"][-1][1] < 32  # a real allocation failure, and a size that held
+
+
+def test_the_size_reached_is_saved_and_a_resume_starts_from_it(micro_batch_results):
+    _, folder = micro_batch_results
+    path = folder / SAVED
+    assert torch.load(path, weights_only=False)[CHECKPOINT_KEY] == {"micro_batch_size": 8}
+    resumed = DDPPlusStrategy(micro_batch_size="auto")
+    resumed.load_checkpoint(path)
+    assert resumed.engine.micro_batches.size == 8
+    fixed = DDPPlusStrategy(micro_batch_size=4)  # a size the user fixed stays theirs
+    fixed.load_checkpoint(path)
+    assert fixed.engine.micro_batches.size == 4
