@@ -344,9 +344,7 @@ def job_main(run_case: Any) -> None:
     dist.destroy_process_group()
 
 
-def run_case_job(
-    script: str, cases: list, out: Path, timeout: float = 400, env: dict[str, str] | None = None
-) -> list:
+def run_case_job(script: str, cases: list, out: Path, timeout: float = 400, env: dict[str, str] | None = None) -> list:
     """Start ``script`` on 2 ranks with ``cases``; every rank must succeed; return rank 0's results."""
     for result in start_ranks(python_script(script) + [str(out), json.dumps(cases)], timeout=timeout, env=env):
         assert result.returncode == 0, result.stdout[-4000:]

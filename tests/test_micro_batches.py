@@ -79,7 +79,10 @@ def test_a_list_of_one_string_per_row_is_sliced_and_a_0d_tensor_copied():
     ("batch", "named"),
     [
         (object(), "type object"),
-        ({"x": torch.zeros(4, 2), "mask": torch.zeros(3)}, "batch['mask']: its first dimension is 3 where the batch has 4"),
+        (
+            {"x": torch.zeros(4, 2), "mask": torch.zeros(3)},
+            "batch['mask']: its first dimension is 3 where the batch has 4",
+        ),
         ({"x": torch.zeros(4, 2), "other": object()}, "batch['other'] of type object"),
     ],
 )
@@ -102,7 +105,11 @@ def test_a_split_hook_must_return_micro_batches():
 
 def test_out_of_memory_in_each_of_its_forms():
     assert is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
-    assert is_out_of_memory(RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 bytes"))
+    assert is_out_of_memory(
+        RuntimeError(
+            "[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 bytes"
+        )
+    )
     assert is_out_of_memory(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"))
     assert is_out_of_memory(RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED"))
     assert not is_out_of_memory(RuntimeError("Connection closed by peer [127.0.0.1]:1234"))
@@ -134,10 +141,21 @@ CASES = [
     {"name": "reference, accumulate 2", "accumulate": 2},
     {"name": "fixed 8, accumulate 2", "micro_batch_size": 8, "accumulate": 2},
     {"name": "auto, rank 1 in the forward", "micro_batch_size": "auto", "limits": {"1": 8}, "phase": "forward"},
-    {"name": "auto, both ranks in the backward", "micro_batch_size": "auto", "limits": {"0": 16, "1": 8}, "phase": "backward"},
+    {
+        "name": "auto, both ranks in the backward",
+        "micro_batch_size": "auto",
+        "limits": {"0": 16, "1": 8},
+        "phase": "backward",
+    },
     {"name": "auto, a later batch", "micro_batch_size": "auto", "limits": {"0": 8}, "from_step": 2, "save_to": SAVED},
     {"name": "reference, wide", "wide": True},
-    {"name": "auto, address-space limit", "micro_batch_size": "auto", "limits": {"1": 224}, "phase": "rlimit", "wide": True},
+    {
+        "name": "auto, address-space limit",
+        "micro_batch_size": "auto",
+        "limits": {"1": 224},
+        "phase": "rlimit",
+        "wide": True,
+    },
 ]
 #: The reference each case must equal, and the size it must end at (``None``: the whole batch).
 EXPECTED = {

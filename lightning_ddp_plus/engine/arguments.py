@@ -55,8 +55,8 @@ from lightning_ddp_plus.sharding.optimizer import OptimizerSharding, check_optim
 from lightning_ddp_plus.sync.accumulation import ShortWindow, check_accumulation_steps
 from lightning_ddp_plus.sync.buckets import check_auto_with_hook
 from lightning_ddp_plus.sync.comm_hooks import CommHook, HookFunction, check_comm_wrapper, parse_comm_hook
-from lightning_ddp_plus.sync.micro_batches import check_micro_batch_size, micro_batch_refusals
 from lightning_ddp_plus.sync.ddp_internals import CAN_SET_GROUP_TIMEOUT, GROUP_TIMEOUT_BACKENDS
+from lightning_ddp_plus.sync.micro_batches import check_micro_batch_size, micro_batch_refusals
 from lightning_ddp_plus.sync.uneven import UnevenInputs
 
 #: The front ends, by the class name their messages use.

@@ -36,6 +36,7 @@ from lightning_ddp_plus.sharding.optimizer import check_overlap_backend
 from lightning_ddp_plus.sync.accumulation import SyncStats, WindowPosition
 from lightning_ddp_plus.sync.buckets import BucketChoice
 from lightning_ddp_plus.sync.comm_hooks import CommHook, HookCallCounter, HookFunction
+from lightning_ddp_plus.sync.ddp_internals import CAN_SET_GROUP_TIMEOUT, GROUP_TIMEOUT_BACKENDS, logging_data
 from lightning_ddp_plus.sync.micro_batches import (
     PHASES,
     BatchOutOfMemory,
@@ -45,7 +46,6 @@ from lightning_ddp_plus.sync.micro_batches import (
     default_mode_message,
     is_out_of_memory,
 )
-from lightning_ddp_plus.sync.ddp_internals import CAN_SET_GROUP_TIMEOUT, GROUP_TIMEOUT_BACKENDS, logging_data
 from lightning_ddp_plus.sync.wrapper import wrapping_stream
 
 
@@ -363,7 +363,7 @@ class DDPPlusFrontEnd:
                 backward(weighted, synced and last)
             except BatchOutOfMemory:
                 raise
-            except Exception as error:  # noqa: BLE001  # only out-of-memory errors are taken over, others re-raised
+            except Exception as error:  # only out-of-memory errors are taken over, others re-raised
                 if not (engine.micro_batches.auto and is_out_of_memory(error)):
                     raise
                 failure = OutOfMemory(engine.channel.rank, phase, chunk.rows, total)

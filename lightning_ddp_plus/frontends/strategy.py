@@ -36,6 +36,7 @@ from lightning_ddp_plus.config.training_arguments import port_training_arguments
 from lightning_ddp_plus.diagnostics.telemetry import DDPTelemetry
 from lightning_ddp_plus.engine.arguments import takes_declared_arguments
 from lightning_ddp_plus.frontends.common import DDPPlusFrontEnd
+from lightning_ddp_plus.frontends.trainer_chunks import TrainerChunks
 from lightning_ddp_plus.persistence.io import AtomicCheckpoints
 from lightning_ddp_plus.persistence.resume import ResumeCoordinator
 from lightning_ddp_plus.processes.launcher import (
@@ -48,7 +49,6 @@ from lightning_ddp_plus.processes.restart import init_process_group, under_torch
 from lightning_ddp_plus.sharding.optimizer import refuse_clipping
 from lightning_ddp_plus.sync.accumulation import WindowPosition, scale_gradients, window_position
 from lightning_ddp_plus.sync.ddp_internals import flush_static_graph
-from lightning_ddp_plus.sync.micro_batches import CHECKPOINT_KEY, refuse_micro_batches
 from lightning_ddp_plus.sync.uneven import PaddedBatches, RankBatches, even_by_construction
 from lightning_ddp_plus.sync.wrapper import ddp_kwargs
 
@@ -112,10 +112,7 @@ class DDPPlusStrategy(DDPPlusFrontEnd, AtomicCheckpoints, DDPStrategy):
         self.engine.watch_stalls = True  # every fit ends with teardown, which stops the watchdog
         self._backward_syncs = True
         self._static_graph_flushed = False
-        #: A batch trained in chunks: its gradients, kept from Lightning's zero_grad (which runs between
-        #: ``training_step`` and ``backward``) until the closure's ``backward`` puts them back.
-        self._chunk_gradients: list[tuple[Tensor, Tensor | None]] | None = None
-        self._batch: Any = None
+        self._chunks = TrainerChunks(self)
 
     @classmethod
     def from_training_arguments(
@@ -161,21 +158,19 @@ class DDPPlusStrategy(DDPPlusFrontEnd, AtomicCheckpoints, DDPStrategy):
         steps = self.engine.window.reconcile(trainer.accumulate_grad_batches)
         module = self._lightning_module
         manual = module is not None and not module.automatic_optimization
-        refuse_micro_batches(self.options.micro_batch_size, manual, steps, module)
+        self._chunks.refuse(manual, steps, module)
         trainer.accumulate_grad_batches = 1 if manual else steps
         return self.resume.before_launch(trainer, function, args)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        checkpoint = self.resume.load_checkpoint(checkpoint_path, super().load_checkpoint, *args, **kwargs)
-        self.engine.micro_batches.load_state_dict(checkpoint.get(CHECKPOINT_KEY, {}))
-        return checkpoint
+        return self._chunks.loaded(
+            self.resume.load_checkpoint(checkpoint_path, super().load_checkpoint, *args, **kwargs)
+        )
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], *args: Any, **kwargs: Any) -> None:
-        if self.engine.micro_batches.active:
-            checkpoint[CHECKPOINT_KEY] = self.engine.micro_batches.state_dict()
-        super().save_checkpoint(checkpoint, *args, **kwargs)
+        super().save_checkpoint(self._chunks.saving(checkpoint), *args, **kwargs)
 
     @override
     def setup_environment(self) -> None:
@@ -310,79 +305,16 @@ class DDPPlusStrategy(DDPPlusFrontEnd, AtomicCheckpoints, DDPStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._batch = args[0] if args else None
-        ddp, module = self.model, self.lightning_module
-        if not self.engine.micro_batches.active or not isinstance(ddp, DistributedDataParallel) or module is None:
-            with self._out_of_memory_explained(self._batch):
-                return super().training_step(*args, **kwargs)
-        with self._out_of_memory_explained(self._batch):
-            return self._training_step_in_chunks(ddp, module, args, kwargs)
-
-    def _training_step_in_chunks(
-        self, ddp: DistributedDataParallel, module: pl.LightningModule, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> Any:
-        """The batch in chunks, each chunk's forward and backward here (Lightning's closure then only steps)."""
-        trainer = module.trainer
-        position = self._position()
-        parameters = [p for p in module.parameters() if p.requires_grad]
-        if position.index == 0:  # Lightning zeroes only after training_step: the chunks must start from nothing
-            for parameter in parameters:
-                parameter.grad = None
-        optimizer = trainer.optimizers[0] if trainer.optimizers else None
-        divisor = trainer.accumulate_grad_batches  # Lightning's closure divides the batch's loss by k
-
-        def step(chunk: Any) -> tuple[Tensor | None, Any]:
-            output = super(DDPPlusStrategy, self).training_step(chunk, *args[1:], **kwargs)
-            loss = output.get("loss") if isinstance(output, dict) else output
-            return (loss if isinstance(loss, Tensor) else None), output
-
-        def backward(loss: Tensor, synced: bool) -> None:
-            self._chunk_backward(ddp, loss / divisor, optimizer, position, synced)
-
-        done = self._train_in_chunks(
-            ddp,
-            args[0],
-            step=step,
-            backward=backward,
-            synced=ddp.require_backward_grad_sync,
-            split_hook=getattr(module, "split_batch", None),
-        )
-        # Lightning's zero_grad comes next, then the closure's backward, which puts these back
-        self._chunk_gradients = [(p, p.grad) for p in parameters]
-        for parameter in parameters:
-            parameter.grad = None
-        if isinstance(done.output, dict):
-            return {**done.output, "loss": done.loss}
-        return done.loss
-
-    def _chunk_backward(
-        self,
-        ddp: DistributedDataParallel,
-        loss: Tensor,
-        optimizer: Optimizer | None,
-        position: WindowPosition,
-        synced: bool,
-    ) -> None:
-        done = self._guarded_backward(
-            ddp,
-            loss,
-            position,
-            synced,
-            divided_by_steps=True,
-            post_forward=True,
-            run=lambda loss: super(DDPPlusStrategy, self).backward(loss, optimizer),
-            restore=lambda: None,
-        )
-        self._backward_syncs = synced
-        if done.ends_epoch:
-            self._end_epoch_here()
+        with self._out_of_memory_explained(self._chunks.batch_starts(args)):
+            return (
+                self._chunks.training_step(args, kwargs)
+                if self._chunks.apply
+                else super().training_step(*args, **kwargs)
+            )
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
-        if self._chunk_gradients is not None:  # the chunks ran their backwards in training_step
-            for parameter, gradient in self._chunk_gradients:
-                parameter.grad = gradient
-            self._chunk_gradients = None
+        if self._chunks.give_gradients_back():  # the chunks ran their backwards in training_step
             return closure_loss
         ddp = self.model
         if not isinstance(ddp, DistributedDataParallel):
@@ -452,7 +384,7 @@ class DDPPlusStrategy(DDPPlusFrontEnd, AtomicCheckpoints, DDPStrategy):
             if not lightning_module.automatic_optimization and not self.sync_gradients:
                 rank_zero_warn(self.engine.window.step_mid_window_warning())
             closure = self._rescaling_closure(closure, optimizer)
-        with self._out_of_memory_explained(self._batch):  # the closure runs the training step and the backward
+        with self._out_of_memory_explained(self._chunks.batch):  # the closure runs the training step and the backward
             output = super().optimizer_step(optimizer, closure, model, **kwargs)
         step = self.engine.after_optimizer_step()
         if lightning_module is not None:

@@ -48,14 +48,14 @@ def check_micro_batch_size(argument: str, value: Any) -> MicroBatchSize:
     ...
     lightning_ddp_plus.config.messages.ArgumentValueError: `micro_batch_size=0` is not valid: it must be at least 1 row per chunk. Fix: write e.g. `micro_batch_size=8`, `micro_batch_size='auto'` (halve on out-of-memory), or None (the whole batch).
     """
-    fix = (
-        f"write e.g. `{argument}=8`, `{argument}='auto'` (halve on out-of-memory), or None (the whole batch)."
-    )
+    fix = f"write e.g. `{argument}=8`, `{argument}='auto'` (halve on out-of-memory), or None (the whole batch)."
     if value is None or value == "auto":
         return value  # type: ignore[no-any-return]
     if isinstance(value, bool) or not isinstance(value, int):
         raise ArgumentTypeError(
-            describe_bad_value(argument, value, f"expected an integer, 'auto' or None, got {type(value).__name__}.", fix)
+            describe_bad_value(
+                argument, value, f"expected an integer, 'auto' or None, got {type(value).__name__}.", fix
+            )
         )
     if value < 1:
         raise ArgumentValueError(describe_bad_value(argument, value, "it must be at least 1 row per chunk.", fix))
@@ -92,8 +92,9 @@ def micro_batch_refusals(
     if setting != "auto":
         return found
     if not sync_guard:
-        found.append("the ranks agree on an out-of-memory error inside the per-step guard, which `sync_guard=False` "
-                     "turns off.")
+        found.append(
+            "the ranks agree on an out-of-memory error inside the per-step guard, which `sync_guard=False` turns off."
+        )
     if static_graph:
         found.append("a static graph cannot drop a backward that failed half way (torch's reducer keeps its state).")
     if accumulation_steps is not None and accumulation_steps > 1:
@@ -188,12 +189,16 @@ def split_batch(batch: Any, size: int) -> list[MicroBatch]:
     rows = batch_rows(batch)
     if rows is None:
         raise UnsplittableBatchError(
-            _hook_fix(f"micro_batch_size cannot split a training batch of type {type(batch).__name__}: it holds no "
-                      "tensor with a first dimension to split along.")
+            _hook_fix(
+                f"micro_batch_size cannot split a training batch of type {type(batch).__name__}: it holds no "
+                "tensor with a first dimension to split along."
+            )
         )
     starts = range(0, rows, size)
-    return [MicroBatch(_slice(batch, start, min(start + size, rows), rows, "batch"), min(size, rows - start))
-            for start in starts]
+    return [
+        MicroBatch(_slice(batch, start, min(start + size, rows), rows, "batch"), min(size, rows - start))
+        for start in starts
+    ]
 
 
 def _slice(batch: Any, start: int, stop: int, rows: int, path: str) -> Any:
@@ -202,8 +207,10 @@ def _slice(batch: Any, start: int, stop: int, rows: int, path: str) -> Any:
             return batch
         if batch.shape[0] != rows:
             raise UnsplittableBatchError(
-                _hook_fix(f"micro_batch_size cannot split {path}: its first dimension is {batch.shape[0]} where the "
-                          f"batch has {rows} rows.")
+                _hook_fix(
+                    f"micro_batch_size cannot split {path}: its first dimension is {batch.shape[0]} where the "
+                    f"batch has {rows} rows."
+                )
             )
         return batch[start:stop]
     if isinstance(batch, _SCALARS):
@@ -231,9 +238,7 @@ def _slice(batch: Any, start: int, stop: int, rows: int, path: str) -> Any:
         if hasattr(batch, "_fields"):  # a namedtuple
             return type(batch)(*parts)
         return type(batch)(parts)
-    raise UnsplittableBatchError(
-        _hook_fix(f"micro_batch_size cannot split {path} of type {type(batch).__name__}.")
-    )
+    raise UnsplittableBatchError(_hook_fix(f"micro_batch_size cannot split {path} of type {type(batch).__name__}."))
 
 
 def size_after_out_of_memory(size: int) -> int | None:

@@ -81,9 +81,13 @@ def complete_reduction(ddp: DistributedDataParallel, message: str, every_bucket:
     unmarked = list(reducer_parameters(ddp)) if every_bucket else unmarked_parameters(ddp, message)
     missing = {id(p) for p in unmarked}
     buckets = zeroed_buckets(ddp)
-    first = 0 if every_bucket else next(
-        (index for index, bucket in enumerate(buckets) if any(id(p) in missing for p in bucket.parameters())),
-        len(buckets),
+    first = (
+        0
+        if every_bucket
+        else next(
+            (index for index, bucket in enumerate(buckets) if any(id(p) in missing for p in bucket.parameters())),
+            len(buckets),
+        )
     )
     # without a hook of its own the reducer divides by the world size while copying gradients into a bucket
     divisor = ddp.process_group.size() if not has_comm_hook(ddp) else 1

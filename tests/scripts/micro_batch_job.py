@@ -98,7 +98,9 @@ def run_case(case: dict) -> dict:
     return {
         **case,
         "size": strategy.engine.micro_batches.size,
-        "changes": [[old, new, [f.rank for f in failures]] for old, new, failures in strategy.engine.micro_batches.changes],
+        "changes": [
+            [old, new, [f.rank for f in failures]] for old, new, failures in strategy.engine.micro_batches.changes
+        ],
         "hook_calls": strategy.comm_hook_counter.calls,
         "optimizer_steps": stats.optimizer_steps,
         "global_step": trainer.global_step,
