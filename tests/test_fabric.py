@@ -35,6 +35,9 @@ CASES = [
     {"uneven": [3, 5], "strategy": {"uneven_inputs": "join", "gradient_accumulation_steps": 2}},
     # 15: rank 1's batches arrive 150 ms late; the ranks compare their phase times every 10 steps
     {"slow_rank": 1, "delay_s": 0.15, "num_samples": 160, "strategy": {"find_stragglers_every_n_steps": 10}},
+    # 16, 17: train_micro_batches; rank 1 runs out of memory above 1 row (auto: 4 -> 2 -> 1), and fixed chunks of 3
+    {"oom_above": 1, "strategy": {"micro_batch_size": "auto"}},
+    {"oom_above": 4, "strategy": {"micro_batch_size": 3, "gradient_accumulation_steps": 2}},
 ]
 
 
@@ -227,3 +230,13 @@ def test_a_rank_slow_to_fetch_its_batches_is_named_the_straggler_in_a_fabric_loo
 
 def test_a_balanced_fabric_loop_names_no_straggler(results):
     assert [case["straggler"] for case in results if case["straggler"] is not None] == [results[15]["straggler"]]
+
+
+@pytest.mark.parametrize(("index", "k", "size"), [(16, 1, 1), (17, 2, 3)])
+def test_train_micro_batches_in_a_fabric_loop(results, index, k, size):
+    result = results[index]
+    check_trained(result, reference(result, k=k))
+    assert result["micro_batch_size"] == size
+    assert result["optimizer_steps"] == 5 // k + (5 % k > 0)
+    # one all-reduce per optimizer step, and one for each of the two failed attempts of 'auto'
+    assert result["hook_calls"] == result["optimizer_steps"] + (2 if index == 16 else 0)

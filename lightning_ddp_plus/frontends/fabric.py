@@ -1,37 +1,35 @@
 """``DDPPlusFabricStrategy``: the same engine for Lightning Fabric, registered as ``Fabric(strategy="ddp_plus")``.
 
-The same declared arguments and validation as ``DDPPlusStrategy`` (``engine/arguments.py``; ``resume_from_last`` and
-``model_averaging_period`` are the Trainer's only, and passing them here says why), named communication hooks on
-every backend, the conflict check on the first training forward of the module set up with ``fabric.setup``, the
-replica guard, telemetry, and accumulation: with ``gradient_accumulation_steps=k`` the strategy runs the forward of
-every micro-batch that does not close its window without gradient sync, scales each loss by 1/window length, and says
-when to step::
+The arguments and validation of ``DDPPlusStrategy`` (``engine/arguments.py``; the Trainer's only ones say why they
+are refused), hooks on every backend, the conflict check on the first training forward, the replica guard,
+telemetry, and accumulation: with ``gradient_accumulation_steps=k`` the forward of every micro-batch that does not
+close its window runs without gradient sync, each loss is scaled by 1/window length, and the strategy says when to
+step::
 
     fabric = Fabric(strategy=DDPPlusFabricStrategy(gradient_accumulation_steps=4), accelerator="cpu", devices=2)
     fabric.launch()
     model, optimizer = fabric.setup(model, optimizer)
     for batch in fabric.strategy.micro_batches(loader):  # knows the loader's last batch, which closes a window
-        loss = model(batch)
+        loss = model(batch)  # or, with micro_batch_size: fabric.strategy.train_micro_batches(model, batch, loss_of)
         fabric.backward(loss)
         if fabric.strategy.sync_gradients:
             optimizer.step()
             optimizer.zero_grad()
 
 Fabric's own idiom, ``with fabric.no_backward_sync(model, enabled=...)``, works too (with ``static_graph`` the run's
-first backward is synced, as torch requires).
-
-The per-step guard (``sync_guard``) checks every synced ``fabric.backward``. ``uneven_inputs`` needs
-``micro_batches``: it is where every rank says whether the item it yields is its last, where ``"stop"`` ends the
-iteration on every rank together, and where ``"join"`` repeats a finished rank's last item with weight 0.
+first backward is synced, as torch requires). The per-step guard (``sync_guard``) checks every synced backward.
+``uneven_inputs`` needs ``micro_batches``: there every rank says whether its item is its last; ``"stop"`` ends the
+iteration on every rank together, ``"join"`` repeats a finished rank's last item with weight 0.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, TypeVar
 
 import torch
+from lightning.fabric import wrappers as fabric_wrappers
 from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.strategies import DDPStrategy
@@ -228,33 +226,70 @@ class DDPPlusFabricStrategy(DDPPlusFrontEnd, AtomicCheckpoints, DDPStrategy):
             ddp.require_backward_grad_sync = False
             self._turned_sync_off = True
 
+    def train_micro_batches(self, module: Module, batch: T, loss_of: Callable[[Module, T], Tensor]) -> Tensor | None:
+        """One micro-batch of the loop in chunks of ``micro_batch_size`` rows (``"auto"``: halved on every rank after
+        an out-of-memory error on any): ``loss_of(module, chunk)`` returns a chunk's loss, a mean over its rows; only
+        the last chunk's backward all-reduces. Returns the batch's loss (detached); step as after ``fabric.backward``."""
+        ddp = self._ddp
+        if ddp is None:
+            raise RuntimeError("train_micro_batches needs the module set up first: `fabric.setup(model, optimizer)`.")
+        position = self.engine.window.peek(is_last=self._next_is_last)
+        synced = self.engine.window.syncs(position, self.settings.static_graph)
+        with self._out_of_memory_explained(batch):
+            done = self._train_in_chunks(
+                ddp,
+                batch,
+                step=lambda chunk: (loss_of(module, chunk), None),
+                backward=lambda loss, synced_now: self._backward_at(
+                    ddp, loss, module, position, synced_now, as_fabric_backward=True
+                ),
+                synced=synced,
+            )
+        self._window_moves_on(position)
+        return done.loss
+
     @override
     def backward(self, tensor: Tensor, module: Module | None, *args: Any, **kwargs: Any) -> None:
         ddp = self._ddp
         if ddp is None:
             return super().backward(tensor, module, *args, **kwargs)
-        window = self.engine.window
-        position = self._position or window.peek(is_last=self._next_is_last)
+        position = self._position or self.engine.window.peek(is_last=self._next_is_last)
+        self._backward_at(ddp, tensor, module, position, self.engine.forward_synced, *args, **kwargs)
+        self._window_moves_on(position)
+        return None
 
-        def restore() -> None:
+    def _backward_at(
+        self,
+        ddp: DistributedDataParallel,
+        loss: Tensor,
+        module: Any,
+        position: WindowPosition,
+        synced: bool,
+        *args: Any,
+        as_fabric_backward: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        def sync_back_on() -> None:
             if self._turned_sync_off:
                 ddp.require_backward_grad_sync = True
                 self._turned_sync_off = False
 
+        def run(loss: Tensor) -> None:  # marked as `fabric.backward` marks it: Fabric's module refuses others
+            fabric_wrappers._in_fabric_backward = as_fabric_backward or fabric_wrappers._in_fabric_backward
+            try:
+                super(DDPPlusFabricStrategy, self).backward(loss, module, *args, **kwargs)
+            finally:
+                if as_fabric_backward:
+                    fabric_wrappers._in_fabric_backward = False
+
         self._guarded_backward(
-            ddp,
-            tensor,
-            position,
-            self.engine.forward_synced,
-            divided_by_steps=False,
-            post_forward=True,
-            run=lambda loss: super(DDPPlusFabricStrategy, self).backward(loss, module, *args, **kwargs),
-            restore=restore,
+            ddp, loss, position, synced, divided_by_steps=False, post_forward=True, run=run, restore=sync_back_on
         )
-        if window.steps > 1:
-            window.advance(position)
+
+    def _window_moves_on(self, position: WindowPosition) -> None:
+        if self.engine.window.steps > 1:
+            self.engine.window.advance(position)
         self._last_position, self._position = position, None
-        return None
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:

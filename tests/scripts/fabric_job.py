@@ -74,6 +74,21 @@ def run_case(case: dict) -> dict:
                     optimizer.step()
                     optimizer.zero_grad()
                     outcome["steps"] += 1
+        elif "oom_above" in case:  # rank 1 holds chunks of oom_above rows at most (torch's error beyond)
+            limit = case["oom_above"]
+
+            def loss_of(module, chunk):
+                if rank == 1 and len(chunk[0]) > limit:
+                    raise torch.OutOfMemoryError(f"CUDA out of memory ({len(chunk[0])} rows)")
+                return nn.functional.mse_loss(module(chunk[0]), chunk[1])
+
+            for batch in fabric.strategy.micro_batches(batches):
+                fabric.strategy.train_micro_batches(model, batch, loss_of)
+                if fabric.strategy.sync_gradients:
+                    optimizer.step()
+                    optimizer.zero_grad()
+                    outcome["steps"] += 1
+            outcome["micro_batch_size"] = fabric.strategy.engine.micro_batches.size
         else:
             for xb, yb in fabric.strategy.micro_batches(batches):
                 if case.get("slow_rank") == rank:  # its batch arrives late: a slow loader on this rank only
