@@ -9,6 +9,9 @@ Benchmarks (each alternates its variants A B A B ... on one process group, repor
   hooks      ddp_plus with none / fp16 / bf16 / powersgd: bytes and time per step (telemetry on for all)
   setup      time from Trainer.fit to the end of the first optimizer step: stock, ddp_plus validator on / off
   scaling    samples per second with 1 and 2 processes (ddp_plus), and the ratio to 1 process
+  micro_batches   the same global batch per optimizer step (32 rows per rank) as stock Lightning's accumulate_grad_batches=4
+             over batches of 8, ddp_plus's the same, and ddp_plus with batches of 32 split by micro_batch_size=8,
+             and by micro_batch_size="auto" with memory to spare: samples per second, and the ratio to stock
   manual_accumulation   runs benchmarks/bench_manual_accumulation.py (k=4, manual optimization)
 Writes benchmarks/results/suite.json and, with matplotlib (the `bench` extra), suite.png.
 """
@@ -35,7 +38,14 @@ from benchmarks.ranks import run_ranks
 from lightning_ddp_plus import DDPPlusStrategy
 
 QUIET = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False}
-BENCHMARKS = ("overhead", "hooks", "setup", "scaling", "manual_accumulation")
+BENCHMARKS = ("overhead", "hooks", "setup", "scaling", "micro_batches", "manual_accumulation")
+#: micro_batches: each variant's loader batch size and accumulate_grad_batches (32 rows per rank per optimizer step)
+MICRO_BATCH_SHAPES = {
+    "stock_accumulate_4": (8, 4),
+    "ddp_plus_accumulate_4": (8, 4),
+    "ddp_plus_micro_batch_8": (32, 1),
+    "ddp_plus_micro_batch_auto": (32, 1),
+}
 
 
 class MLP(L.LightningModule):
@@ -76,10 +86,18 @@ class Clock(L.Callback):
         return statistics.median(steps)
 
 
-def fit(strategy, args, devices: int = 2) -> dict:
+def fit(strategy, args, devices: int = 2, batch_size: int = 32, accumulate: int = 1) -> dict:
     clock = Clock(time.perf_counter())
-    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_epochs=1, callbacks=[clock], **QUIET)
-    trainer.fit(MLP(args.width, args.layers, args.batches))
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=devices,
+        max_epochs=1,
+        callbacks=[clock],
+        accumulate_grad_batches=accumulate,
+        **QUIET,
+    )
+    trainer.fit(MLP(args.width, args.layers, args.batches * 32 // batch_size, batch_size=batch_size))
     telemetry = getattr(strategy, "telemetry", None)
     steps = max(1, trainer.global_step)
     checks = getattr(strategy, "replica_check_seconds", None)
@@ -88,7 +106,7 @@ def fit(strategy, args, devices: int = 2) -> dict:
         "step_s": clock.step_seconds(),
         "first_step_s": clock.first_step_s,
         "bytes_per_step": telemetry.totals.bytes_sent / steps if telemetry else None,
-        "samples_per_s": 32 * devices / clock.step_seconds(),
+        "samples_per_s": batch_size * devices / clock.step_seconds(),
     }
 
 
@@ -116,6 +134,13 @@ def variants(name: str):
             "ddp_plus_validator_on": plus(),
             "ddp_plus_validator_off": plus(checkpointing_conflict="off"),
         }
+    if name == "micro_batches":
+        return {
+            "stock_accumulate_4": stock,
+            "ddp_plus_accumulate_4": plus(),
+            "ddp_plus_micro_batch_8": plus(micro_batch_size=8),
+            "ddp_plus_micro_batch_auto": plus(micro_batch_size="auto"),
+        }
     raise ValueError(name)
 
 
@@ -129,7 +154,8 @@ def rank_main(args) -> None:
         factories = variants(args.bench)
         for _ in range(args.repeats):
             for label, factory in factories.items():  # alternating: A B C A B C ...
-                raw.setdefault(label, []).append(fit(factory(), args))
+                batch_size, accumulate = MICRO_BATCH_SHAPES.get(label, (32, 1))
+                raw.setdefault(label, []).append(fit(factory(), args, batch_size=batch_size, accumulate=accumulate))
     if int(os.environ["LOCAL_RANK"]) == 0:
         Path(args.raw).write_text(json.dumps(raw))
     if dist.is_initialized():
@@ -212,6 +238,8 @@ def main() -> None:
             results[bench] = summarize(bench, launch(args, bench, 2), "none", "step_s")
         elif bench == "setup":
             results[bench] = summarize(bench, launch(args, bench, 2), "stock", "first_step_s")
+        elif bench == "micro_batches":
+            results[bench] = summarize(bench, launch(args, bench, 2), "stock_accumulate_4", "samples_per_s")
         elif bench == "scaling":
             raw = {**launch(args, bench, 1), **launch(args, bench, 2)}
             results[bench] = summarize(bench, raw, "1_processes", "samples_per_s")
@@ -250,7 +278,7 @@ def chart(results: dict, path: Path) -> None:
     except ImportError:
         print("matplotlib is not installed (pip install -e '.[bench]'): no chart drawn")
         return
-    panels = [name for name in ("overhead", "hooks", "setup", "scaling") if name in results]
+    panels = [name for name in ("overhead", "hooks", "setup", "scaling", "micro_batches") if name in results]
     if "manual_accumulation" in results:
         panels.append("manual_accumulation")
     figure, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.6), squeeze=False)

@@ -29,7 +29,18 @@ def test_suite_runs_every_benchmark_at_a_tiny_size(tmp_path):
     result = run_job([sys.executable, script, *args], timeout=600)
     assert result.returncode == 0, result.stdout[-3000:]
     summary = json.loads((tmp_path / "suite.json").read_text())
-    assert set(summary) >= {"overhead", "hooks", "setup", "scaling", "manual_accumulation", "machine", "config"}
+    assert set(summary) >= {
+        "overhead",
+        "hooks",
+        "setup",
+        "scaling",
+        "micro_batches",
+        "manual_accumulation",
+        "machine",
+        "config",
+    }
+    assert summary["micro_batches"]["stock_accumulate_4"]["ratio_to_stock_accumulate_4"] == 1.0
+    assert summary["micro_batches"]["ddp_plus_micro_batch_8"]["samples_per_s"]["median"] > 0
     assert summary["overhead"]["stock"]["ratio_to_stock"] == 1.0
     assert summary["overhead"]["ddp_plus"]["ratio_to_ddp_plus_ledger_off"] > 0
     assert set(summary["hooks"]) == {"none", "fp16", "bf16", "powersgd"}
