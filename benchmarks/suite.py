@@ -70,12 +70,15 @@ class MLP(L.LightningModule):
 
 
 class Clock(L.Callback):
-    """Times every optimizer step, and the first one from the moment fit was called."""
+    """Times every optimizer step (the end of every ``every``-th batch: an accumulation window's last), and the first
+    one from the moment fit was called."""
 
-    def __init__(self, fit_called: float) -> None:
-        self.fit_called, self.ends, self.first_step_s = fit_called, [], None
+    def __init__(self, fit_called: float, every: int = 1) -> None:
+        self.fit_called, self.ends, self.first_step_s, self.every = fit_called, [], None, every
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if (batch_idx + 1) % self.every:
+            return
         now = time.perf_counter()
         self.ends.append(now)
         if self.first_step_s is None:
@@ -87,7 +90,7 @@ class Clock(L.Callback):
 
 
 def fit(strategy, args, devices: int = 2, batch_size: int = 32, accumulate: int = 1) -> dict:
-    clock = Clock(time.perf_counter())
+    clock = Clock(time.perf_counter(), every=accumulate)
     trainer = L.Trainer(
         strategy=strategy,
         accelerator="cpu",
@@ -106,7 +109,7 @@ def fit(strategy, args, devices: int = 2, batch_size: int = 32, accumulate: int 
         "step_s": clock.step_seconds(),
         "first_step_s": clock.first_step_s,
         "bytes_per_step": telemetry.totals.bytes_sent / steps if telemetry else None,
-        "samples_per_s": batch_size * devices / clock.step_seconds(),
+        "samples_per_s": batch_size * accumulate * devices / clock.step_seconds(),
     }
 
 

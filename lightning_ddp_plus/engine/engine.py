@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 from collections.abc import Callable, MutableMapping
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from datetime import timedelta
@@ -303,7 +304,8 @@ class DDPPlusEngine:
             loss.grad_fn.register_prehook(self._backward_starts)
         if not self.conflicts.pending:
             return loss
-        return self._decide_conflicts(ddp, loss, post_forward)
+        decided: Tensor = self._decide_conflicts(ddp, loss, post_forward)
+        return decided
 
     def _decide_conflicts(self, ddp: DistributedDataParallel, loss: Any, post_forward: bool) -> Any:
         view = self.checked_settings()
@@ -425,7 +427,7 @@ class DDPPlusEngine:
             if row[0]
         ]
 
-    def recover_from_out_of_memory(self, failures: list[OutOfMemory], device: torch.device) -> None:
+    def recover_from_out_of_memory(self, failures: list[OutOfMemory], device: torch.device, started: float) -> None:
         """Every rank, after the agreement: free what the attempt held, give the wrapper a new reducer (a backward
         that failed half way leaves the old one expecting hooks and, on the first step, bucket orders that differ
         between ranks), and halve the size (raises when a single row did not fit)."""
@@ -433,7 +435,7 @@ class DDPPlusEngine:
         if self._ddp is not None:
             rebuild_reducer(self._ddp, self.settings.find_unused_parameters, self.settings.static_graph)
             self._reducer_rebuilt(self._ddp)
-        self.micro_batches.shrink(failures)
+        self.micro_batches.shrink(failures, time.perf_counter() - started)
 
     def publish_out_of_memory(self, failure: OutOfMemory, message: str) -> None:
         """Where ``micro_batch_size`` is not ``"auto"``: leave in the job's store why this rank is about to fail, so

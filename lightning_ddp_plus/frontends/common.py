@@ -9,6 +9,7 @@ it overrides a method both frameworks have (``setup_environment``, ``teardown``,
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Generator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
@@ -44,6 +45,7 @@ from lightning_ddp_plus.sync.micro_batches import (
     OutOfMemory,
     batch_rows,
     default_mode_message,
+    free_memory,
     is_out_of_memory,
 )
 from lightning_ddp_plus.sync.wrapper import wrapping_stream
@@ -87,6 +89,9 @@ class DDPPlusFrontEnd:
 
         @property
         def world_size(self) -> int: ...
+
+        @property
+        def global_rank(self) -> int: ...
 
     def _start_engine(self, keywords: Mapping[str, Any]) -> DDPPlusArguments:
         """Validate the front end's keywords against the declaration and build the engine on them."""
@@ -325,6 +330,7 @@ class DDPPlusFrontEnd:
         buffers = [b.detach().clone() for b in ddp.module.buffers()] if sizer.auto else []
         broadcasts_buffers = ddp.require_forward_param_sync
         while True:
+            started = time.perf_counter()
             try:
                 return self._chunks_attempt(ddp, batch, step, backward, synced, split_hook)
             except BatchOutOfMemory as agreed:
@@ -333,7 +339,7 @@ class DDPPlusFrontEnd:
             for buffer, saved in zip(ddp.module.buffers(), buffers):
                 buffer.copy_(saved)
             ddp.require_forward_param_sync = broadcasts_buffers
-            self.engine.recover_from_out_of_memory(failures, self.root_device)
+            self.engine.recover_from_out_of_memory(failures, self.root_device, started)
 
     def _chunks_attempt(
         self,
@@ -349,6 +355,9 @@ class DDPPlusFrontEnd:
         total = sum(chunk.rows for chunk in chunks)
         losses: list[Tensor] = []
         output: Any = None
+        loss: Tensor | None = None
+        weighted: Tensor | None = None
+        failure: OutOfMemory | None = None
         for index, chunk in enumerate(chunks):
             last = index == len(chunks) - 1
             phase = "forward"
@@ -366,10 +375,15 @@ class DDPPlusFrontEnd:
             except Exception as error:  # only out-of-memory errors are taken over, others re-raised
                 if not (engine.micro_batches.auto and is_out_of_memory(error)):
                     raise
-                failure = OutOfMemory(engine.channel.rank, phase, chunk.rows, total)
-                del error  # the traceback holds the failed attempt's activations
-                # a failed synced backward may have launched some of its buckets; before it, none was
-                engine.out_of_memory(failure, synced_backward_started=phase == "backward" and last and synced)
+                failure = OutOfMemory(self.global_rank, phase, chunk.rows, total)
+                break
+        if failure is not None:
+            # out of the handler, the error's traceback and the attempt's graph are gone: free them before the
+            # completion allocates its buckets
+            loss = weighted = output = None
+            free_memory(self.root_device)
+            # a failed synced backward may have launched some of its buckets; before it, none was
+            engine.out_of_memory(failure, synced_backward_started=phase == "backward" and last and synced)
         return ChunksDone(sum(losses) if losses else None, output)  # type: ignore[arg-type]
 
     @contextmanager
@@ -388,7 +402,7 @@ class DDPPlusFrontEnd:
                 phase = engine.ledger.phase if engine.ledger.phase in PHASES else "forward"
                 rows = batch_rows(batch) or 0
                 chunk = engine.micro_batches.size or rows
-                failure = OutOfMemory(engine.channel.rank, phase, min(chunk, rows), rows)
+                failure = OutOfMemory(self.global_rank, phase, min(chunk, rows), rows)
                 message = default_mode_message(failure, engine.arguments.micro_batch_size)
                 engine.publish_out_of_memory(failure, message)
                 raise MicroBatchOutOfMemoryError(message) from error

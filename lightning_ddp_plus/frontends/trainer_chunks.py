@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.pytorch.strategies import DDPStrategy
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
@@ -72,7 +73,7 @@ class TrainerChunks:
         divisor = trainer.accumulate_grad_batches  # as Lightning's closure divides the batch's loss by k
 
         def step(chunk: Any) -> tuple[Tensor | None, Any]:
-            output = super(type(strategy), strategy).training_step(chunk, *args[1:], **kwargs)
+            output = DDPStrategy.training_step(strategy, chunk, *args[1:], **kwargs)  # Lightning's, past our override
             loss = output.get("loss") if isinstance(output, dict) else output
             return (loss if isinstance(loss, Tensor) else None), output
 
@@ -84,7 +85,7 @@ class TrainerChunks:
                 synced,
                 divided_by_steps=True,
                 post_forward=True,
-                run=lambda loss: super(type(strategy), strategy).backward(loss, optimizer),
+                run=lambda loss: DDPStrategy.backward(strategy, loss, optimizer),
                 restore=lambda: None,
             )
             if done.ends_epoch:

@@ -18,7 +18,7 @@ import dataclasses
 import gc
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
@@ -220,7 +220,7 @@ def _slice(batch: Any, start: int, stop: int, rows: int, path: str) -> Any:
     if isinstance(batch, Mapping):
         items = {key: _slice(value, start, stop, rows, f"{path}[{key!r}]") for key, value in batch.items()}
         try:
-            return type(batch)(items)
+            return cast(Any, type(batch))(items)
         except TypeError:
             return items
     if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
@@ -319,6 +319,17 @@ def default_mode_message(failure: OutOfMemory, micro_batch_size: MicroBatchSize)
     )
 
 
+@dataclass(frozen=True)
+class SizeChange:
+    """One change ``"auto"`` made after the ranks agreed on an out-of-memory error."""
+
+    old: int
+    new: int
+    failures: tuple[OutOfMemory, ...]
+    #: From the failed attempt's start to the ranks' agreement and the recovery (what the error cost this rank).
+    attempt_seconds: float
+
+
 class BatchOutOfMemory(Exception):
     """Raised on every rank once the ranks agreed that some rank ran out of memory in this batch's attempt: the
     front end's loop over chunks catches it and runs the batch again with smaller chunks. Never leaves the
@@ -343,8 +354,8 @@ class MicroBatchSizer:
         #: Rows per chunk in effect; ``None``: the whole batch (``"auto"`` before its first out-of-memory error).
         self.size: int | None = setting if isinstance(setting, int) else None
         self._info = info
-        #: Every change ``"auto"`` made, as (old size, new size, failures).
-        self.changes: list[tuple[int, int, list[OutOfMemory]]] = []
+        #: Every change ``"auto"`` made.
+        self.changes: list[SizeChange] = []
 
     @property
     def active(self) -> bool:
@@ -369,14 +380,14 @@ class MicroBatchSizer:
         rows = batch_rows(batch)
         return split_batch(batch, self.size if self.size is not None else (rows or 1))
 
-    def shrink(self, failures: Sequence[OutOfMemory]) -> int:
+    def shrink(self, failures: Sequence[OutOfMemory], attempt_seconds: float) -> int:
         """After the ranks agreed on an out-of-memory error: the new size (logged once), or
         ``MicroBatchOutOfMemoryError`` when a single row did not fit."""
         old = min(f.rows for f in failures)
         new = size_after_out_of_memory(old)
         if new is None:
             raise MicroBatchOutOfMemoryError(single_row_message(failures))
-        self.changes.append((old, new, list(failures)))
+        self.changes.append(SizeChange(old, new, tuple(failures), attempt_seconds))
         self.size = new
         self._info(shrink_message(failures, old, new))
         return new

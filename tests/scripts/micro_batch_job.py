@@ -7,6 +7,7 @@ allocator failing under an address-space limit (``RLIMIT_AS``) set on one rank a
 """
 
 import resource
+import time
 
 import lightning as L
 import torch
@@ -88,7 +89,9 @@ def run_case(case: dict) -> dict:
         batch_size=32,
         lr=0.05,
     )
+    started = time.perf_counter()
     trainer.fit(model)
+    fit_seconds = time.perf_counter() - started
     if case.get("save_to"):
         trainer.save_checkpoint(case["save_to"])
     flat = torch.cat([p.detach().flatten() for p in model.parameters()])
@@ -98,9 +101,9 @@ def run_case(case: dict) -> dict:
     return {
         **case,
         "size": strategy.engine.micro_batches.size,
-        "changes": [
-            [old, new, [f.rank for f in failures]] for old, new, failures in strategy.engine.micro_batches.changes
-        ],
+        "changes": [[c.old, c.new, [f.rank for f in c.failures]] for c in strategy.engine.micro_batches.changes],
+        "attempt_seconds": [c.attempt_seconds for c in strategy.engine.micro_batches.changes],
+        "fit_seconds": fit_seconds,
         "hook_calls": strategy.comm_hook_counter.calls,
         "optimizer_steps": stats.optimizer_steps,
         "global_step": trainer.global_step,
