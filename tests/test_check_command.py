@@ -126,3 +126,38 @@ def test_the_accelerators_memory_is_read_through_its_torch_module(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Properties())
     assert device_memory_of(torch.device("cuda", 3)) == 80 * 2**30
     assert device_memory_of(torch.device("cpu")) is None
+
+
+def test_help_names_the_plan_options_before_lightningclis(capsys):
+    from lightning_ddp_plus.diagnostics.check_command import run_check
+
+    capsys.readouterr()
+    assert run_check(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.index("--device-memory SIZE") < out.index("--world-size N") < out.index("--trainer.accelerator")
+
+
+def test_a_config_jsonargparse_refuses_exits_1_as_documented(tmp_path, capsys):
+    config = tmp_path / "unknown.yaml"
+    config.write_text("trainer:\n  no_such_trainer_argument: 3\nmodel:\n  class_path: tests.helpers.CheckpointNet\n")
+    code, out = check_in_process(config, capsys)
+    assert code == 1
+    assert "no_such_trainer_argument" in out and "ERROR the configuration is invalid" in out
+
+
+def test_the_plan_columns_line_up_and_lightningcli_does_not_warn_about_its_arguments(tmp_path, capsys, recwarn):
+    config = tmp_path / "sharded.yaml"  # the configured layout has the longest title: "DDP + ZeRO-1 (...) (configured)"
+    config.write_text(
+        CONFIG.replace(
+            "{{find_unused_parameters: {find_unused}}}", "{optimizer_sharding: true, gradient_as_bucket_view: true}"
+        ).replace("{{checkpointing: {checkpointing}, unused: {unused}}}", "{checkpointing: none}")
+    )
+    code, out = check_in_process(config, capsys, "--device-memory", "80GiB", "--world-size", "8")
+    assert "(configured)" in out
+    assert code == 0
+    table = out[out.index("memory plan per rank") :].splitlines()[1:]
+    rows = [line for line in table if line.rstrip().endswith(("fits", "yes", "no", "?"))]
+    assert len(rows) >= 4
+    ends = {line.rstrip().rsplit(" ", 1)[0].rstrip().__len__() for line in rows}
+    assert len(ends) == 1, rows  # the total column ends at the same place on every row, "(configured)" included
+    assert not [w for w in recwarn if "both args and command line arguments" in str(w.message)]

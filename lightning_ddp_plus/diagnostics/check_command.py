@@ -27,6 +27,17 @@ from lightning_ddp_plus.memory.plan import MemoryPlan, device_memory_of, measure
 from lightning_ddp_plus.memory.sizes import parse_size
 from lightning_ddp_plus.sync.accumulation import merge_accumulation_settings
 
+CHECK_HELP = """usage: ddp-plus check --config FILE [--device-memory SIZE] [--world-size N] [LightningCLI arguments]
+
+The conflict checks and the memory plan of a LightningCLI config, without a process group and without training.
+Exit status 1 on an error-level finding, a configured layout that does not fit, or an invalid config; else 0.
+
+options of ddp-plus check:
+  --device-memory SIZE  the memory of one device, e.g. 80GiB or 24GB (default: the accelerator's, when present)
+  --world-size N        the number of ranks to plan for (default: the config's devices x num_nodes)
+
+LightningCLI's arguments (the config's):"""
+
 
 def settings_view(trainer: pl.Trainer) -> CheckedSettings:
     strategy = trainer.strategy
@@ -188,12 +199,21 @@ def run_check(args: list[str]) -> int:
     except ValueError as error:
         print(f"ERROR {error}", file=sys.stderr)
         return 1
-    sys.argv = [sys.argv[0], *args]  # LightningCLI warns when args and sys.argv disagree
+    if any(argument in ("-h", "--help") for argument in args):
+        print(CHECK_HELP)  # then LightningCLI's own help, for the config's arguments
+    command_line, sys.argv = sys.argv, [sys.argv[0], *args]  # read from there: LightningCLI warns when given both
     try:
-        cli = LightningCLI(args=args, run=False, save_config_callback=None)
+        cli = LightningCLI(run=False, save_config_callback=None)
+    except SystemExit as exit_:  # jsonargparse's own errors exit 2 after printing; --help exits 0
+        if exit_.code in (0, None):
+            return 0
+        print("ERROR the configuration is invalid: see the message above.", file=sys.stderr)
+        return 1
     except (ValueError, TypeError) as error:
         print(f"ERROR the configuration is invalid: {error}", file=sys.stderr)
         return 1
+    finally:
+        sys.argv = command_line
     view = settings_view(cli.trainer)
     try:
         batch: Any = training_batch(cli.model, cli.datamodule)

@@ -131,8 +131,10 @@ class MemoryPlan:
                 f"{self.headroom:.0%} headroom for what the plan does not count)"
             )
         columns = ("parameters", "gradients", "buckets", "optimizer", "activations", "total")
-        lines = [header, f"  {'layout':<48}" + "".join(f"{c:>13}" for c in columns) + "  fits"]
-        for layout in self.layouts:
+        titles = [layout.title + (" (configured)" if layout.name == self.configured else "") for layout in self.layouts]
+        width = max([48, *(len(title) + 2 for title in titles)])
+        lines = [header, f"  {'layout':<{width}}" + "".join(f"{c:>13}" for c in columns) + "  fits"]
+        for layout, title in zip(self.layouts, titles):
             values = (
                 layout.parameters,
                 layout.gradients,
@@ -143,8 +145,7 @@ class MemoryPlan:
             )
             fits = self.fits(layout.name)
             mark = "?" if fits is None else "yes" if fits else "no"
-            title = layout.title + (" (configured)" if layout.name == self.configured else "")
-            lines.append(f"  {title:<48}" + "".join(f"{format_size(v):>13}" for v in values) + f"  {mark}")
+            lines.append(f"  {title:<{width}}" + "".join(f"{format_size(v):>13}" for v in values) + f"  {mark}")
         lines += [f"  note: {note}" for note in self.notes]
         if self.decision is None:
             lines.append("verdict: no device memory known (pass `--device-memory 80GiB`, or run where the device is)")
