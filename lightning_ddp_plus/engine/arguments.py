@@ -50,6 +50,7 @@ from lightning_ddp_plus.config.timeout import (
 from lightning_ddp_plus.conflicts.check import ConflictMode
 from lightning_ddp_plus.diagnostics.replicas import check_every_n_steps
 from lightning_ddp_plus.persistence.resume import ResumeMode
+from lightning_ddp_plus.persistence.world_size import WorldSizeChange
 from lightning_ddp_plus.processes.launcher import StartMethod
 from lightning_ddp_plus.sharding.optimizer import OptimizerSharding, check_optimizer_sharding, refusals
 from lightning_ddp_plus.sync.accumulation import ShortWindow, check_accumulation_steps
@@ -228,6 +229,24 @@ class DDPPlusArguments:
     ``"on_restart"`` (default) in an attempt that torchrun restarted after a failure, ``"always"``, or ``"never"``.
     A ``ckpt_path`` you set yourself wins. Under torchrun the process group of each attempt is created on a store of
     its own, and a mid-epoch checkpoint resumes at the batch where it was taken (Trainer only)."""
+
+    on_world_size_change: WorldSizeChange = argument(
+        "keep_global_batch",
+        _choice(
+            "use 'keep_global_batch' (accumulation recomputed), 'keep_per_rank_batch' (the global batch changes) or "
+            "'error'."
+        ),
+        trainer_only=TrainerOnly(
+            "Fabric has no fit loop that resumes from a checkpoint.",
+            "when you load a checkpoint taken on another number of ranks, set your loop's accumulation and sampler "
+            "yourself.",
+        ),
+    )
+    """A resume (``ckpt_path``, ``resume_from_last``, a torchrun restart) on a different number of ranks than the
+    checkpoint's: ``"keep_global_batch"`` (default) recomputes accumulation so that each optimizer step trains as many
+    rows as before (refused, naming the sizes that fit, when no accumulation can), ``"keep_per_rank_batch"`` keeps
+    accumulation and says how the global batch changes, ``"error"`` refuses. Either way the epoch resumes at the same
+    sample of its permutation (Lightning's ``DistributedSampler``), and one line says what changed (Trainer only)."""
 
     sync_guard: bool = argument(True, _flag)
     """After every backward that should synchronize, check on every rank that torch's reducer all-reduced every

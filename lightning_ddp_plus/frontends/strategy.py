@@ -106,9 +106,7 @@ class DDPPlusStrategy(DDPPlusFrontEnd, AtomicCheckpoints, DDPStrategy):
             start_method=options.start_method,
             **ddp_kwargs(self.engine.settings),
         )
-        self.resume = ResumeCoordinator(
-            options.resume_from_last, options.process_group_timeout, self, warn=rank_zero_warn, info=rank_zero_info
-        )
+        self.resume = ResumeCoordinator(options, self, rank_zero_warn, rank_zero_info, self.engine.window.set_steps)
         self.engine.watch_stalls = True  # every fit ends with teardown, which stops the watchdog
         self._backward_syncs = True
         self._static_graph_flushed = False
@@ -170,6 +168,7 @@ class DDPPlusStrategy(DDPPlusFrontEnd, AtomicCheckpoints, DDPStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], *args: Any, **kwargs: Any) -> None:
+        self.resume.saving(checkpoint, self.lightning_module, self.gradient_accumulation_steps)
         super().save_checkpoint(self._chunks.saving(checkpoint), *args, **kwargs)
 
     @override

@@ -22,6 +22,7 @@ the first batches are seen twice and the last ones never; ``SkipFirstSampler`` s
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import itertools
 import os
@@ -32,7 +33,7 @@ from typing import Any, Literal, Protocol
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 from lightning_ddp_plus.persistence.files import (
     NEWEST_READABLE,
@@ -44,6 +45,13 @@ from lightning_ddp_plus.persistence.files import (
     unreadable_reason,
 )
 from lightning_ddp_plus.persistence.io import AtomicCheckpointIO, accepts_argument, is_local_path
+from lightning_ddp_plus.persistence.world_size import (
+    LAYOUT_KEY,
+    DataLayout,
+    ResumeAtSample,
+    WorldSizeChange,
+    plan_world_size_change,
+)
 from lightning_ddp_plus.processes.restart import restart_attempt
 
 #: ``resume_from_last``: ``"on_restart"`` resumes an attempt that torchrun restarted after a failure.
@@ -203,13 +211,26 @@ class ResumingStrategy(Protocol):
     def broadcast(self, obj: Any, src: int = 0) -> Any: ...
 
 
+class ResumeOptions(Protocol):
+    """The strategy arguments resuming follows."""
+
+    @property
+    def resume_from_last(self) -> ResumeMode: ...
+
+    @property
+    def process_group_timeout(self) -> timedelta: ...
+
+    @property
+    def on_world_size_change(self) -> WorldSizeChange: ...
+
+
 class ResumeCoordinator:
     """Owns the resume of a Trainer strategy's fits: the request before launch, the choice on every rank, the
     weights-only load of the chosen file, and the rest of an interrupted epoch's data.
 
     Args:
-        mode: ``resume_from_last``.
-        timeout: how long a rank waits for rank 0 to start a torchrun attempt (the collective timeout).
+        options: ``resume_from_last``; ``process_group_timeout``, how long a rank waits for rank 0 to start a
+            torchrun attempt; ``on_world_size_change``.
         strategy: the strategy whose process group, checkpoint IO and rank are used.
         warn: how warnings reach the user (rank 0 only).
         info: how one-line reports reach the user (rank 0 only).
@@ -217,14 +238,18 @@ class ResumeCoordinator:
 
     def __init__(
         self,
-        mode: ResumeMode,
-        timeout: timedelta,
+        options: ResumeOptions,
         strategy: ResumingStrategy,
         warn: Callable[[str], None],
         info: Callable[[str], None],
+        set_accumulation: Callable[[int], None],
     ) -> None:
-        self.mode, self.timeout, self.strategy = mode, timeout, strategy
+        self.mode, self.timeout, self.strategy = options.resume_from_last, options.process_group_timeout, strategy
         self._warn, self._info = warn, info
+        self.on_world_size_change = options.on_world_size_change
+        self._set_accumulation = set_accumulation
+        #: The layout of the checkpoint this fit loaded (``None``: none loaded, or one without a layout).
+        self.saved_layout: DataLayout | None = None
         self._request: ResumeRequest = "never"
         #: The file chosen on every rank (``None`` before a choice, or when nothing was chosen).
         self.chosen: str | None = None
@@ -285,13 +310,46 @@ class ResumeCoordinator:
         file, or a ``weights_only`` you set, as Lightning loads it (``lightning_load``)."""
         chosen_here = self.chosen is not None and str(path) == self.chosen
         if not chosen_here or args or kwargs.get("weights_only") is not None:
-            return lightning_load(path, *args, **kwargs)
-        torch.cuda.empty_cache()
-        return load(self.strategy.checkpoint_io, str(path), self._warn)
+            checkpoint = lightning_load(path, *args, **kwargs)
+        else:
+            torch.cuda.empty_cache()
+            checkpoint = load(self.strategy.checkpoint_io, str(path), self._warn)
+        layout = checkpoint.get(LAYOUT_KEY)
+        self.saved_layout = DataLayout.from_dict(layout) if isinstance(layout, dict) else None
+        return checkpoint
+
+    def saving(self, checkpoint: dict[str, Any], module: Any, accumulation: int) -> dict[str, Any]:
+        """The checkpoint with the layout it is taken with (``DataLayout``), during a fit of ``module``."""
+        trainer = getattr(module, "_trainer", None)
+        if trainer is None:
+            return checkpoint
+        loaders = [] if trainer.fit_loop._combined_loader is None else trainer.fit_loop._combined_loader.flattened
+        loader = loaders[0] if len(loaders) == 1 and isinstance(loaders[0], DataLoader) else None
+        if loader is None or loader.batch_size is None:
+            return checkpoint
+        sampler = getattr(loader.sampler, "sampler", loader.sampler)  # inside a ResumeAtSample or SkipFirstSampler
+        distributed = isinstance(sampler, DistributedSampler)
+        checkpoint[LAYOUT_KEY] = DataLayout(
+            world_size=trainer.world_size,
+            rows_per_rank=loader.batch_size,
+            accumulation=accumulation,
+            epoch=trainer.current_epoch,
+            batches_consumed=int(trainer.fit_loop.epoch_loop.batch_progress.current.ready),
+            dataset_length=len(sampler.dataset) if distributed else None,  # type: ignore[arg-type]
+            shuffle=bool(sampler.shuffle) if distributed else False,
+            seed=int(sampler.seed) if distributed else 0,
+        ).as_dict()
+        return checkpoint
 
     def dataloader(self, dataloader: Any, trainer: Any) -> Any:
         """The training loader continuing where the checkpoint's epoch stopped, or ``dataloader`` itself."""
         consumed = batches_consumed_before_restart(trainer)
+        layout, self.saved_layout = self.saved_layout, None
+        if layout is not None:  # where the restored loop stands (an epoch's end resumes at the next one's start)
+            layout = dataclasses.replace(layout, epoch=trainer.current_epoch, batches_consumed=consumed)
+        plan = None if layout is None else plan_world_size_change(layout, trainer.world_size, self.on_world_size_change)
+        if plan is not None:
+            return self._resume_on_another_world_size(dataloader, trainer, layout, plan, consumed)  # type: ignore[arg-type]
         if consumed == 0 or not isinstance(dataloader, DataLoader) or dataloader.batch_size is None:
             return dataloader
         from lightning.pytorch.utilities.data import _update_dataloader
@@ -301,3 +359,29 @@ class ResumeCoordinator:
             "checkpoint (Lightning's warning that the loader is not resumable does not apply: the sampler is)."
         )
         return _update_dataloader(dataloader, SkipFirstSampler(dataloader.sampler, consumed * dataloader.batch_size))
+
+    def _resume_on_another_world_size(
+        self, dataloader: Any, trainer: Any, layout: DataLayout, plan: Any, consumed: int
+    ) -> Any:
+        """Accumulation as planned, the loop's batch counters in the new layout's batches, and the rest of the
+        epoch's permutation dealt to the new ranks (``ResumeAtSample``)."""
+        from lightning.pytorch.utilities.data import _update_dataloader
+
+        sampler = getattr(dataloader, "sampler", None)
+        if not isinstance(sampler, DistributedSampler) or dataloader.batch_size != layout.rows_per_rank:
+            raise CheckpointResumeError(
+                f"{plan.message.split(':')[0]}, and the training loader is not one the strategy can place on the new "
+                "ranks (it needs Lightning's DistributedSampler and the same batch size as the checkpoint's, "
+                f"{layout.rows_per_rank}). Fix: resume on {layout.world_size} ranks, or let Lightning add the sampler "
+                "(`use_distributed_sampler=True`) and keep the batch size."
+            )
+        self._set_accumulation(plan.accumulation)
+        trainer.accumulate_grad_batches = plan.accumulation if trainer.lightning_module.automatic_optimization else 1
+        samples = consumed * layout.rows_per_rank * layout.world_size
+        shift = samples // (layout.rows_per_rank * plan.world_size) - consumed
+        progress = trainer.fit_loop.epoch_loop.batch_progress
+        for tracker in (progress.current, progress.total):
+            for name in ("ready", "started", "processed", "completed"):
+                setattr(tracker, name, getattr(tracker, name) + shift)
+        self._info(f"DDPPlusStrategy: {plan.message}.")
+        return _update_dataloader(dataloader, ResumeAtSample(sampler, samples, trainer.current_epoch))

@@ -191,6 +191,10 @@ class AccumulationWindow:
         self.steps = merge_accumulation_settings(self.requested, trainer_steps)
         return self.steps
 
+    def set_steps(self, steps: int) -> None:
+        """A resume on another number of ranks changed k (``on_world_size_change="keep_global_batch"``)."""
+        self.steps = steps
+
     def reset(self) -> None:
         """A new fit (or a new DDP wrapper): counts restart, and a static graph's first backward must sync again."""
         self.stats = SyncStats()

@@ -1,0 +1,110 @@
+"""Fits on one process group of 1 or 2 ranks, some resuming a checkpoint taken on the other number of ranks:
+``world_size_job.py OUT_JSON CASES_JSON`` (started once per rank by the test).
+
+A case trains a regression model on 256 shuffled samples, 8 rows per rank per batch, for one epoch; ``stop_after``
+ends it after that many optimizer steps with a checkpoint in ``checkpoint``; ``resume`` continues from one. Every
+rank records the indices of the samples it trained; rank 0 writes them with the parameters and the log lines.
+"""
+
+import io
+import logging
+import os
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_ddp_plus import DDPPlusStrategy
+from tests.helpers import QUIET_TRAINER, job_main, regression_data
+
+#: Set by the test for every rank (Lightning removes it from the environment at the end of a fit).
+WORLD = int(os.environ["WORLD_SIZE"])
+
+
+class Indexed(Dataset):
+    def __init__(self) -> None:
+        self.data = regression_data(256)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index: int):
+        x, y = self.data[index]
+        return index, x, y
+
+
+class Regression(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+        self.seen: list[int] = []
+
+    def training_step(self, batch, batch_idx):
+        index, x, y = batch
+        self.seen += index.tolist()
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def train_dataloader(self):
+        return DataLoader(Indexed(), batch_size=8, shuffle=True)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.5)
+
+
+def run_case(case: dict) -> dict:
+    log = io.StringIO()
+    handler = logging.StreamHandler(log)
+    logging.getLogger("lightning.pytorch").addHandler(handler)
+    world = WORLD
+    callbacks = []
+    if case.get("stop_after"):
+        path = case["checkpoint"]
+        callbacks.append(
+            ModelCheckpoint(
+                dirpath=path.rsplit("/", 1)[0],
+                filename=path.rsplit("/", 1)[1][:-5],
+                every_n_train_steps=case["stop_after"],
+                save_top_k=-1,
+            )
+        )
+    strategy = DDPPlusStrategy(on_world_size_change=case.get("mode", "keep_global_batch"), timeout="60s")
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=world,
+        max_epochs=1,
+        max_steps=case.get("stop_after") or -1,
+        accumulate_grad_batches=case.get("accumulate", 1),
+        callbacks=callbacks,
+        **{**QUIET_TRAINER, "enable_checkpointing": bool(callbacks)},
+    )
+    model = Regression()
+    outcome: dict = {"error": None}
+    try:
+        trainer.fit(model, ckpt_path=case.get("resume"))
+    except Exception as error:  # noqa: BLE001 - the outcome is what the test checks
+        outcome["error"] = f"{type(error).__name__}: {error}"
+    logging.getLogger("lightning.pytorch").removeHandler(handler)
+    seen = [None] * world
+    dist.all_gather_object(seen, model.seen)
+    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+    gathered = [torch.zeros_like(flat) for _ in range(world)]
+    dist.all_gather(gathered, flat)
+    return {
+        **case,
+        **outcome,
+        "world_size": world,
+        "global_step": trainer.global_step,
+        "accumulation": trainer.accumulate_grad_batches,
+        "seen": seen,
+        "params": [t.tolist() for t in gathered],
+        "log": log.getvalue(),
+    }
+
+
+if __name__ == "__main__":
+    job_main(run_case)
