@@ -141,6 +141,11 @@ BAD = [
         {"micro_batch_size": 8, "optimizer_sharding": "overlap"},
         r"micro_batch_size=8.*optimizer_sharding='overlap'.*Fix: use `optimizer_sharding=True`",
     ),
+    Bad(
+        "world-size-change-literal",
+        {"on_world_size_change": "shrink"},
+        r"on_world_size_change='shrink'.*allowed: keep_global_batch, keep_per_rank_batch, error",
+    ),
     Bad("stragglers-zero", {"find_stragglers_every_n_steps": 0}, r"find_stragglers_every_n_steps=0.*positive integer"),
 ]
 IDS = [case.id for case in BAD]
@@ -149,6 +154,7 @@ IDS = [case.id for case in BAD]
 FABRIC_BAD = [
     Bad("fabric-resume", {"resume_from_last": "always"}, r"resume_from_last='always'.*does not take it.*fabric.load"),
     Bad("fabric-averaging", {"model_averaging_period": 4}, r"model_averaging_period=4.*does not take it.*Fix"),
+    Bad("fabric-world-size", {"on_world_size_change": "error"}, r"on_world_size_change='error'.*does not take it.*Fix"),
 ]
 
 #: Words that say what is allowed, in the package's messages.
@@ -225,7 +231,8 @@ NOT_AT_FABRIC_CONSTRUCTION = {
     [
         c
         for c in BAD
-        if c.id not in NOT_AT_FABRIC_CONSTRUCTION and c.argument not in ("resume_from_last", "model_averaging_period")
+        if c.id not in NOT_AT_FABRIC_CONSTRUCTION
+        and c.argument not in ("resume_from_last", "model_averaging_period", "on_world_size_change")
     ],
     ids=lambda c: c.id,
 )

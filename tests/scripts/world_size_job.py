@@ -1,7 +1,8 @@
 """Fits on one process group of 1 or 2 ranks, some resuming a checkpoint taken on the other number of ranks:
 ``world_size_job.py OUT_JSON CASES_JSON`` (started once per rank by the test).
 
-A case trains a regression model on 256 shuffled samples, 8 rows per rank per batch, for one epoch; ``stop_after``
+A case trains a regression model on 256 shuffled samples (or ``samples``), 8 rows per rank per batch (or
+``batch_size``), for one epoch; ``stop_after``
 ends it after that many optimizer steps with a checkpoint in ``checkpoint``; ``resume`` continues from one. Every
 rank records the indices of the samples it trained; rank 0 writes them with the parameters and the log lines.
 """
@@ -25,8 +26,8 @@ WORLD = int(os.environ["WORLD_SIZE"])
 
 
 class Indexed(Dataset):
-    def __init__(self) -> None:
-        self.data = regression_data(256)
+    def __init__(self, length: int) -> None:
+        self.data = regression_data(length)
 
     def __len__(self) -> int:
         return len(self.data)
@@ -37,8 +38,9 @@ class Indexed(Dataset):
 
 
 class Regression(L.LightningModule):
-    def __init__(self) -> None:
+    def __init__(self, batch_size: int = 8, samples: int = 256) -> None:
         super().__init__()
+        self.batch_size, self.samples = batch_size, samples
         torch.manual_seed(1)
         self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
         self.seen: list[int] = []
@@ -49,7 +51,7 @@ class Regression(L.LightningModule):
         return nn.functional.mse_loss(self.net(x), y)
 
     def train_dataloader(self):
-        return DataLoader(Indexed(), batch_size=8, shuffle=True)
+        return DataLoader(Indexed(self.samples), batch_size=self.batch_size, shuffle=True)
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.5)
@@ -82,7 +84,7 @@ def run_case(case: dict) -> dict:
         callbacks=callbacks,
         **{**QUIET_TRAINER, "enable_checkpointing": bool(callbacks)},
     )
-    model = Regression()
+    model = Regression(case.get("batch_size", 8), case.get("samples", 256))
     outcome: dict = {"error": None}
     try:
         trainer.fit(model, ckpt_path=case.get("resume"))

@@ -1,0 +1,160 @@
+"""Resuming on another number of ranks: the same global batch, the same place in the data, the same parameters.
+
+Pure decisions first, then real jobs: checkpoints taken on 1 and 2 ranks (Lightning's shuffled DistributedSampler,
+256 samples, 8 rows per rank), resumed on 2, 1 and 3 ranks, compared with the uninterrupted runs."""
+
+import json
+
+import pytest
+import torch
+from torch.utils.data import DistributedSampler
+
+from lightning_ddp_plus import ArgumentValueError
+from lightning_ddp_plus.persistence.world_size import (
+    DataLayout,
+    ResumeAtSample,
+    plan_world_size_change,
+    reachable_world_sizes,
+)
+from tests.helpers import python_script, start_ranks
+
+TWO_RANKS = DataLayout(
+    world_size=2, rows_per_rank=8, accumulation=1, epoch=0, batches_consumed=4, dataset_length=256, shuffle=True, seed=0
+)
+
+
+def test_keeping_the_global_batch_recomputes_accumulation():
+    to_one = plan_world_size_change(TWO_RANKS, 1, "keep_global_batch")
+    assert (to_one.accumulation, to_one.batches_consumed, to_one.samples_consumed) == (2, 8, 64)
+    assert to_one.message == (
+        "world size changed 2 -> 1: keeping the global batch of 16 (accumulation 1 -> 2), resuming epoch 0 at "
+        "sample 64 of 256"
+    )
+    assert plan_world_size_change(TWO_RANKS, 2, "keep_global_batch") is None  # nothing changed
+    one_rank = DataLayout(1, 8, 2, 0, 8, 256, True, 0)
+    assert plan_world_size_change(one_rank, 2, "keep_global_batch").accumulation == 1
+
+
+def test_a_size_that_cannot_reach_the_global_batch_is_refused_with_the_sizes_that_can():
+    with pytest.raises(ArgumentValueError) as raised:
+        plan_world_size_change(TWO_RANKS, 3, "keep_global_batch")
+    message = str(raised.value)
+    assert "global batch of 16 (8 rows per rank x 2 ranks x accumulation 1) cannot be reached on 3 ranks" in message
+    assert "Fix: run on one of 1, 2 ranks" in message
+    assert reachable_world_sizes(DataLayout(2, 4, 3, 0, 0, 256, True, 0)) == [1, 2, 3, 6]
+
+
+def test_error_and_keep_per_rank_batch_say_what_changed():
+    with pytest.raises(ArgumentValueError, match=r"taken on 2 ranks and this run has 1\. Fix: run on 2 ranks"):
+        plan_world_size_change(TWO_RANKS, 1, "error")
+    kept = plan_world_size_change(TWO_RANKS, 1, "keep_per_rank_batch")
+    assert kept.accumulation == 1
+    assert "the global batch changes from 16 to 8" in kept.message and "learning rate" in kept.message
+
+
+@pytest.mark.parametrize(("consumed", "world"), [(64, 1), (64, 3), (0, 2), (250, 4)])
+def test_the_rest_of_the_epoch_is_the_permutation_after_what_was_consumed(consumed, world):
+    whole = DistributedSampler(range(256), num_replicas=1, rank=0, shuffle=True, seed=7)
+    whole.set_epoch(3)
+    order = list(whole)
+    dealt = []
+    for rank in range(world):
+        sampler = DistributedSampler(range(256), num_replicas=world, rank=rank, shuffle=True, seed=7)
+        resumed = ResumeAtSample(sampler, start=consumed, epoch=3)
+        dealt.append(list(resumed))
+        assert len(dealt[-1]) == len(dealt[0])  # every rank the same number (padded as the sampler pads)
+        assert list(resumed) == list(sampler)  # the next pass is the sampler's own
+    interleaved = [index for row in zip(*dealt) for index in row]
+    assert interleaved[: 256 - consumed] == order[consumed:]
+
+
+# ------------------------------------------------------------------ real jobs
+
+
+def run(world: int, cases: list, out) -> dict:
+    for result in start_ranks(python_script("world_size_job.py") + [str(out), json.dumps(cases)], world_size=world):
+        assert result.returncode == 0, result.stdout[-4000:]
+    return {result["name"]: result for result in json.loads(out.read_text())}
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("world_size")
+    one, two, wide = (str(folder / name) for name in ("one.ckpt", "two.ckpt", "two_b4.ckpt"))
+    results = run(1, [{"name": "one, stop", "stop_after": 4, "accumulate": 2, "checkpoint": one}], folder / "1.json")
+    results |= run(
+        2,
+        [
+            {"name": "reference"},
+            # 240 samples: 10 steps of 24 on 2 ranks, and the 192 after 2 steps deal evenly to 3
+            {"name": "reference, 4 rows x 3", "batch_size": 4, "accumulate": 3, "samples": 240},
+            {"name": "two, stop", "stop_after": 4, "checkpoint": two},
+            {
+                "name": "two (4 rows x 3), stop",
+                "stop_after": 2,
+                "batch_size": 4,
+                "accumulate": 3,
+                "samples": 240,
+                "checkpoint": wide,
+            },
+            {"name": "1 -> 2", "resume": one},
+        ],
+        folder / "2.json",
+    )
+    results |= run(
+        1,
+        [
+            {"name": "2 -> 1", "resume": two},
+            {"name": "2 -> 1, error", "resume": two, "mode": "error"},
+            {"name": "2 -> 1, keep per-rank batch", "resume": two, "mode": "keep_per_rank_batch"},
+        ],
+        folder / "3.json",
+    )
+    results |= run(3, [{"name": "2 -> 3", "resume": wide, "batch_size": 4, "samples": 240}], folder / "4.json")
+    return results
+
+
+def samples(*results) -> list[int]:
+    return sorted(index for result in results for rank in result["seen"] for index in rank)
+
+
+@pytest.mark.parametrize(
+    ("before", "after", "reference", "steps", "accumulation"),
+    [
+        ("two, stop", "2 -> 1", "reference", 16, 2),
+        ("one, stop", "1 -> 2", "reference", 16, 1),
+        ("two (4 rows x 3), stop", "2 -> 3", "reference, 4 rows x 3", 10, 2),
+    ],
+)
+def test_a_resume_on_another_world_size_trains_each_sample_once_and_equals_the_uninterrupted_run(
+    resumed, before, after, reference, steps, accumulation
+):
+    result = resumed[after]
+    assert result["error"] is None, result["error"]
+    assert samples(resumed[before], result) == list(range(len(samples(resumed[reference]))))  # each sample once
+    assert result["global_step"] == resumed[reference]["global_step"] == steps
+    assert result["accumulation"] == accumulation
+    params = [torch.tensor(p) for p in result["params"]]
+    assert all(torch.equal(params[0], p) for p in params)
+    expected = torch.tensor(resumed[reference]["params"][0])
+    assert torch.allclose(params[0], expected, atol=1e-5, rtol=0), float((params[0] - expected).abs().max())
+    assert "DDPPlusStrategy: world size changed" in result["log"]
+
+
+def test_the_line_that_says_what_changed(resumed):
+    assert (
+        "world size changed 2 -> 1: keeping the global batch of 16 (accumulation 1 -> 2), resuming epoch 0 at sample "
+        "64 of 256." in resumed["2 -> 1"]["log"]
+    )
+    assert "world size changed 1 -> 2: keeping the global batch of 16 (accumulation 2 -> 1)" in resumed["1 -> 2"]["log"]
+
+
+def test_error_refuses_and_keep_per_rank_batch_changes_the_global_batch(resumed):
+    refused = resumed["2 -> 1, error"]
+    assert refused["error"].startswith("ArgumentValueError: `on_world_size_change='error'`")
+    assert samples(refused) == []  # nothing trained
+    kept = resumed["2 -> 1, keep per-rank batch"]
+    assert kept["error"] is None
+    assert "the global batch changes from 16 to 8" in kept["log"]
+    assert samples(resumed["two, stop"], kept) == list(range(256))  # still resumed at the same sample
+    assert kept["global_step"] == 4 + 192 // 8
