@@ -3,6 +3,7 @@ real step), activations within 10 % of the memory a real forward holds (glibc's 
 real ``transformers`` / ``peft`` models; the layouts' arithmetic and the decision table."""
 
 import ctypes
+import dataclasses
 import gc
 
 import pytest
@@ -170,7 +171,14 @@ def test_eight_ranks_keep_about_an_eighth_of_the_state():
 
 
 def test_the_decision_table_is_data_in_order():
-    assert [d.layout for d in DECISIONS] == ["ddp", "ddp_bucket_view", "sharded", "sharded_checkpointing", "fsdp"]
+    assert [d.layout for d in DECISIONS] == [
+        "ddp",
+        "ddp_bucket_view",
+        "sharded",
+        "micro_batch",
+        "sharded_checkpointing",
+        "fsdp",
+    ]
     assert decide({}).layout == "fsdp"
 
 
@@ -193,3 +201,34 @@ def test_the_configured_layout_is_marked_or_added():
     assert added.gradients == added.buckets == 8000 and added.optimizer_state == 8000
     assert "configured: ZeRO-1, no bucket view (configured)" in plan.render()
     assert plan.fits("configured") is True
+
+
+def test_when_only_the_activations_do_not_fit_the_plan_suggests_the_largest_micro_batch_that_does():
+    # 32 rows, 5000 bytes of activations (156.25 per row); ZeRO-1 with bucket view needs 24000 besides them
+    figures = dataclasses.replace(figures_of([1000, 600, 400], activations=5000, checkpointed=1000), rows=32)
+    plan = plan_layouts(figures, 2, 26_000, headroom=0.0)  # 2000 left for activations
+    assert plan.decision.layout == "micro_batch"  # before activation checkpointing, which would fit too
+    micro = plan.layout("micro_batch")
+    assert micro.micro_batch_size == 12 == int(2000 // (5000 / 32))  # the largest that fits
+    assert micro.total <= 26_000 < micro.total + 5000 / 32
+    assert plan.decision.verdict == "fits with micro_batch_size=12: the activations of a whole batch do not"
+    assert "set `micro_batch_size=12` (DDP + ZeRO-1" in plan.advice and "activation checkpointing" in plan.advice
+    assert "bucket view, micro_batch_size=12" in plan.render()
+    # where the whole batch fits nothing changes, and without the batch's rows nothing is suggested
+    assert plan_layouts(figures, 2, 45_000, headroom=0.0).decision.layout == "ddp"
+    unknown = dataclasses.replace(figures, rows=None)
+    assert plan_layouts(unknown, 2, 26_000, headroom=0.0).decision.layout == "sharded_checkpointing"
+
+
+def test_a_tiny_gpt2_whose_activations_do_not_fit_gets_a_micro_batch_not_fsdp():
+    """The issue's case: at a size where parameters, gradients and AdamW state fit and a whole batch's activations
+    do not, the verdict was "use FSDP"; now it names the micro-batch size."""
+    model = tiny_gpt2()
+    optimizer = torch.optim.AdamW(model.parameters())
+    ids = torch.randint(0, 1000, (8, 128))
+    figures = measure_model(model, optimizer, lambda: model(input_ids=ids, labels=ids).loss, inputs=ids, rows=8)
+    fixed = plan_layouts(figures, 1, None).layout("ddp")
+    device = fixed.total - fixed.activations + figures.activations // 3  # a third of the batch's activations fits
+    plan = plan_layouts(figures, 1, device, headroom=0.0)
+    assert plan.decision.layout == "micro_batch"
+    assert plan.layout("micro_batch").micro_batch_size == 2  # 8 rows / 3, rounded down

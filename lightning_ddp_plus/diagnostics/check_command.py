@@ -26,6 +26,7 @@ from lightning_ddp_plus.conflicts.rules import CheckedSettings, Finding, evaluat
 from lightning_ddp_plus.memory.plan import MemoryPlan, device_memory_of, measure_model, plan_layouts
 from lightning_ddp_plus.memory.sizes import parse_size
 from lightning_ddp_plus.sync.accumulation import merge_accumulation_settings
+from lightning_ddp_plus.sync.micro_batches import batch_rows
 
 CHECK_HELP = """usage: ddp-plus check --config FILE [--device-memory SIZE] [--world-size N] [LightningCLI arguments]
 
@@ -147,7 +148,8 @@ def memory_plan(
         if isinstance(batch, Exception):
             raise batch
         optimizer = first_optimizer(model.configure_optimizers())
-        figures = measure_model(model, optimizer, lambda: training_loss(model, batch), inputs=batch)
+        rows = batch_rows(batch)
+        figures = measure_model(model, optimizer, lambda: training_loss(model, batch), inputs=batch, rows=rows)
     except Exception as error:  # noqa: BLE001 - the plan needs one real forward; say why it could not run
         return None, f"memory plan: not made (one training forward could not run here: {type(error).__name__}: {error})"
     size = world_size or trainer.num_devices * trainer.num_nodes

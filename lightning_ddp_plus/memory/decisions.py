@@ -41,6 +41,13 @@ DECISIONS: tuple[Decision, ...] = (
         "optimizer state).",
     ),
     Decision(
+        "micro_batch",
+        "fits with micro_batch_size={micro_batch_size}: the activations of a whole batch do not",
+        "set `micro_batch_size={micro_batch_size}` ({micro_batch_layout}; the global batch and the schedule stay as "
+        "they are), or `micro_batch_size='auto'`; activation checkpointing is the other way (about one more forward "
+        "per step, and the whole batch at once).",
+    ),
+    Decision(
         "sharded_checkpointing",
         "fits with optimizer sharding and activation checkpointing",
         "set `optimizer_sharding=True`, `gradient_as_bucket_view=True` and enable activation checkpointing "

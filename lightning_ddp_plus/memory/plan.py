@@ -62,6 +62,8 @@ class ModelFigures:
     #: activations with activation checkpointing, when the model can switch it (else ``None``)
     activations_checkpointed: int | None = None
     checkpointing_on: bool = False
+    #: rows of the batch the activations were measured on (``None``: unknown, so no micro-batch is suggested)
+    rows: int | None = None
 
     @property
     def parameters(self) -> int:
@@ -93,6 +95,8 @@ class Layout:
     buckets: int
     optimizer_state: int
     activations: int
+    #: rows per chunk, for the layout that trains each batch in chunks (``micro_batch_size``)
+    micro_batch_size: int | None = None
 
     @property
     def total(self) -> int:
@@ -174,6 +178,7 @@ def measure_model(
     training_forward: Callable[[], Any] | None,
     inputs: Any = None,
     checkpointing: bool = True,
+    rows: int | None = None,
 ) -> ModelFigures:
     """Measure one replica: the parameters in the optimizer's groups, the state the optimizer will keep, and the
     activations of ``training_forward()`` (one training forward on one micro-batch, returning the loss), and, where
@@ -197,7 +202,7 @@ def measure_model(
         finally:
             disable()
     module.train(was_training)
-    return ModelFigures(groups, buffers, activations, checkpointed, checkpointing_on=already_on)
+    return ModelFigures(groups, buffers, activations, checkpointed, checkpointing_on=already_on, rows=rows)
 
 
 def _layout(
@@ -241,8 +246,13 @@ def _decided(plan: MemoryPlan, sharded_state: int) -> MemoryPlan:
     """``plan`` with the decision table's verdict for its device memory, and the advice filled in."""
     figures, world_size = plan.figures, plan.world_size
     decision = decide({layout.name: bool(plan.fits(layout.name)) for layout in plan.layouts})
+    micro = next((layout for layout in plan.layouts if layout.name == "micro_batch"), None)
+    size = micro.micro_batch_size if micro is not None else ""
+    decision = dataclasses.replace(decision, verdict=decision.verdict.format(micro_batch_size=size))
     fsdp = (figures.parameters + figures.trainable + figures.optimizer_state) / world_size
     advice = decision.advice.format(
+        micro_batch_size=micro.micro_batch_size if micro is not None else "",
+        micro_batch_layout=micro.title.rsplit(",", 1)[0] if micro is not None else "",
         sharding_saves=format_size(figures.optimizer_state - sharded_state),
         parameters=format_size(figures.trainable),
         bucket_view_saves=format_size(plan.layout("ddp").gradients),
@@ -283,4 +293,30 @@ def plan_layouts(
             configured_name = match[0]
     notes = _notes(figures, world_size, shares)
     plan = MemoryPlan(figures, world_size, device_memory, headroom, tuple(layouts), configured_name, notes=notes)
-    return plan if device_memory is None else _decided(plan, sharded_state)
+    if device_memory is None:
+        return plan
+    micro = _micro_batch_layout(plan)
+    if micro is not None:
+        plan = dataclasses.replace(plan, layouts=(*plan.layouts, micro))
+    return _decided(plan, sharded_state)
+
+
+def _micro_batch_layout(plan: MemoryPlan) -> Layout | None:
+    """Where a whole batch's activations do not fit but one row's do: the cheapest of DDP, bucket view and ZeRO-1
+    with the largest ``micro_batch_size`` whose chunk's activations fit beside the rest (activations grow with the
+    rows of a chunk; the rest does not)."""
+    rows, usable = plan.figures.rows, plan.usable
+    if rows is None or rows < 2 or usable is None or plan.figures.activations <= 0:
+        return None
+    if any(plan.fits(name) for name in ("ddp", "ddp_bucket_view", "sharded")):
+        return None  # the whole batch fits
+    per_row = plan.figures.activations / rows
+    for name in ("ddp", "ddp_bucket_view", "sharded"):
+        base = plan.layout(name)
+        size = min(rows - 1, int((usable - (base.total - base.activations)) // per_row))
+        if size >= 1:
+            title = f"{base.title}, micro_batch_size={size}"
+            return dataclasses.replace(
+                base, name="micro_batch", title=title, activations=int(per_row * size), micro_batch_size=size
+            )
+    return None

@@ -327,17 +327,17 @@ class ResumeCoordinator:
         loader = loaders[0] if len(loaders) == 1 and isinstance(loaders[0], DataLoader) else None
         if loader is None or loader.batch_size is None:
             return checkpoint
-        sampler = getattr(loader.sampler, "sampler", loader.sampler)  # inside a ResumeAtSample or SkipFirstSampler
-        distributed = isinstance(sampler, DistributedSampler)
+        inner: Any = getattr(loader.sampler, "sampler", loader.sampler)  # inside a ResumeAtSample or SkipFirstSampler
+        sampler: DistributedSampler[Any] | None = inner if isinstance(inner, DistributedSampler) else None
         checkpoint[LAYOUT_KEY] = DataLayout(
             world_size=trainer.world_size,
             rows_per_rank=loader.batch_size,
             accumulation=accumulation,
             epoch=trainer.current_epoch,
             batches_consumed=int(trainer.fit_loop.epoch_loop.batch_progress.current.ready),
-            dataset_length=len(sampler.dataset) if distributed else None,  # type: ignore[arg-type]
-            shuffle=bool(sampler.shuffle) if distributed else False,
-            seed=int(sampler.seed) if distributed else 0,
+            dataset_length=len(sampler.dataset) if sampler is not None else None,  # type: ignore[arg-type]
+            shuffle=bool(sampler.shuffle) if sampler is not None else False,
+            seed=int(sampler.seed) if sampler is not None else 0,
         ).as_dict()
         return checkpoint
 

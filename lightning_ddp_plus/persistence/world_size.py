@@ -153,8 +153,8 @@ class ResumeAtSample(Sampler[int]):
         if self._resumed:
             return iter(self.sampler)
         self._resumed = True
-        whole = DistributedSampler(
-            self.sampler.dataset,  # type: ignore[arg-type]
+        whole: DistributedSampler[Any] = DistributedSampler(
+            self.sampler.dataset,
             num_replicas=1,
             rank=0,
             shuffle=self.sampler.shuffle,
