@@ -168,7 +168,8 @@ class DDPPlusStrategy(DDPPlusFrontEnd, AtomicCheckpoints, DDPStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], *args: Any, **kwargs: Any) -> None:
-        self.resume.saving(checkpoint, self.lightning_module, self.gradient_accumulation_steps)
+        sizes = self.gradient_accumulation_steps, self.engine.micro_batches.size
+        self.resume.saving(checkpoint, self.lightning_module, *sizes)
         super().save_checkpoint(self._chunks.saving(checkpoint), *args, **kwargs)
 
     @override

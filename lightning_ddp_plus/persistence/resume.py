@@ -318,7 +318,9 @@ class ResumeCoordinator:
         self.saved_layout = DataLayout.from_dict(layout) if isinstance(layout, dict) else None
         return checkpoint
 
-    def saving(self, checkpoint: dict[str, Any], module: Any, accumulation: int) -> dict[str, Any]:
+    def saving(
+        self, checkpoint: dict[str, Any], module: Any, accumulation: int, micro_batch_size: int | None = None
+    ) -> dict[str, Any]:
         """The checkpoint with the layout it is taken with (``DataLayout``), during a fit of ``module``."""
         trainer = getattr(module, "_trainer", None)
         if trainer is None:
@@ -338,6 +340,7 @@ class ResumeCoordinator:
             dataset_length=len(sampler.dataset) if sampler is not None else None,  # type: ignore[arg-type]
             shuffle=bool(sampler.shuffle) if sampler is not None else False,
             seed=int(sampler.seed) if sampler is not None else 0,
+            micro_batch_size=micro_batch_size,
         ).as_dict()
         return checkpoint
 
@@ -368,6 +371,15 @@ class ResumeCoordinator:
         from lightning.pytorch.utilities.data import _update_dataloader
 
         sampler = getattr(dataloader, "sampler", None)
+        stateful = callable(getattr(dataloader, "state_dict", None)) and callable(
+            getattr(dataloader, "load_state_dict", None)
+        )
+        if stateful:  # it restores its own place (Lightning saves and loads its state): only k changes
+            self._set_accumulation(plan.accumulation)
+            if trainer.lightning_module.automatic_optimization:
+                trainer.accumulate_grad_batches = plan.accumulation
+            self._info(f"DDPPlusStrategy: {plan.message.rsplit(', resuming', 1)[0]}; the loader restores its place.")
+            return dataloader
         if not isinstance(sampler, DistributedSampler) or dataloader.batch_size != layout.rows_per_rank:
             raise CheckpointResumeError(
                 f"{plan.message.split(':')[0]}, and the training loader is not one the strategy can place on the new "
