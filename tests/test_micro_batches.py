@@ -148,6 +148,12 @@ CASES = [
         "phase": "backward",
     },
     {"name": "auto, a later batch", "micro_batch_size": "auto", "limits": {"0": 8}, "from_step": 2, "save_to": SAVED},
+    {
+        "name": "fixed 8, with sharding, telemetry and the replica guard",
+        "micro_batch_size": 8,
+        "strategy": {"optimizer_sharding": True, "telemetry": True, "verify_replicas_every_n_steps": 1},
+    },
+    {"name": "auto, no row fits", "micro_batch_size": "auto", "limits": {"1": 0}, "phase": "forward"},
     {"name": "reference, wide", "wide": True},
     {
         "name": "auto, address-space limit",
@@ -166,6 +172,7 @@ EXPECTED = {
     "auto, rank 1 in the forward": ("reference", 8),
     "auto, both ranks in the backward": ("reference", 8),
     "auto, a later batch": ("reference", 8),
+    "fixed 8, with sharding, telemetry and the replica guard": ("reference", 8),
     "reference, wide": ("reference, wide", None),
     "auto, address-space limit": ("reference, wide", None),  # the size the allocator allows: checked below
 }
@@ -184,6 +191,7 @@ def micro_batch_results(tmp_path_factory):
 def test_every_case_equals_its_reference_on_identical_replicas(micro_batch_results, name):
     results, _ = micro_batch_results
     result = results[name]
+    assert result["error"] is None, result["error"]
     reference_name, size = EXPECTED[name]
     reference = torch.tensor(results[reference_name]["params"][0])
     rank0, rank1 = (torch.tensor(p) for p in result["params"])
@@ -204,6 +212,27 @@ def test_auto_halves_on_every_rank_and_names_the_rank_that_failed(micro_batch_re
     limited = results["auto, address-space limit"]
     assert limited["changes"] and all(ranks == [1] for _, _, ranks in limited["changes"])
     assert limited["size"] == limited["changes"][-1][1] < 32  # a real allocation failure, and a size that held
+
+
+def test_when_not_even_one_row_fits_every_rank_ends_with_an_error_that_says_so(micro_batch_results):
+    results, _ = micro_batch_results
+    failed = results["auto, no row fits"]
+    assert failed["error"].startswith(
+        "MicroBatchOutOfMemoryError: micro_batch_size='auto': out of memory on rank 1 in the forward of 1 rows with "
+        "chunks of a single row, so no micro-batch size fits. Fix:"
+    )
+    assert [change[:2] for change in failed["changes"]] == [[32, 16], [16, 8], [8, 4], [4, 2], [2, 1]]
+    assert failed["global_step"] == 0  # no optimizer step was applied
+    assert torch.equal(*(torch.tensor(p) for p in failed["params"]))  # and the replicas still agree
+
+
+def test_a_model_with_batch_normalization_is_warned_that_its_statistics_are_per_chunk():
+    from torch import nn
+
+    from lightning_ddp_plus.sync.micro_batches import refuse_micro_batches
+
+    with pytest.warns(UserWarning, match=r"micro_batch_size=8: the model has batch normalization.*per chunk"):
+        refuse_micro_batches(8, manual=False, accumulation_steps=1, module=nn.Sequential(nn.BatchNorm1d(4)))
 
 
 def test_the_size_reached_is_saved_and_a_resume_starts_from_it(micro_batch_results):

@@ -70,7 +70,10 @@ class MemoryLimited(TinyRegression):
 
 def run_case(case: dict) -> dict:
     strategy = DDPPlusStrategy(
-        ddp_comm_hook=ALLREDUCE_HOOK, micro_batch_size=case.get("micro_batch_size"), timeout="60s"
+        ddp_comm_hook=ALLREDUCE_HOOK,
+        micro_batch_size=case.get("micro_batch_size"),
+        timeout="60s",
+        **case.get("strategy", {}),
     )
     trainer = L.Trainer(
         strategy=strategy,
@@ -90,7 +93,11 @@ def run_case(case: dict) -> dict:
         lr=0.05,
     )
     started = time.perf_counter()
-    trainer.fit(model)
+    error = None
+    try:
+        trainer.fit(model)
+    except Exception as raised:  # noqa: BLE001 - the outcome is what the test checks
+        error = f"{type(raised).__name__}: {raised}"
     fit_seconds = time.perf_counter() - started
     if case.get("save_to"):
         trainer.save_checkpoint(case["save_to"])
@@ -100,6 +107,7 @@ def run_case(case: dict) -> dict:
     stats = strategy.sync_stats
     return {
         **case,
+        "error": error,
         "size": strategy.engine.micro_batches.size,
         "changes": [[c.old, c.new, [f.rank for f in c.failures]] for c in strategy.engine.micro_batches.changes],
         "attempt_seconds": [c.attempt_seconds for c in strategy.engine.micro_batches.changes],
