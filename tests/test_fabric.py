@@ -232,6 +232,7 @@ def test_a_balanced_fabric_loop_names_no_straggler(results):
     assert [case["straggler"] for case in results if case["straggler"] is not None] == [results[15]["straggler"]]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(("index", "k", "size"), [(16, 1, 1), (17, 2, 3)])
 def test_train_micro_batches_in_a_fabric_loop(results, index, k, size):
     result = results[index]

@@ -124,6 +124,7 @@ def test_sizes_halve_down_to_one_row():
     assert size_after_out_of_memory(5) == 3
 
 
+@pytest.mark.multiprocess
 def test_manual_optimization_is_refused_before_anything_is_launched():
     strategy = DDPPlusStrategy(micro_batch_size=8)
     trainer = Trainer(strategy=strategy, accelerator="cpu", devices=2, max_epochs=1, **QUIET_TRAINER)
@@ -187,6 +188,7 @@ def micro_batch_results(tmp_path_factory):
     return {result["name"]: result for result in results}, folder
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", list(EXPECTED))
 def test_every_case_equals_its_reference_on_identical_replicas(micro_batch_results, name):
     results, _ = micro_batch_results
@@ -204,6 +206,7 @@ def test_every_case_equals_its_reference_on_identical_replicas(micro_batch_resul
         assert result["size"] == size
 
 
+@pytest.mark.multiprocess
 def test_auto_halves_on_every_rank_and_names_the_rank_that_failed(micro_batch_results):
     results, _ = micro_batch_results
     assert results["auto, rank 1 in the forward"]["changes"] == [[32, 16, [1]], [16, 8, [1]]]
@@ -214,6 +217,7 @@ def test_auto_halves_on_every_rank_and_names_the_rank_that_failed(micro_batch_re
     assert limited["size"] == limited["changes"][-1][1] < 32  # a real allocation failure, and a size that held
 
 
+@pytest.mark.multiprocess
 def test_when_not_even_one_row_fits_every_rank_ends_with_an_error_that_says_so(micro_batch_results):
     results, _ = micro_batch_results
     failed = results["auto, no row fits"]
@@ -235,6 +239,7 @@ def test_a_model_with_batch_normalization_is_warned_that_its_statistics_are_per_
         refuse_micro_batches(8, manual=False, accumulation_steps=1, module=nn.Sequential(nn.BatchNorm1d(4)))
 
 
+@pytest.mark.multiprocess
 def test_the_size_reached_is_saved_and_a_resume_starts_from_it(micro_batch_results):
     _, folder = micro_batch_results
     path = folder / SAVED

@@ -118,6 +118,7 @@ def samples(*results) -> list[int]:
     return sorted(index for result in results for rank in result["seen"] for index in rank)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(
     ("before", "after", "reference", "steps", "accumulation"),
     [
@@ -141,6 +142,7 @@ def test_a_resume_on_another_world_size_trains_each_sample_once_and_equals_the_u
     assert "DDPPlusStrategy: world size changed" in result["log"]
 
 
+@pytest.mark.multiprocess
 def test_the_line_that_says_what_changed(resumed):
     assert (
         "world size changed 2 -> 1: keeping the global batch of 16 (accumulation 1 -> 2), resuming epoch 0 at sample "
@@ -149,6 +151,7 @@ def test_the_line_that_says_what_changed(resumed):
     assert "world size changed 1 -> 2: keeping the global batch of 16 (accumulation 2 -> 1)" in resumed["1 -> 2"]["log"]
 
 
+@pytest.mark.multiprocess
 def test_error_refuses_and_keep_per_rank_batch_changes_the_global_batch(resumed):
     refused = resumed["2 -> 1, error"]
     assert refused["error"].startswith("ArgumentValueError: `on_world_size_change='error'`")
