@@ -86,6 +86,17 @@ from lightning_ddp_plus.sync.wrapper import wrap_module
 _FIT_NUMBERS = itertools.count(1)
 #: How long the stall watchdog's store client waits for the store (a cut link must not hold up the job's end).
 STORE_TIMEOUT = timedelta(seconds=5)
+#: How long a rank's error waits for the job's store to say whether a peer ran out of memory.
+REPORT_STORE_TIMEOUT = timedelta(seconds=2)
+
+
+def _report_store() -> Any:
+    """The job's store for a report on an error path: rank 0's own (it serves it), elsewhere a client of its own
+    that gives up within ``REPORT_STORE_TIMEOUT`` (a cut link must not hold the error up; the default client would
+    wait for the whole collective timeout)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() == 0:
+        return default_store()
+    return store_client(REPORT_STORE_TIMEOUT)
 
 
 def _out_of_memory_key(rank: int) -> str:
@@ -440,7 +451,7 @@ class DDPPlusEngine:
     def publish_out_of_memory(self, failure: OutOfMemory, message: str) -> None:
         """Where ``micro_batch_size`` is not ``"auto"``: leave in the job's store why this rank is about to fail, so
         that the ranks whose collective then breaks say that instead of the transport's error."""
-        store = default_store()
+        store = _report_store()
         if store is None:
             return
         try:
@@ -450,7 +461,7 @@ class DDPPlusEngine:
 
     def peer_out_of_memory(self, world_size: int) -> str | None:
         """What a rank that ran out of memory left in the job's store (``publish_out_of_memory``), if one did."""
-        store = default_store()
+        store = _report_store()
         if store is None:
             return None
         for rank in range(world_size):
