@@ -277,7 +277,9 @@ class OutOfMemory:
 
 
 def describe_failures(failures: Sequence[OutOfMemory]) -> str:
-    """>>> describe_failures([OutOfMemory(1, "backward", 16, 32)])
+    """Every rank's failure, in words.
+
+    >>> describe_failures([OutOfMemory(1, "backward", 16, 32)])
     'rank 1 in the backward of 16 rows'
     """
     return "; ".join(f"rank {f.rank} in the {f.phase} of {f.rows} rows" for f in failures)
