@@ -91,11 +91,9 @@ REPORT_STORE_TIMEOUT = timedelta(seconds=2)
 
 
 def _report_store() -> Any:
-    """The job's store for a report on an error path: rank 0's own (it serves it), elsewhere a client of its own
-    that gives up within ``REPORT_STORE_TIMEOUT`` (a cut link must not hold the error up; the default client would
-    wait for the whole collective timeout)."""
-    if dist.is_available() and dist.is_initialized() and dist.get_rank() == 0:
-        return default_store()
+    """A client of the job's store for a report on an error path, of its own on every rank: it gives up within
+    ``REPORT_STORE_TIMEOUT`` (on a cut link the default group's client would wait for the whole collective timeout),
+    and every rank reads and writes the same keys (the default group's store adds a prefix of its own)."""
     return store_client(REPORT_STORE_TIMEOUT)
 
 
