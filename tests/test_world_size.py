@@ -1,7 +1,9 @@
 """Resuming on another number of ranks: the same global batch, the same place in the data, the same parameters.
 
 Pure decisions first, then real jobs: checkpoints taken on 1 and 2 ranks (Lightning's shuffled DistributedSampler,
-256 samples, 8 rows per rank), resumed on 2, 1 and 3 ranks, compared with the uninterrupted runs."""
+256 samples, 8 rows per rank), resumed on 2 and 1 ranks, compared with the uninterrupted runs. A resume on 3 ranks
+(2 -> 3, 4 rows x accumulation 3 on 240 samples) passed as a 3-process job too (see the elastic guide); it is left
+out of this file to keep CI's time, and the dealing to 3 ranks is checked without processes."""
 
 import json
 
@@ -80,23 +82,13 @@ def run(world: int, cases: list, out) -> dict:
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory):
     folder = tmp_path_factory.mktemp("world_size")
-    one, two, wide = (str(folder / name) for name in ("one.ckpt", "two.ckpt", "two_b4.ckpt"))
+    one, two = (str(folder / name) for name in ("one.ckpt", "two.ckpt"))
     results = run(1, [{"name": "one, stop", "stop_after": 4, "accumulate": 2, "checkpoint": one}], folder / "1.json")
     results |= run(
         2,
         [
             {"name": "reference"},
-            # 240 samples: 10 steps of 24 on 2 ranks, and the 192 after 2 steps deal evenly to 3
-            {"name": "reference, 4 rows x 3", "batch_size": 4, "accumulate": 3, "samples": 240},
             {"name": "two, stop", "stop_after": 4, "checkpoint": two},
-            {
-                "name": "two (4 rows x 3), stop",
-                "stop_after": 2,
-                "batch_size": 4,
-                "accumulate": 3,
-                "samples": 240,
-                "checkpoint": wide,
-            },
             {"name": "1 -> 2", "resume": one},
         ],
         folder / "2.json",
@@ -110,7 +102,6 @@ def resumed(tmp_path_factory):
         ],
         folder / "3.json",
     )
-    results |= run(3, [{"name": "2 -> 3", "resume": wide, "batch_size": 4, "samples": 240}], folder / "4.json")
     return results
 
 
@@ -124,7 +115,6 @@ def samples(*results) -> list[int]:
     [
         ("two, stop", "2 -> 1", "reference", 16, 2),
         ("one, stop", "1 -> 2", "reference", 16, 1),
-        ("two (4 rows x 3), stop", "2 -> 3", "reference, 4 rows x 3", 10, 2),
     ],
 )
 def test_a_resume_on_another_world_size_trains_each_sample_once_and_equals_the_uninterrupted_run(
