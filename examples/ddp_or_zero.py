@@ -3,10 +3,11 @@
     python examples/ddp_or_zero.py [--layers-measured 1 2] [--sequence 1024] [--batch 1]
 
 No download and no 1B-parameter model in memory: the full model is built on the ``meta`` device, which gives its
-parameters, gradients, DDP buckets and AdamW state exactly (shapes and dtypes); the activations are measured on real
-models of the same width with 1 and 2 decoder layers (a real forward, counted with saved-tensor hooks) and extended
-to the full depth by the plan's arithmetic (activations = a + b x layers; the check on a tiny config below shows
-how well that line predicts a deeper model).
+parameters, gradients, DDP buckets and AdamW state exactly (shapes and dtypes); the activations and the peak of a
+forward and backward are measured on real models of the same width with 1 and 2 decoder layers (a real forward,
+counted with saved-tensor hooks; a real backward, counted tensor by tensor) and extended to the full depth by the
+plan's arithmetic (figure = a + b x layers; the check on a tiny config below shows how well that line predicts a
+deeper model). The optimizer step's temporaries are not measured on the ``meta`` device (they are 0 here).
 """
 
 from __future__ import annotations
@@ -31,26 +32,26 @@ LLAMA_3_2_1B = {
 }
 
 
-def activations(shape: dict, layers: int, batch: int, sequence: int) -> tuple[int, int | None]:
-    """Saved-tensor bytes of one training forward (and with activation checkpointing) of a real model."""
+#: the figures that grow with depth: activations and the forward-and-backward peak, without and with checkpointing
+DEPTH_FIGURES = ("activations", "activations_checkpointed", "backward_peak", "backward_peak_checkpointed")
+
+
+def activations(shape: dict, layers: int, batch: int, sequence: int) -> dict[str, int]:
+    """Saved-tensor bytes of one training forward and the peak of one forward and backward (and both with
+    activation checkpointing) of a real model."""
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**{**shape, "num_hidden_layers": layers}))
     ids = torch.randint(0, shape["vocab_size"], (batch, sequence))
     figures = measure_model(model, None, lambda: model(input_ids=ids, labels=ids).loss, inputs=ids)
-    return figures.activations, figures.activations_checkpointed
+    return {name: getattr(figures, name) or 0 for name in DEPTH_FIGURES}
 
 
-def extended(shape: dict, measured: tuple[int, int], batch: int, sequence: int, layers: int) -> tuple[int, int]:
-    """The line through the activations at ``measured`` depths, at ``layers``."""
+def extended(shape: dict, measured: tuple[int, int], batch: int, sequence: int, layers: int) -> dict[str, int]:
+    """The lines through the figures at ``measured`` depths, at ``layers``."""
     (depth_a, depth_b) = measured
-    a_plain, a_checkpointed = activations(shape, depth_a, batch, sequence)
-    b_plain, b_checkpointed = activations(shape, depth_b, batch, sequence)
-
-    def line(low: int, high: int) -> int:
-        slope = (high - low) / (depth_b - depth_a)
-        return int(low + slope * (layers - depth_a))
-
-    return line(a_plain, b_plain), line(a_checkpointed or 0, b_checkpointed or 0)
+    low, high = activations(shape, depth_a, batch, sequence), activations(shape, depth_b, batch, sequence)
+    slope = {name: (high[name] - low[name]) / (depth_b - depth_a) for name in DEPTH_FIGURES}
+    return {name: int(low[name] + slope[name] * (layers - depth_a)) for name in DEPTH_FIGURES}
 
 
 def main() -> None:
@@ -64,20 +65,18 @@ def main() -> None:
 
     tiny = {**LLAMA_3_2_1B, "vocab_size": 1000, "hidden_size": 128, "intermediate_size": 512, "num_attention_heads": 4,
             "num_key_value_heads": 2}  # fmt: skip
-    predicted, _ = extended(tiny, (1, 2), 2, 256, 6)
-    real, _ = activations(tiny, 6, 2, 256)
-    print(f"the line checked on a tiny config: 6 layers predicted {predicted} B, measured {real} B "
-          f"({100 * (predicted - real) / real:+.1f} %)")  # fmt: skip
+    predicted, real = extended(tiny, (1, 2), 2, 256, 6), activations(tiny, 6, 2, 256)
+    for name in ("activations", "backward_peak"):
+        print(f"the line checked on a tiny config: {name} of 6 layers predicted {predicted[name]} B, measured "
+              f"{real[name]} B ({100 * (predicted[name] - real[name]) / real[name]:+.1f} %)")  # fmt: skip
     shape = tiny if args.tiny else LLAMA_3_2_1B
 
     with torch.device("meta"):
         model = LlamaForCausalLM(LlamaConfig(**shape))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     figures = measure_model(model, optimizer, None)
-    plain, checkpointed = extended(
-        shape, tuple(args.layers_measured), args.batch, args.sequence, shape["num_hidden_layers"]
-    )
-    figures = dataclasses.replace(figures, activations=plain, activations_checkpointed=checkpointed)
+    depth = extended(shape, tuple(args.layers_measured), args.batch, args.sequence, shape["num_hidden_layers"])
+    figures = dataclasses.replace(figures, **depth)
     parameters = sum(p.numel() for p in model.parameters())
     print(f"\n{'tiny' if args.tiny else 'Llama 3.2 1B'} shape: {parameters / 1e9:.2f} B parameters (fp32), AdamW, micro-batch {args.batch} x "
           f"{args.sequence} tokens")  # fmt: skip

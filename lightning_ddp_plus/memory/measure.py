@@ -8,7 +8,9 @@ parameters); activations are the tensors one training forward saves for its back
 
 from __future__ import annotations
 
+import functools
 import gc
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +19,8 @@ import torch
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from lightning_ddp_plus.sharding.optimizer import constructor_defaults
 
@@ -86,10 +90,14 @@ def optimizer_state_bytes(optimizer: Optimizer | None) -> list[list[int]]:
             ]
             for group in optimizer.param_groups
         ]
-    return _stepped_copy_state(optimizer)
+    return stepped_copy(optimizer)[0]
 
 
-def _stepped_copy_state(optimizer: Optimizer) -> list[list[int]]:
+def stepped_copy(optimizer: Optimizer) -> tuple[list[list[int]], int]:
+    """One step of ``optimizer``'s class on zero-valued copies of its parameters: the bytes of each parameter's
+    state, and the step's temporaries (the peak of what the step allocates, less the state it keeps). Temporaries are
+    what the class really does on this device: a ``foreach`` step holds intermediates the size of a whole group, a
+    per-parameter loop those of one parameter."""
     groups = []
     copies = []
     for group in optimizer.param_groups:
@@ -101,7 +109,8 @@ def _stepped_copy_state(optimizer: Optimizer) -> list[list[int]]:
         for p in params:
             if p.requires_grad:
                 p.grad = torch.zeros_like(p)
-    probe.step()
+    with LiveTensorBytes([copies]) as live:
+        probe.step()
     figures = [
         [
             sum(tensor_bytes(v) for v in probe.state[p].values() if isinstance(v, Tensor)) if p in probe.state else 0
@@ -111,7 +120,67 @@ def _stepped_copy_state(optimizer: Optimizer) -> list[list[int]]:
     ]
     del probe, copies, groups
     gc.collect()
-    return figures
+    return figures, max(0, live.peak - live.live)
+
+
+class LiveTensorBytes(TorchDispatchMode):
+    """Bytes of the tensor storages that operations create inside the mode and that are still alive (``live``), and
+    the most at any moment (``peak``). Each storage is counted once, from the operation that first returns it until
+    it is freed; storages of ``existing`` (and views of them) are not counted. It counts what the device's allocator
+    is asked for, so it reads the same on a CPU as on a GPU (the allocator's rounding and caching aside)."""
+
+    def __init__(self, existing: Any = None) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.live = 0
+        self.peak = 0
+        self._excluded: set[int] = set()
+        _storages(existing, self._excluded)
+        self._alive: dict[int, weakref.ref[Any]] = {}
+
+    def _freed_storage(self, key: int, size: int, _reference: Any) -> None:
+        self._alive.pop(key, None)
+        self.live -= size
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for tensor in tree_leaves(out):
+            if not isinstance(tensor, Tensor):
+                continue
+            storage = tensor.untyped_storage()
+            key = id(storage)
+            known = self._alive.get(key)
+            if (known is not None and known() is storage) or storage.data_ptr() in self._excluded:
+                continue
+            size = storage.nbytes()
+            # the weak reference's callback runs when the storage is freed (torch keeps one Python object per
+            # storage while it lives), which is when the allocator gets the bytes back
+            self._alive[key] = weakref.ref(storage, functools.partial(self._freed_storage, key, size))
+            self.live += size
+            self.peak = max(self.peak, self.live)
+        return out
+
+
+def backward_peak_bytes(module: Module, training_forward: Callable[[], Any], inputs: Any = None) -> int:
+    """The most bytes one forward and backward hold at once beyond the parameters, buffers and batch: the saved
+    activations, the intermediates beside them, and the backward's temporaries (the gradients of the largest
+    outputs, e.g. two logits-sized tensors for a language model's loss). Gradients are allocated before it and
+    kept out of the count, as DDP's buckets hold them; the module's gradients are as before afterwards."""
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    before = [p.grad for p in trainable]
+    for p in trainable:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    try:
+        existing = [*module.parameters(), *module.buffers(), *(p.grad for p in trainable), inputs]
+        with LiveTensorBytes(existing) as live:
+            loss = training_forward()
+            loss.backward()
+            del loss
+        return int(live.peak)
+    finally:
+        for p, grad in zip(trainable, before):
+            p.grad = grad
+        gc.collect()
 
 
 def parameter_figures(module: Module, optimizer: Optimizer | None) -> list[list[ParameterFigures]]:

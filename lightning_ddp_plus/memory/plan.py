@@ -3,8 +3,12 @@
 Per rank, DDP keeps the parameters (and buffers), their gradients, DDP's gradient buckets (a flat copy of the
 gradients, unless ``gradient_as_bucket_view`` makes the gradients views of them), the optimizer state (all of it, or
 with ``optimizer_sharding`` the share torch's partition gives the fullest rank), and the activations one training
-forward saves for its backward. What the plan does not count (the CUDA context, allocator fragmentation,
-communication buffers, the backward's temporaries) is left to ``headroom``, a fraction of the device kept free.
+forward saves for its backward. A step holds more than that at its peak, briefly: the backward's temporaries (the
+gradients of the largest outputs, two logits-sized tensors for a language model's loss) or the optimizer step's
+intermediates, whichever is larger; both are measured (one forward and backward, and one optimizer step on copies,
+counted tensor by tensor) and shown as ``transient``, so ``step peak`` is the most one step holds. What the plan does
+not count (the CUDA context, allocator fragmentation and caching, communication buffers) is left to ``headroom``, a
+fraction of the device kept free.
 
 Example (a model measured once, then planned for 8 ranks on an 80 GiB device, with no process started):
 
@@ -34,10 +38,12 @@ from torch.optim import Optimizer
 from lightning_ddp_plus.memory.decisions import Decision, decide
 from lightning_ddp_plus.memory.measure import (
     ParameterFigures,
+    backward_peak_bytes,
     checkpointing_on,
     checkpointing_toggle,
     parameter_figures,
     saved_activation_bytes,
+    stepped_copy,
     tensor_bytes,
 )
 from lightning_ddp_plus.memory.sizes import format_size
@@ -64,6 +70,13 @@ class ModelFigures:
     checkpointing_on: bool = False
     #: rows of the batch the activations were measured on (``None``: unknown, so no micro-batch is suggested)
     rows: int | None = None
+    #: the most one forward and backward hold at once beyond parameters, gradients and batch (activations and the
+    #: backward's temporaries); ``None``: not measured, the activations stand for it
+    backward_peak: int | None = None
+    #: the same with activation checkpointing, where ``activations_checkpointed`` is known
+    backward_peak_checkpointed: int | None = None
+    #: what one optimizer step allocates beyond the state it keeps
+    optimizer_temporaries: int = 0
 
     @property
     def parameters(self) -> int:
@@ -95,12 +108,17 @@ class Layout:
     buckets: int
     optimizer_state: int
     activations: int
+    #: the step's peak beyond the activations: the backward's temporaries or the optimizer step's, the larger
+    transient: int = 0
     #: rows per chunk, for the layout that trains each batch in chunks (``micro_batch_size``)
     micro_batch_size: int | None = None
 
     @property
     def total(self) -> int:
-        return self.parameters + self.gradients + self.buckets + self.optimizer_state + self.activations
+        """The step's peak: what is held throughout, the activations, and the larger of the transients."""
+        return (
+            self.parameters + self.gradients + self.buckets + self.optimizer_state + self.activations + self.transient
+        )
 
 
 @dataclass(frozen=True)
@@ -134,7 +152,7 @@ class MemoryPlan:
                 f", device {format_size(self.device_memory)} ({format_size(self.usable or 0)} usable, "
                 f"{self.headroom:.0%} headroom for what the plan does not count)"
             )
-        columns = ("parameters", "gradients", "buckets", "optimizer", "activations", "total")
+        columns = ("parameters", "gradients", "buckets", "optimizer", "activations", "transient", "step peak")
         titles = [layout.title + (" (configured)" if layout.name == self.configured else "") for layout in self.layouts]
         width = max([48, *(len(title) + 2 for title in titles)])
         lines = [header, f"  {'layout':<{width}}" + "".join(f"{c:>13}" for c in columns) + "  fits"]
@@ -145,6 +163,7 @@ class MemoryPlan:
                 layout.buckets,
                 layout.optimizer_state,
                 layout.activations,
+                layout.transient,
                 layout.total,
             )
             fits = self.fits(layout.name)
@@ -191,7 +210,8 @@ def measure_model(
     was_training = module.training
     module.train()
     activations = saved_activation_bytes(module, training_forward, inputs)
-    checkpointed = None
+    peak = backward_peak_bytes(module, training_forward, inputs)
+    checkpointed = peak_checkpointed = None
     toggle = checkpointing_toggle(module) if checkpointing else None
     already_on = checkpointing_on(module)
     if toggle is not None and not already_on:
@@ -199,10 +219,21 @@ def measure_model(
         enable()
         try:
             checkpointed = saved_activation_bytes(module, training_forward, inputs)
+            peak_checkpointed = backward_peak_bytes(module, training_forward, inputs)
         finally:
             disable()
     module.train(was_training)
-    return ModelFigures(groups, buffers, activations, checkpointed, checkpointing_on=already_on, rows=rows)
+    return ModelFigures(
+        groups,
+        buffers,
+        activations,
+        checkpointed,
+        checkpointing_on=already_on,
+        rows=rows,
+        backward_peak=peak,
+        backward_peak_checkpointed=peak_checkpointed,
+        optimizer_temporaries=stepped_copy(optimizer)[1] if optimizer is not None else 0,
+    )
 
 
 def _layout(
@@ -214,9 +245,9 @@ def _layout(
     sharded: bool,
     checkpointed: bool,
 ) -> Layout:
-    activations = figures.activations
+    activations, peak = figures.activations, figures.backward_peak
     if checkpointed and figures.activations_checkpointed is not None:
-        activations = figures.activations_checkpointed
+        activations, peak = figures.activations_checkpointed, figures.backward_peak_checkpointed
     return Layout(
         name,
         title,
@@ -225,6 +256,7 @@ def _layout(
         buckets=figures.trainable,
         optimizer_state=sharded_state if sharded else figures.optimizer_state,
         activations=activations,
+        transient=max(0, (peak or 0) - activations, figures.optimizer_temporaries - activations),
     )
 
 
@@ -303,20 +335,31 @@ def plan_layouts(
 
 def _micro_batch_layout(plan: MemoryPlan) -> Layout | None:
     """Where a whole batch's activations do not fit but one row's do: the cheapest of DDP, bucket view and ZeRO-1
-    with the largest ``micro_batch_size`` whose chunk's activations fit beside the rest (activations grow with the
-    rows of a chunk; the rest does not)."""
-    rows, usable = plan.figures.rows, plan.usable
-    if rows is None or rows < 2 or usable is None or plan.figures.activations <= 0:
+    with the largest ``micro_batch_size`` whose chunk's step peak fits beside the rest (the activations and the
+    backward's temporaries grow with the rows of a chunk; the rest, and the optimizer step's temporaries, do not)."""
+    figures, usable = plan.figures, plan.usable
+    rows = figures.rows
+    if rows is None or rows < 2 or usable is None or figures.activations <= 0:
         return None
     if any(plan.fits(name) for name in ("ddp", "ddp_bucket_view", "sharded")):
         return None  # the whole batch fits
-    per_row = plan.figures.activations / rows
+    per_row = figures.activations / rows
+    peak_per_row = max(figures.backward_peak or 0, figures.activations) / rows
     for name in ("ddp", "ddp_bucket_view", "sharded"):
         base = plan.layout(name)
-        size = min(rows - 1, int((usable - (base.total - base.activations)) // per_row))
+        held = base.total - base.activations - base.transient
+        if held + figures.optimizer_temporaries > usable:
+            continue
+        size = min(rows - 1, int((usable - held) // peak_per_row))
         if size >= 1:
-            title = f"{base.title}, micro_batch_size={size}"
+            activations = int(per_row * size)
+            transient = max(0, int(peak_per_row * size) - activations, figures.optimizer_temporaries - activations)
             return dataclasses.replace(
-                base, name="micro_batch", title=title, activations=int(per_row * size), micro_batch_size=size
+                base,
+                name="micro_batch",
+                title=f"{base.title}, micro_batch_size={size}",
+                activations=activations,
+                transient=transient,
+                micro_batch_size=size,
             )
     return None
