@@ -51,10 +51,12 @@ def _bring_up_shaped(node: Node, rate: str, burst: str, latency: str) -> None:
 
 
 @contextmanager
-def two_nodes(rate: str, burst: str = "256kb", latency: str = "50ms") -> Iterator[tuple[Node, Node]]:
-    """Namespaces ``ddpp<pid>a``/``b`` with 10.231.0.1 and .2 on a veth pair, each end shaped to ``rate``
+def two_nodes(
+    rate: str, burst: str = "256kb", latency: str = "50ms", prefix: str = "ddpp"
+) -> Iterator[tuple[Node, Node]]:
+    """Namespaces ``<prefix><pid>a``/``b`` with 10.231.0.1 and .2 on a veth pair, each end shaped to ``rate``
     (``tc``'s units, e.g. ``1gbit``); removed on exit, even after an error."""
-    tag = f"ddpp{os.getpid() % 100000}"
+    tag = f"{prefix}{os.getpid() % 100000}"
     nodes = (Node(f"{tag}a", f"{tag}a0", "10.231.0.1"), Node(f"{tag}b", f"{tag}b0", "10.231.0.2"))
     created: list[str] = []
     try:

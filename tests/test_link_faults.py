@@ -73,7 +73,7 @@ def test_a_cut_link_ends_both_nodes_with_unreachable_and_the_restart_resumes(tmp
         pytest.skip(f"two nodes cannot be made here: {reason}")
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     port = str(free_port())
-    with two_nodes("10gbit") as nodes:
+    with two_nodes("10gbit", prefix="ddpl") as nodes:  # its own names: a benchmark may run beside it
         agents = []
         try:
             for index, node in enumerate(nodes):
