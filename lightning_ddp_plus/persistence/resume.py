@@ -348,11 +348,17 @@ class ResumeCoordinator:
         """The training loader continuing where the checkpoint's epoch stopped, or ``dataloader`` itself."""
         consumed = batches_consumed_before_restart(trainer)
         layout, self.saved_layout = self.saved_layout, None
+        progress = trainer.fit_loop.epoch_loop.batch_progress
+        at_epoch_end = trainer.fit_loop.restarting and progress.is_last_batch
         if layout is not None:  # where the restored loop stands (an epoch's end resumes at the next one's start)
-            layout = dataclasses.replace(layout, epoch=trainer.current_epoch, batches_consumed=consumed)
+            epoch = trainer.current_epoch + 1 if at_epoch_end else trainer.current_epoch
+            layout = dataclasses.replace(layout, epoch=epoch, batches_consumed=consumed)
         plan = None if layout is None else plan_world_size_change(layout, trainer.world_size, self.on_world_size_change)
         if plan is not None:
-            return self._resume_on_another_world_size(dataloader, trainer, layout, plan, consumed)  # type: ignore[arg-type]
+            # the loop's counters are in the checkpoint's batches, the epoch's end included: Lightning starts the
+            # next epoch only when they reach the epoch's batches of this run
+            counted = int(progress.current.ready) if at_epoch_end else consumed
+            return self._resume_on_another_world_size(dataloader, trainer, layout, plan, counted)  # type: ignore[arg-type]
         if consumed == 0 or not isinstance(dataloader, DataLoader) or dataloader.batch_size is None:
             return dataloader
         from lightning.pytorch.utilities.data import _update_dataloader
@@ -396,4 +402,6 @@ class ResumeCoordinator:
             for name in ("ready", "started", "processed", "completed"):
                 setattr(tracker, name, getattr(tracker, name) + shift)
         self._info(f"DDPPlusStrategy: {plan.message}.")
+        if layout.batches_consumed == 0:  # an epoch's start: the sampler's own order, from its first sample
+            return dataloader
         return _update_dataloader(dataloader, ResumeAtSample(sampler, samples, trainer.current_epoch))

@@ -100,6 +100,8 @@ def plan_world_size_change(layout: DataLayout, world_size: int, mode: WorldSizeC
     where = f"epoch {layout.epoch} at sample {layout.samples_consumed}" + (
         f" of {layout.dataset_length}" if layout.dataset_length is not None else ""
     )
+    if layout.batches_consumed == 0:
+        where = f"at the start of epoch {layout.epoch}"
     if mode == "error":
         raise ArgumentValueError(
             f"`on_world_size_change='error'` is not valid for this resume: the checkpoint was taken on {old} ranks and "

@@ -2,7 +2,9 @@
 ``world_size_job.py OUT_JSON CASES_JSON`` (started once per rank by the test).
 
 A case trains a regression model on 256 shuffled samples (or ``samples``), 8 rows per rank per batch (or
-``batch_size``), for one epoch; ``stop_after``
+``batch_size``), for one epoch (or ``epochs``), in manual optimization with ``manual`` (accumulating with the
+strategy's ``gradient_accumulation_steps``: ``strategy_accumulate``), with ``optimizer_sharding`` with ``sharding``;
+``stop_after``
 ends it after that many optimizer steps with a checkpoint in ``checkpoint``; ``resume`` continues from one. Every
 rank records the indices of the samples it trained; rank 0 writes them with the parameters and the log lines.
 """
@@ -57,6 +59,21 @@ class Regression(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.5)
 
 
+class ManualRegression(Regression):
+    """The same model in manual optimization, accumulating with the strategy's window."""
+
+    def __init__(self, batch_size: int = 8, samples: int = 256) -> None:
+        super().__init__(batch_size, samples)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers()
+        self.manual_backward(super().training_step(batch, batch_idx))
+        if self.trainer.strategy.sync_gradients:
+            optimizer.step()
+            optimizer.zero_grad()
+
+
 def run_case(case: dict) -> dict:
     log = io.StringIO()
     handler = logging.StreamHandler(log)
@@ -73,18 +90,25 @@ def run_case(case: dict) -> dict:
                 save_top_k=-1,
             )
         )
-    strategy = DDPPlusStrategy(on_world_size_change=case.get("mode", "keep_global_batch"), timeout="60s")
+    strategy = DDPPlusStrategy(
+        on_world_size_change=case.get("mode", "keep_global_batch"),
+        timeout="60s",
+        gradient_accumulation_steps=case.get("strategy_accumulate"),
+        optimizer_sharding=case.get("sharding", False),
+    )
     trainer = L.Trainer(
         strategy=strategy,
         accelerator="cpu",
         devices=world,
-        max_epochs=1,
+        max_epochs=case.get("epochs", 1),
         max_steps=case.get("stop_after") or -1,
         accumulate_grad_batches=case.get("accumulate", 1),
         callbacks=callbacks,
         **{**QUIET_TRAINER, "enable_checkpointing": bool(callbacks)},
     )
-    model = Regression(case.get("batch_size", 8), case.get("samples", 256))
+    model = (ManualRegression if case.get("manual") else Regression)(
+        case.get("batch_size", 8), case.get("samples", 256)
+    )
     outcome: dict = {"error": None}
     try:
         trainer.fit(model, ckpt_path=case.get("resume"))
@@ -101,7 +125,9 @@ def run_case(case: dict) -> dict:
         **outcome,
         "world_size": world,
         "global_step": trainer.global_step,
-        "accumulation": trainer.accumulate_grad_batches,
+        "accumulation": trainer.accumulate_grad_batches
+        if model.automatic_optimization
+        else strategy.gradient_accumulation_steps,
         "seen": seen,
         "params": [t.tolist() for t in gathered],
         "log": log.getvalue(),
