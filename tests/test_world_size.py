@@ -13,6 +13,12 @@ import torch
 from torch.utils.data import DistributedSampler
 
 from lightning_ddp_plus import ArgumentValueError
+from lightning_ddp_plus.persistence.generators import (
+    GENERATORS_KEY,
+    generator_states,
+    give_generators_back,
+    set_generator_states,
+)
 from lightning_ddp_plus.persistence.world_size import (
     DataLayout,
     ResumeAtSample,
@@ -69,6 +75,32 @@ def test_the_rest_of_the_epoch_is_the_permutation_after_what_was_consumed(consum
         assert list(resumed) == list(sampler)  # the next pass is the sampler's own
     interleaved = [index for row in zip(*dealt) for index in row]
     assert interleaved[: 256 - consumed] == order[consumed:]
+
+
+def test_generator_states_survive_a_weights_only_checkpoint_and_a_new_rank_is_seeded(tmp_path, monkeypatch):
+    import random
+
+    import numpy
+
+    before = generator_states()
+    try:
+        saved = generator_states()
+        expected = (torch.rand(3), random.random(), numpy.random.rand())
+        torch.save({GENERATORS_KEY: [saved]}, tmp_path / "states.ckpt")
+        loaded = torch.load(tmp_path / "states.ckpt", weights_only=True)[GENERATORS_KEY]
+        assert give_generators_back(loaded, 0, sampler_seed=None).how == "restored"
+        again = (torch.rand(3), random.random(), numpy.random.rand())
+        assert torch.equal(again[0], expected[0]) and again[1:] == expected[1:]
+        monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
+        given = give_generators_back(loaded, 2, sampler_seed=7)  # rank 2 of a checkpoint taken on 1 rank
+        assert (given.how, given.seed) == ("seeded", 9)
+        drawn = torch.rand(1)
+        torch.manual_seed(9)
+        assert torch.equal(drawn, torch.rand(1))
+        monkeypatch.setenv("PL_GLOBAL_SEED", "100")  # seed_everything's seed comes first
+        assert give_generators_back(loaded, 1, sampler_seed=7).seed == 101
+    finally:
+        set_generator_states(before)
 
 
 # ------------------------------------------------------------------ real jobs
@@ -176,3 +208,16 @@ def test_error_refuses_and_keep_per_rank_batch_changes_the_global_batch(resumed)
     assert "the global batch changes from 16 to 8" in kept["log"]
     assert samples(resumed["two, stop"], kept) == list(range(256))  # still resumed at the same sample
     assert kept["global_step"] == 4 + 192 // 8
+
+
+@pytest.mark.multiprocess
+def test_each_rank_gets_its_generators_back_and_a_new_rank_starts_from_the_seed_and_its_rank(resumed):
+    # 2 -> 1: rank 0 draws first what the uninterrupted run's rank 0 drew at the same batch (the 5th)
+    assert resumed["2 -> 1"]["draws"][0][0] == resumed["reference"]["draws"][0][4]
+    assert resumed["2 -> 1"]["draws"][0][0] == resumed["two, stop"]["next_draw"][0]
+    # 1 -> 2: rank 0 continues the one-rank run's stream; rank 1 did not exist: seed 0 (the sampler's) + rank 1
+    assert resumed["1 -> 2"]["draws"][0][0] == resumed["one, stop"]["next_draw"][0]
+    torch.manual_seed(0 + 1)
+    assert resumed["1 -> 2"]["draws"][1][0] == torch.rand(1).item()
+    said = "rank 1 did not exist when the checkpoint was taken (on 1 ranks): random generators of a new rank start "
+    assert said + "from seed 0 plus its rank." in resumed["1 -> 2"]["log"]

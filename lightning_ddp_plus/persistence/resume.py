@@ -44,6 +44,12 @@ from lightning_ddp_plus.persistence.files import (
     resume_candidates,
     unreadable_reason,
 )
+from lightning_ddp_plus.persistence.generators import (
+    GENERATORS_KEY,
+    base_seed,
+    generator_states,
+    give_generators_back,
+)
 from lightning_ddp_plus.persistence.io import AtomicCheckpointIO, accepts_argument, is_local_path
 from lightning_ddp_plus.persistence.world_size import (
     LAYOUT_KEY,
@@ -185,6 +191,16 @@ class SkipFirstSampler(Sampler[Any]):
             self.sampler.set_epoch(epoch)
 
 
+def every_ranks_generator_states() -> list[dict[str, Any]]:
+    """Every rank's generator states, by rank (a gather: every rank calls it, as every rank takes part in a save)."""
+    states = generator_states()
+    if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return [states]
+    gathered: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, states)
+    return gathered
+
+
 def batches_consumed_before_restart(trainer: Any) -> int:
     """Batches of the current epoch that a mid-epoch checkpoint had consumed (0 when not restarting mid-epoch).
 
@@ -250,6 +266,9 @@ class ResumeCoordinator:
         self._set_accumulation = set_accumulation
         #: The layout of the checkpoint this fit loaded (``None``: none loaded, or one without a layout).
         self.saved_layout: DataLayout | None = None
+        #: Every rank's generator states in the checkpoint this fit loaded, until they are given back.
+        self._saved_generators: list[dict[str, Any]] | None = None
+        self._sampler_seed: int | None = None
         self._request: ResumeRequest = "never"
         #: The file chosen on every rank (``None`` before a choice, or when nothing was chosen).
         self.chosen: str | None = None
@@ -316,7 +335,25 @@ class ResumeCoordinator:
             checkpoint = load(self.strategy.checkpoint_io, str(path), self._warn)
         layout = checkpoint.get(LAYOUT_KEY)
         self.saved_layout = DataLayout.from_dict(layout) if isinstance(layout, dict) else None
+        generators = checkpoint.get(GENERATORS_KEY)
+        self._saved_generators = generators if isinstance(generators, list) else None
+        self._sampler_seed = self.saved_layout.seed if self.saved_layout is not None else None
         return checkpoint
+
+    def give_generators_back(self, rank: int, world_size: int) -> None:
+        """Before the first training batch after a resume: this rank's generator states from the checkpoint, or, for
+        a rank it did not have, generators seeded from the seed and the rank (``generators``)."""
+        saved, self._saved_generators = self._saved_generators, None
+        if saved is None:
+            return
+        give_generators_back(saved, rank, self._sampler_seed)
+        if world_size > len(saved):  # said once, by rank 0, for every new rank
+            new = range(len(saved), world_size)
+            names = f"rank {new[0]}" if len(new) == 1 else f"ranks {new[0]}-{new[-1]}"
+            self._info(
+                f"DDPPlusStrategy: {names} did not exist when the checkpoint was taken (on {len(saved)} ranks): "
+                f"random generators of a new rank start from seed {base_seed(self._sampler_seed)} plus its rank."
+            )
 
     def saving(
         self, checkpoint: dict[str, Any], module: Any, accumulation: int, micro_batch_size: int | None = None
@@ -325,6 +362,10 @@ class ResumeCoordinator:
         trainer = getattr(module, "_trainer", None)
         if trainer is None:
             return checkpoint
+        try:
+            checkpoint[GENERATORS_KEY] = every_ranks_generator_states()
+        except RuntimeError as error:  # a peer is gone (a save while the job fails): the rest of the save still counts
+            self._warn(f"DDPPlusStrategy: the checkpoint keeps no random generator states ({error}).")
         loaders = [] if trainer.fit_loop._combined_loader is None else trainer.fit_loop._combined_loader.flattened
         loader = loaders[0] if len(loaders) == 1 and isinstance(loaders[0], DataLoader) else None
         if loader is None or loader.batch_size is None:

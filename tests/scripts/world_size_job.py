@@ -46,10 +46,12 @@ class Regression(L.LightningModule):
         torch.manual_seed(1)
         self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
         self.seen: list[int] = []
+        self.draws: list[float] = []  # one number from torch's generator per batch: where each rank's stream stands
 
     def training_step(self, batch, batch_idx):
         index, x, y = batch
         self.seen += index.tolist()
+        self.draws.append(torch.rand(1).item())
         return nn.functional.mse_loss(self.net(x), y)
 
     def train_dataloader(self):
@@ -115,8 +117,10 @@ def run_case(case: dict) -> dict:
     except Exception as error:  # noqa: BLE001 - the outcome is what the test checks
         outcome["error"] = f"{type(error).__name__}: {error}"
     logging.getLogger("lightning.pytorch").removeHandler(handler)
-    seen = [None] * world
+    seen, draws, next_draw = [None] * world, [None] * world, [None] * world
     dist.all_gather_object(seen, model.seen)
+    dist.all_gather_object(draws, model.draws)
+    dist.all_gather_object(next_draw, torch.rand(1).item())  # the draw a resume of this fit's checkpoint makes first
     flat = torch.cat([p.detach().flatten() for p in model.parameters()])
     gathered = [torch.zeros_like(flat) for _ in range(world)]
     dist.all_gather(gathered, flat)
@@ -129,6 +133,8 @@ def run_case(case: dict) -> dict:
         if model.automatic_optimization
         else strategy.gradient_accumulation_steps,
         "seen": seen,
+        "draws": draws,
+        "next_draw": next_draw,
         "params": [t.tolist() for t in gathered],
         "log": log.getvalue(),
     }

@@ -1,0 +1,92 @@
+"""Each rank's random number generators, kept in the checkpoint and given back on resume.
+
+Lightning checkpoints no generator state, so a resumed run draws other dropout masks and other random augmentations
+than the uninterrupted run would have. The strategy gathers every rank's state when a checkpoint is saved (all ranks
+take part in a save) and, on resume, gives each rank its own back just before its first training batch, where the
+uninterrupted run stood. A rank that did not exist when the checkpoint was taken (a resume on more ranks) starts its
+generators from ``seed + rank``: ``seed`` is the one ``seed_everything`` set (``PL_GLOBAL_SEED``), else the
+sampler's seed of the checkpoint, else 0.
+
+What is kept: torch's CPU generator, the accelerator's generators (CUDA's, where it is available), Python's
+``random`` and NumPy's global generator, as tensors and plain lists (so the checkpoint still loads with
+``weights_only=True``).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+#: Where the checkpoint holds the list of every rank's states, by rank.
+GENERATORS_KEY = "ddp_plus_generator_states"
+
+
+def generator_states() -> dict[str, Any]:
+    """This process's generator states, in types ``torch.load(weights_only=True)`` reads."""
+    version, state, gauss = random.getstate()
+    states: dict[str, Any] = {"torch": torch.get_rng_state(), "python": [version, list(state), gauss]}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy
+    except ImportError:  # numpy is optional for torch: nothing of it to keep
+        return states
+    name, keys, position, has_gauss, cached = numpy.random.get_state()
+    states["numpy"] = [name, [int(k) for k in keys], int(position), int(has_gauss), float(cached)]
+    return states
+
+
+def set_generator_states(states: dict[str, Any]) -> None:
+    """Give this process the generator states of ``generator_states()``."""
+    torch.set_rng_state(states["torch"])
+    version, state, gauss = states["python"]
+    random.setstate((version, tuple(state), gauss))
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+    if "numpy" in states:
+        import numpy
+
+        name, keys, position, has_gauss, cached = states["numpy"]
+        numpy.random.set_state((name, numpy.array(keys, dtype=numpy.uint32), position, has_gauss, cached))
+
+
+def seed_generators(seed: int) -> None:
+    """Every generator ``generator_states`` keeps, seeded with ``seed``."""
+    random.seed(seed)
+    torch.manual_seed(seed)  # the accelerators' generators too
+    try:
+        import numpy
+    except ImportError:
+        return
+    numpy.random.seed(seed % 2**32)
+
+
+@dataclass(frozen=True)
+class GeneratorsGivenBack:
+    """What a rank did with the checkpoint's generator states on resume."""
+
+    rank: int
+    #: ``"restored"`` (the rank's own states) or ``"seeded"`` (a new rank: ``seed + rank``)
+    how: str
+    seed: int | None = None
+
+
+def give_generators_back(saved: list[dict[str, Any]], rank: int, sampler_seed: int | None) -> GeneratorsGivenBack:
+    """Rank ``rank``'s states from ``saved`` (every rank's, by rank), or, for a rank the checkpoint did not have,
+    generators seeded with ``seed + rank`` (see the module's docstring for ``seed``)."""
+    if rank < len(saved):
+        set_generator_states(saved[rank])
+        return GeneratorsGivenBack(rank, "restored")
+    seed = base_seed(sampler_seed) + rank
+    seed_generators(seed)
+    return GeneratorsGivenBack(rank, "seeded", seed)
+
+
+def base_seed(sampler_seed: int | None) -> int:
+    """The seed a new rank adds its rank to: ``seed_everything``'s, else the checkpoint's sampler's, else 0."""
+    seed = os.environ.get("PL_GLOBAL_SEED")
+    return int(seed) if seed is not None else sampler_seed or 0
