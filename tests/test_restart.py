@@ -98,3 +98,49 @@ def test_two_agents_agree_on_the_attempt_when_one_restarts_for_a_membership_chan
     assert restarted["global_step"] == whole["global_step"] == 5
     diff = (torch.tensor(restarted["params"]) - torch.tensor(whole["params"])).abs().max()
     assert diff <= 1e-6, diff
+
+
+def test_an_elastic_job_that_loses_a_node_for_good_continues_on_the_other_with_the_same_global_batch(
+    tmp_path, whole_runs
+):
+    """Issue 29: ``torchrun --nnodes=1:2``, one agent per node; at optimizer step 3 node 1 is lost for good (its
+    agent and its worker SIGKILLed). Node 0's worker fails on the dead peer, its agent restarts it once node 1 has
+    missed its heartbeats, and the attempt runs alone on 1 rank: it resumes the 2-rank checkpoint with the global
+    batch kept (accumulation 2 -> 4) and ends where the uninterrupted 2-rank run ends."""
+    import re
+
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    port, out, ckpt = free_port(), tmp_path / "out.json", tmp_path / "ckpt"
+    env = {**clean_environment(), "PYTHONPATH": str(REPO_ROOT), "DDP_PLUS_NODES": "2", "DDP_PLUS_KILL_NODE": "1"}
+    # quick to notice a lost node (heartbeat every second, gone after 2 missed) and to close a round once one is in
+    rendezvous = "last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=2"
+    agents = []
+    try:
+        for node in range(2):
+            command = [
+                torchrun, "--nnodes", "1:2", "--nproc-per-node", "1", "--max-restarts", "1", "--rdzv-backend",
+                "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", f"is_host={int(node == 0)},{rendezvous}",
+                str(REPO_ROOT / "tests" / "scripts" / "restart_job.py"), str(out), str(ckpt), "3", "2",
+            ]  # fmt: skip
+            log = open(tmp_path / f"node{node}.log", "w")  # noqa: SIM115 (closed with the process)
+            agents.append(
+                subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            )
+            log.close()
+        agents[0].wait(timeout=200)
+        agents[1].wait(timeout=10)  # killed long ago
+    finally:
+        kill_process_groups(agents)
+    node0, node1 = ((tmp_path / f"node{node}.log").read_text() for node in range(2))
+    assert agents[0].returncode == 0, node0[-4000:] + node1[-3000:]
+    assert agents[1].returncode == -9 and "rank 1 kills its node's agent" in node1
+    assert "attempt 1 rank 0 trains from step 3" in node0 and "attempt 1 rank 1" not in node0 + node1
+    assert "torchrun started this attempt on 1 node(s) of 1 rank(s) each, where `Trainer(num_nodes=2)` says 2" in node0
+    assert "world size changed 2 -> 1: keeping the global batch of 16 (accumulation 2 -> 4)" in node0
+    restarted, whole = json.loads(out.read_text()), whole_runs(2)
+    assert restarted["global_step"] == whole["global_step"] == 5
+    diff = (torch.tensor(restarted["params"]) - torch.tensor(whole["params"])).abs().max()
+    assert diff <= 1e-5, diff
+    lost = float(re.search(r"\[([0-9.]+)\] rank 1 kills itself", node1).group(1))
+    again = float(re.search(r"\[([0-9.]+)\] attempt 1 rank 0 trains", node0).group(1))
+    print(f"from the node's loss to training again on 1 rank: {again - lost:.1f} s")  # for the closing note

@@ -42,6 +42,7 @@ from lightning_ddp_plus.persistence.resume import ResumeCoordinator
 from lightning_ddp_plus.processes.launcher import (
     KillChildrenOnFailureLauncher,
     ResultsReturningLauncher,
+    nodes_of_this_attempt,
     remove_leftover_forward_redirection,
     watch_parent,
 )
@@ -138,6 +139,9 @@ class DDPPlusStrategy(DDPPlusFrontEnd, AtomicCheckpoints, DDPStrategy):
         # earliest moment at which device-dependent settings can be judged.
         self._judge_backend_before_launch((self.parallel_devices or [self.root_device])[0].type)
         assert self.cluster_environment is not None
+        self.num_nodes, changed = nodes_of_this_attempt(self.cluster_environment, self.num_processes, self.num_nodes)
+        if changed:  # an elastic job on fewer or more nodes than the Trainer says
+            rank_zero_info(changed)
         if self._start_method == "popen":
             self._launcher = KillChildrenOnFailureLauncher(
                 self.cluster_environment, self.num_processes, self.num_nodes, before_launch=self._settle_with_trainer

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 import torch.distributed as dist
+from lightning.fabric.plugins.environments import TorchElasticEnvironment
 from lightning.fabric.strategies.launchers.subprocess_script import (
     _SubprocessScriptLauncher as _FabricSubprocessScriptLauncher,
 )
@@ -35,6 +36,31 @@ PARENT_PID_VARIABLE = "DDP_PLUS_LAUNCHER_PID"
 
 #: ``before_launch(trainer, function, args) -> args``: may settle Trainer settings and adjust the launched call.
 BeforeLaunch = Callable[[Any, Callable[..., Any], tuple[Any, ...]], tuple[Any, ...]]
+
+
+def nodes_of_this_attempt(environment: Any, devices: int, num_nodes: int) -> tuple[int, str | None]:
+    """The number of nodes the job has now, and a line saying why it is not ``num_nodes``.
+
+    Under torchrun, torchrun's membership decides: an elastic job (``--nnodes=MIN:MAX``) restarts on the nodes that
+    are there, so an attempt may have fewer or more than ``Trainer(num_nodes=...)`` says, and Lightning would refuse
+    it ("the product does not match the world size"). Elsewhere, or when the devices per node differ from what
+    torchrun started, ``num_nodes`` stays (and Lightning's own check speaks).
+
+    >>> nodes_of_this_attempt(None, devices=1, num_nodes=2)
+    (2, None)
+    """
+    if not isinstance(environment, TorchElasticEnvironment):
+        return num_nodes, None
+    world = environment.world_size()
+    started_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", devices))
+    if devices * num_nodes == world or started_per_node != devices or world % devices:
+        return num_nodes, None
+    nodes = world // devices
+    return nodes, (
+        f"DDPPlusStrategy: torchrun started this attempt on {nodes} node(s) of {devices} rank(s) each, where "
+        f"`Trainer(num_nodes={num_nodes})` says {num_nodes}: training on the {world} rank(s) torchrun started "
+        "(an elastic job's membership decides)."
+    )
 
 
 class ParentWatchedFabricLauncher(_FabricSubprocessScriptLauncher):

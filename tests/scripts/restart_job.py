@@ -1,7 +1,8 @@
 """A 2-rank ``ddp_plus`` job for torchrun: ``restart_job.py OUT_JSON CKPT_DIR KILL_AT_STEP K``.
 
 ``ModelCheckpoint`` saves ``last.ckpt`` at every optimizer step. On torchrun's first attempt, rank 1 kills itself with
-SIGKILL at the start of optimizer step ``KILL_AT_STEP`` (``-1``: never); the restarted attempt resumes by itself (the
+SIGKILL at the start of optimizer step ``KILL_AT_STEP`` (``-1``: never; with ``DDP_PLUS_KILL_NODE=1`` it kills its
+torchrun agent first: the node is lost for good); the restarted attempt resumes by itself (the
 strategy's ``resume_from_last="on_restart"``). Rank 0 writes the final parameters, ``global_step``, the attempt, and
 every micro-batch it trained on (its first sample's value) with the attempt that trained it.
 """
@@ -49,6 +50,9 @@ class Record(L.Callback):
             and batch_idx % self.k == 0
         ):
             print(f"[{time.time():.3f}] rank 1 kills itself at step {self.kill_at}", flush=True)
+            if os.environ.get("DDP_PLUS_KILL_NODE") == "1":  # the whole node is lost: its torchrun agent first
+                print(f"[{time.time():.3f}] rank 1 kills its node's agent", flush=True)
+                os.kill(os.getppid(), signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)
         self.seen.append((attempt, float(batch[0][0, 0])))
 
