@@ -41,3 +41,23 @@ def test_a_rank_that_rank_0_never_joins_ends_with_a_clear_error():
     assert start_attempt(store, [0, 1]) == {0: 0, 1: 0}
     with pytest.raises(TimeoutError, match="rank 1 waited 0:00:00.200000 for rank 0 to start this torchrun attempt"):
         agree_on_attempt(store, 1, timedelta(seconds=0.2))
+
+
+@pytest.mark.parametrize(
+    ("world", "local", "expected"),
+    [("1", "1", (1, True)), ("3", "1", (3, True)), ("2", "1", (2, False)), ("4", "2", (2, False))],
+)
+def test_an_elastic_attempt_trains_on_the_nodes_torchrun_started(monkeypatch, world, local, expected):
+    """Trainer(devices=1, num_nodes=2) under torchrun: an attempt on 1 or 3 nodes trains on them (and says so); one
+    on 2 needs nothing; devices per node other than torchrun's are left to Lightning's own check."""
+    from lightning.fabric.plugins.environments import TorchElasticEnvironment
+
+    from lightning_ddp_plus.processes.launcher import nodes_of_this_attempt
+
+    variables = {"TORCHELASTIC_RUN_ID": "x", "RANK": "0", "LOCAL_RANK": "0", "GROUP_RANK": "0"}
+    for name, value in {**variables, "WORLD_SIZE": world, "LOCAL_WORLD_SIZE": local}.items():
+        monkeypatch.setenv(name, value)
+    nodes, line = nodes_of_this_attempt(TorchElasticEnvironment(), devices=1, num_nodes=2)
+    assert (nodes, line is not None) == expected
+    if line:
+        assert f"torchrun started this attempt on {nodes} node(s)" in line and "`Trainer(num_nodes=2)`" in line
