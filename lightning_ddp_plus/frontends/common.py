@@ -360,16 +360,18 @@ class DDPPlusFrontEnd:
         failure: OutOfMemory | None = None
         for index, chunk in enumerate(chunks):
             last = index == len(chunks) - 1
+            # the run's first backward of a static graph all-reduces, whichever chunk it is (R3, as in a window)
+            syncs = (synced and last) or engine.window.must_sync_first_backward(self.settings.static_graph)
             phase = "forward"
             try:
-                with nullcontext() if last else _sync_off(ddp):
+                with nullcontext() if syncs else _sync_off(ddp):
                     loss, output = step(chunk.data)
                 if loss is None:
                     continue
                 weighted = loss * (chunk.rows / total)
                 losses.append(weighted.detach())
                 phase = "backward"
-                backward(weighted, synced and last)
+                backward(weighted, syncs)
             except BatchOutOfMemory:
                 raise
             except Exception as error:  # only out-of-memory errors are taken over, others re-raised
