@@ -15,7 +15,9 @@ from lightning_ddp_plus import DDPPlusStrategy, MicroBatch
 from lightning_ddp_plus.sync.micro_batches import (
     CHECKPOINT_KEY,
     MicroBatchSizer,
+    OutOfMemory,
     UnsplittableBatchError,
+    default_mode_message,
     is_out_of_memory,
     size_after_out_of_memory,
     split_batch,
@@ -114,6 +116,16 @@ def test_out_of_memory_in_each_of_its_forms():
     assert is_out_of_memory(RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED"))
     assert not is_out_of_memory(RuntimeError("Connection closed by peer [127.0.0.1]:1234"))
     assert not is_out_of_memory(ValueError("out of memory"))  # not an allocator's error type
+
+
+def test_an_out_of_memory_error_in_the_optimizer_step_is_not_halved_away_and_says_why():
+    """Smaller chunks free activations, which are gone by the optimizer step: there ``"auto"`` has nothing to
+    halve, so the error names the step and the fixes that do change its memory."""
+    in_step = default_mode_message(OutOfMemory(1, "optimizer step", 8, 32), "auto")
+    assert in_step.startswith("Out of memory on rank 1 in the optimizer step, training a batch of 32 rows")
+    assert "does not depend on the batch: shard the optimizer state (`optimizer_sharding=True`)" in in_step
+    in_backward = default_mode_message(OutOfMemory(0, "backward", 32, 32), None)
+    assert "set `micro_batch_size='auto'`" in in_backward and "below 32" in in_backward
 
 
 def test_sizes_halve_down_to_one_row():
