@@ -2,9 +2,8 @@
 
 Pure decisions first, then real jobs: checkpoints taken on 1 and 2 ranks (Lightning's shuffled DistributedSampler,
 256 samples, 8 rows per rank; mid-epoch and at an epoch's end; Lightning's accumulation, the strategy's in manual
-optimization, and ZeRO-1 sharding), resumed on 2 and 1 ranks, compared with the uninterrupted runs. A resume on 3 ranks
-(2 -> 3, 4 rows x accumulation 3 on 240 samples) passed as a 3-process job too (see the elastic guide); it is left
-out of this file to keep CI's time, and the dealing to 3 ranks is checked without processes."""
+optimization, and ZeRO-1 sharding), resumed on 2, 1 and 3 ranks (2 -> 3: 4 rows x accumulation 3 on 240 samples, a
+3-process job), compared with the uninterrupted runs."""
 
 import json
 
@@ -117,6 +116,9 @@ def resumed(tmp_path_factory):
     folder = tmp_path_factory.mktemp("world_size")
     one, two = (str(folder / name) for name in ("one.ckpt", "two.ckpt"))
     manual, boundary, sharded = (str(folder / name) for name in ("manual.ckpt", "boundary.ckpt", "sharded.ckpt"))
+    wide = str(folder / "two_b4.ckpt")
+    # 240 samples: 10 steps of 24 on 2 ranks (4 rows x accumulation 3), and the 192 after 2 steps deal evenly to 3
+    four_by_three = {"batch_size": 4, "accumulate": 3, "samples": 240}
     manual_case = {"manual": True, "strategy_accumulate": 2}  # the strategy's window, k = 2 on one rank
     results = run(
         1,
@@ -131,6 +133,8 @@ def resumed(tmp_path_factory):
         [
             {"name": "reference"},
             {"name": "reference, 2 epochs", "epochs": 2},
+            {"name": "reference, 4 rows x 3", **four_by_three},
+            {"name": "two (4 rows x 3), stop", "stop_after": 2, "checkpoint": wide, **four_by_three},
             {"name": "two, stop", "stop_after": 4, "checkpoint": two},
             {"name": "two, stop at the epoch's end", "stop_after": 16, "checkpoint": boundary},
             {"name": "two, sharded, stop", "stop_after": 4, "checkpoint": sharded, "sharding": True},
@@ -150,6 +154,7 @@ def resumed(tmp_path_factory):
         ],
         folder / "3.json",
     )
+    results |= run(3, [{"name": "2 -> 3", "resume": wide, "batch_size": 4, "samples": 240}], folder / "4.json")
     return results
 
 
@@ -166,6 +171,7 @@ def samples(*results) -> list[int]:
         ("one, manual, stop", "1 -> 2, manual", "reference", 16, 1),  # the strategy's window, manual optimization
         ("two, sharded, stop", "2 -> 1, sharded", "reference", 16, 2),  # ZeRO-1 state consolidated, re-sharded
         ("two, stop at the epoch's end", "2 -> 1, at the epoch boundary", "reference, 2 epochs", 32, 2),
+        ("two (4 rows x 3), stop", "2 -> 3", "reference, 4 rows x 3", 10, 2),  # 3 processes
     ],
 )
 def test_a_resume_on_another_world_size_trains_each_sample_once_and_equals_the_uninterrupted_run(
@@ -175,7 +181,7 @@ def test_a_resume_on_another_world_size_trains_each_sample_once_and_equals_the_u
     assert result["error"] is None, result["error"]
     epochs = resumed[reference].get("epochs", 1)
     # each sample once per epoch: the epochs before the checkpoint, and the rest after it
-    assert samples(resumed[before], result) == sorted(list(range(256)) * epochs)
+    assert samples(resumed[before], result) == sorted(list(range(resumed[reference].get("samples", 256))) * epochs)
     if before.endswith("epoch's end"):
         assert samples(result) == list(range(256))  # the whole second epoch on the new size
     assert result["global_step"] == resumed[reference]["global_step"] == steps
