@@ -61,3 +61,5 @@ def test_an_elastic_attempt_trains_on_the_nodes_torchrun_started(monkeypatch, wo
     assert (nodes, line is not None) == expected
     if line:
         assert f"torchrun started this attempt on {nodes} node(s)" in line and "`Trainer(num_nodes=2)`" in line
+        fabric = nodes_of_this_attempt(TorchElasticEnvironment(), devices=1, num_nodes=2, front_end="Fabric")[1]
+        assert "`Fabric(num_nodes=2)` says 2" in fabric

@@ -111,12 +111,17 @@ def run(world: int, cases: list, out) -> dict:
     return {result["name"]: result for result in json.loads(out.read_text())}
 
 
+#: The other knobs a change of world size must keep working: chunks of 4 rows, telemetry, joined uneven inputs and
+#: the replica check at every step (the every-step guard is on in every case).
+KNOBS = {"micro_batch_size": 4, "telemetry": True, "uneven_inputs": "join", "verify_replicas_every_n_steps": 1}
+
+
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory):
     folder = tmp_path_factory.mktemp("world_size")
     one, two = (str(folder / name) for name in ("one.ckpt", "two.ckpt"))
     manual, boundary, sharded = (str(folder / name) for name in ("manual.ckpt", "boundary.ckpt", "sharded.ckpt"))
-    wide = str(folder / "two_b4.ckpt")
+    wide, knobs = str(folder / "two_b4.ckpt"), str(folder / "knobs.ckpt")
     # 240 samples: 10 steps of 24 on 2 ranks (4 rows x accumulation 3), and the 192 after 2 steps deal evenly to 3
     four_by_three = {"batch_size": 4, "accumulate": 3, "samples": 240}
     manual_case = {"manual": True, "strategy_accumulate": 2}  # the strategy's window, k = 2 on one rank
@@ -138,6 +143,7 @@ def resumed(tmp_path_factory):
             {"name": "two, stop", "stop_after": 4, "checkpoint": two},
             {"name": "two, stop at the epoch's end", "stop_after": 16, "checkpoint": boundary},
             {"name": "two, sharded, stop", "stop_after": 4, "checkpoint": sharded, "sharding": True},
+            {"name": "two, knobs, stop", "stop_after": 4, "checkpoint": knobs, "strategy": KNOBS},
             {"name": "1 -> 2", "resume": one},
             {"name": "1 -> 2, manual", "resume": manual, **manual_case},
         ],
@@ -149,6 +155,12 @@ def resumed(tmp_path_factory):
             {"name": "2 -> 1", "resume": two},
             {"name": "2 -> 1, at the epoch boundary", "resume": boundary, "epochs": 2},
             {"name": "2 -> 1, sharded", "resume": sharded, "sharding": True},
+            {"name": "2 -> 1, knobs", "resume": knobs, "strategy": KNOBS},
+            {  # not a resume: "join" on a single rank whose loader Lightning does not shard (it used to pad forever)
+                "name": "one rank, join, its own sampler",
+                "strategy": {"uneven_inputs": "join"},
+                "trainer": {"use_distributed_sampler": False},
+            },
             {"name": "2 -> 1, error", "resume": two, "mode": "error"},
             {"name": "2 -> 1, keep per-rank batch", "resume": two, "mode": "keep_per_rank_batch"},
         ],
@@ -172,6 +184,7 @@ def samples(*results) -> list[int]:
         ("two, sharded, stop", "2 -> 1, sharded", "reference", 16, 2),  # ZeRO-1 state consolidated, re-sharded
         ("two, stop at the epoch's end", "2 -> 1, at the epoch boundary", "reference, 2 epochs", 32, 2),
         ("two (4 rows x 3), stop", "2 -> 3", "reference, 4 rows x 3", 10, 2),  # 3 processes
+        ("two, knobs, stop", "2 -> 1, knobs", "reference", 16, 2),  # chunks, telemetry, join, replica checks
     ],
 )
 def test_a_resume_on_another_world_size_trains_each_sample_once_and_equals_the_uninterrupted_run(
@@ -227,3 +240,10 @@ def test_each_rank_gets_its_generators_back_and_a_new_rank_starts_from_the_seed_
     assert resumed["1 -> 2"]["draws"][1][0] == torch.rand(1).item()
     said = "rank 1 did not exist when the checkpoint was taken (on 1 ranks): random generators of a new rank start "
     assert said + "from seed 0 plus its rank." in resumed["1 -> 2"]["log"]
+
+
+@pytest.mark.multiprocess
+def test_join_on_a_single_rank_ends_the_epoch_when_its_loader_ends(resumed):
+    alone = resumed["one rank, join, its own sampler"]
+    assert alone["error"] is None and alone["global_step"] == 256 // 8
+    assert samples(alone) == list(range(256))

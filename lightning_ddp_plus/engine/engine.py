@@ -350,6 +350,8 @@ class DDPPlusEngine:
         optimization, k=1), so its flag can travel in the sync guard's agreement after that backward, and
         ``after_backward`` decides.
         """
+        if self.uneven.mode == "join" and not self.channel.open:  # one rank: its own loader's end ends the epoch
+            return self.uneven.join_batch_starts(lambda values: values, lambda values: [values], epoch, 1)
         if not self.channel.open:
             return False
         if self.uneven.mode == "join":

@@ -45,7 +45,7 @@ from lightning_ddp_plus.engine.arguments import takes_declared_arguments
 from lightning_ddp_plus.engine.engine import DDPPlusEngine
 from lightning_ddp_plus.frontends.common import DDPPlusFrontEnd
 from lightning_ddp_plus.persistence.io import AtomicCheckpoints
-from lightning_ddp_plus.processes.launcher import ParentWatchedFabricLauncher, watch_parent
+from lightning_ddp_plus.processes.launcher import ParentWatchedFabricLauncher, nodes_of_this_attempt, watch_parent
 from lightning_ddp_plus.sharding.optimizer import refuse_clipping
 from lightning_ddp_plus.sync.accumulation import WindowPosition, scale_gradients
 from lightning_ddp_plus.sync.uneven import PaddedBatches, RankBatches
@@ -136,6 +136,10 @@ class DDPPlusFabricStrategy(DDPPlusFrontEnd, AtomicCheckpoints, DDPStrategy):
         # Fabric's connector calls this before anything is launched: judge the backend against the device here.
         assert self.parallel_devices is not None
         self._judge_backend_before_launch(self.parallel_devices[0].type)
+        environment, devices = self.cluster_environment, self.num_processes
+        self.num_nodes, changed = nodes_of_this_attempt(environment, devices, self.num_nodes, "Fabric")
+        if changed:  # an elastic job on fewer or more nodes than Fabric(num_nodes=...) says
+            rank_zero_info(changed)
         super()._configure_launcher()
         if self._start_method == "popen":
             assert self.cluster_environment is not None

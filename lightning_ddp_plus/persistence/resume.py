@@ -178,6 +178,8 @@ class SkipFirstSampler(Sampler[Any]):
 
     def __init__(self, sampler: Any, skip: int) -> None:
         self.sampler, self.skip = sampler, skip
+        #: every rank skips as many as the others: the shards stay as even as the sampler made them
+        self.deals_every_rank_the_same = isinstance(sampler, DistributedSampler)
 
     def __iter__(self) -> Iterator[Any]:
         skip, self.skip = self.skip, 0

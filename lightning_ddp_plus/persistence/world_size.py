@@ -147,6 +147,9 @@ class ResumeAtSample(Sampler[int]):
     ([4, 5, 6, 7], [6, 7])
     """
 
+    #: every rank gets as many samples as the others (``uneven_inputs`` then compares no counts)
+    deals_every_rank_the_same = True
+
     def __init__(self, sampler: DistributedSampler[Any], start: int, epoch: int) -> None:
         self.sampler, self.start, self.epoch = sampler, start, epoch
         self._resumed = False

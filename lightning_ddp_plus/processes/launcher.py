@@ -38,11 +38,13 @@ PARENT_PID_VARIABLE = "DDP_PLUS_LAUNCHER_PID"
 BeforeLaunch = Callable[[Any, Callable[..., Any], tuple[Any, ...]], tuple[Any, ...]]
 
 
-def nodes_of_this_attempt(environment: Any, devices: int, num_nodes: int) -> tuple[int, str | None]:
+def nodes_of_this_attempt(
+    environment: Any, devices: int, num_nodes: int, front_end: str = "Trainer"
+) -> tuple[int, str | None]:
     """The number of nodes the job has now, and a line saying why it is not ``num_nodes``.
 
     Under torchrun, torchrun's membership decides: an elastic job (``--nnodes=MIN:MAX``) restarts on the nodes that
-    are there, so an attempt may have fewer or more than ``Trainer(num_nodes=...)`` says, and Lightning would refuse
+    are there, so an attempt may have fewer or more than ``Trainer(num_nodes=...)`` (``front_end``) says, and Lightning would refuse
     it ("the product does not match the world size"). Elsewhere, or when the devices per node differ from what
     torchrun started, ``num_nodes`` stays (and Lightning's own check speaks).
 
@@ -58,7 +60,7 @@ def nodes_of_this_attempt(environment: Any, devices: int, num_nodes: int) -> tup
     nodes = world // devices
     return nodes, (
         f"DDPPlusStrategy: torchrun started this attempt on {nodes} node(s) of {devices} rank(s) each, where "
-        f"`Trainer(num_nodes={num_nodes})` says {num_nodes}: training on the {world} rank(s) torchrun started "
+        f"`{front_end}(num_nodes={num_nodes})` says {num_nodes}: training on the {world} rank(s) torchrun started "
         "(an elastic job's membership decides)."
     )
 

@@ -308,6 +308,10 @@ def even_by_construction(loaders: Any) -> bool:
 
     def distributed(loader: Any) -> bool:
         samplers = (getattr(loader, "sampler", None), getattr(getattr(loader, "batch_sampler", None), "sampler", None))
-        return any(isinstance(sampler, DistributedSampler) for sampler in samplers)
+        # a resume's wrapper around one (the rest of an epoch) says so: ``deals_every_rank_the_same``
+        return any(
+            isinstance(sampler, DistributedSampler) or getattr(sampler, "deals_every_rank_the_same", False) is True
+            for sampler in samplers
+        )
 
     return bool(loaders) and all(distributed(loader) for loader in loaders)

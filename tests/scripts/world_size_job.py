@@ -3,7 +3,8 @@
 
 A case trains a regression model on 256 shuffled samples (or ``samples``), 8 rows per rank per batch (or
 ``batch_size``), for one epoch (or ``epochs``), in manual optimization with ``manual`` (accumulating with the
-strategy's ``gradient_accumulation_steps``: ``strategy_accumulate``), with ``optimizer_sharding`` with ``sharding``;
+strategy's ``gradient_accumulation_steps``: ``strategy_accumulate``), with ``optimizer_sharding`` with ``sharding``,
+and with any other strategy arguments in ``strategy`` (Trainer arguments in ``trainer``);
 ``stop_after``
 ends it after that many optimizer steps with a checkpoint in ``checkpoint``; ``resume`` continues from one. Every
 rank records the indices of the samples it trained; rank 0 writes them with the parameters and the log lines.
@@ -97,6 +98,7 @@ def run_case(case: dict) -> dict:
         timeout="60s",
         gradient_accumulation_steps=case.get("strategy_accumulate"),
         optimizer_sharding=case.get("sharding", False),
+        **case.get("strategy", {}),
     )
     trainer = L.Trainer(
         strategy=strategy,
@@ -106,7 +108,7 @@ def run_case(case: dict) -> dict:
         max_steps=case.get("stop_after") or -1,
         accumulate_grad_batches=case.get("accumulate", 1),
         callbacks=callbacks,
-        **{**QUIET_TRAINER, "enable_checkpointing": bool(callbacks)},
+        **{**QUIET_TRAINER, "enable_checkpointing": bool(callbacks), **case.get("trainer", {})},
     )
     model = (ManualRegression if case.get("manual") else Regression)(
         case.get("batch_size", 8), case.get("samples", 256)
