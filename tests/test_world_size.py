@@ -121,7 +121,7 @@ def resumed(tmp_path_factory):
     folder = tmp_path_factory.mktemp("world_size")
     one, two = (str(folder / name) for name in ("one.ckpt", "two.ckpt"))
     manual, boundary, sharded = (str(folder / name) for name in ("manual.ckpt", "boundary.ckpt", "sharded.ckpt"))
-    wide, knobs = str(folder / "two_b4.ckpt"), str(folder / "knobs.ckpt")
+    wide, knobs, stateful = (str(folder / name) for name in ("two_b4.ckpt", "knobs.ckpt", "stateful.ckpt"))
     # 240 samples: 10 steps of 24 on 2 ranks (4 rows x accumulation 3), and the 192 after 2 steps deal evenly to 3
     four_by_three = {"batch_size": 4, "accumulate": 3, "samples": 240}
     manual_case = {"manual": True, "strategy_accumulate": 2}  # the strategy's window, k = 2 on one rank
@@ -144,6 +144,7 @@ def resumed(tmp_path_factory):
             {"name": "two, stop at the epoch's end", "stop_after": 16, "checkpoint": boundary},
             {"name": "two, sharded, stop", "stop_after": 4, "checkpoint": sharded, "sharding": True},
             {"name": "two, knobs, stop", "stop_after": 4, "checkpoint": knobs, "strategy": KNOBS},
+            {"name": "two, stateful loader, stop", "stop_after": 4, "checkpoint": stateful, "stateful": True},
             {"name": "1 -> 2", "resume": one},
             {"name": "1 -> 2, manual", "resume": manual, **manual_case},
         ],
@@ -156,6 +157,8 @@ def resumed(tmp_path_factory):
             {"name": "2 -> 1, at the epoch boundary", "resume": boundary, "epochs": 2},
             {"name": "2 -> 1, sharded", "resume": sharded, "sharding": True},
             {"name": "2 -> 1, knobs", "resume": knobs, "strategy": KNOBS},
+            {"name": "2 -> 1, a sampler of its own", "resume": two, "trainer": {"use_distributed_sampler": False}},
+            {"name": "2 -> 1, stateful loader", "resume": stateful, "stateful": True},
             {  # not a resume: "join" on a single rank whose loader Lightning does not shard (it used to pad forever)
                 "name": "one rank, join, its own sampler",
                 "strategy": {"uneven_inputs": "join"},
@@ -247,3 +250,16 @@ def test_join_on_a_single_rank_ends_the_epoch_when_its_loader_ends(resumed):
     alone = resumed["one rank, join, its own sampler"]
     assert alone["error"] is None and alone["global_step"] == 256 // 8
     assert samples(alone) == list(range(256))
+
+
+@pytest.mark.multiprocess
+def test_a_loader_the_strategy_cannot_place_is_refused_unless_it_restores_its_own_place(resumed):
+    refused = resumed["2 -> 1, a sampler of its own"]
+    assert refused["error"].startswith("CheckpointResumeError: world size changed 2 -> 1, and the training loader is ")
+    assert "Fix: resume on 2 ranks, or let Lightning add the sampler" in refused["error"]
+    assert samples(refused) == []  # nothing trained
+    stateful = resumed["2 -> 1, stateful loader"]
+    assert stateful["error"] is None and stateful["accumulation"] == 2  # the global batch kept: only k changed
+    assert "keeping the global batch of 16 (accumulation 1 -> 2); the loader restores its place." in stateful["log"]
+    # its own place: 4 batches given of this rank's 32 on one rank, so 28 trained here (in 14 steps of 2)
+    assert len(samples(stateful)) == 28 * 8 and stateful["global_step"] == 4 + 14

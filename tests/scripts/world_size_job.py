@@ -4,7 +4,8 @@
 A case trains a regression model on 256 shuffled samples (or ``samples``), 8 rows per rank per batch (or
 ``batch_size``), for one epoch (or ``epochs``), in manual optimization with ``manual`` (accumulating with the
 strategy's ``gradient_accumulation_steps``: ``strategy_accumulate``), with ``optimizer_sharding`` with ``sharding``,
-and with any other strategy arguments in ``strategy`` (Trainer arguments in ``trainer``);
+and with any other strategy arguments in ``strategy`` (Trainer arguments in ``trainer``); ``stateful``: the loader
+keeps its own place (``state_dict``/``load_state_dict``);
 ``stop_after``
 ends it after that many optimizer steps with a checkpoint in ``checkpoint``; ``resume`` continues from one. Every
 rank records the indices of the samples it trained; rank 0 writes them with the parameters and the log lines.
@@ -40,10 +41,31 @@ class Indexed(Dataset):
         return index, x, y
 
 
+class StatefulLoader(DataLoader):
+    """A loader that keeps its own place: the batches it gave this epoch, skipped again after a resume."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.given, self.skip = 0, 0
+
+    def __iter__(self):
+        skip, self.skip, self.given = self.skip, 0, 0
+        for index, batch in enumerate(super().__iter__()):
+            if index >= skip:
+                self.given = index + 1
+                yield batch
+
+    def state_dict(self) -> dict:
+        return {"given": self.given}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.skip = state["given"]
+
+
 class Regression(L.LightningModule):
-    def __init__(self, batch_size: int = 8, samples: int = 256) -> None:
+    def __init__(self, batch_size: int = 8, samples: int = 256, stateful: bool = False) -> None:
         super().__init__()
-        self.batch_size, self.samples = batch_size, samples
+        self.batch_size, self.samples, self.stateful = batch_size, samples, stateful
         torch.manual_seed(1)
         self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
         self.seen: list[int] = []
@@ -56,7 +78,9 @@ class Regression(L.LightningModule):
         return nn.functional.mse_loss(self.net(x), y)
 
     def train_dataloader(self):
-        return DataLoader(Indexed(self.samples), batch_size=self.batch_size, shuffle=True)
+        return (StatefulLoader if self.stateful else DataLoader)(
+            Indexed(self.samples), batch_size=self.batch_size, shuffle=True
+        )
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.5)
@@ -65,8 +89,8 @@ class Regression(L.LightningModule):
 class ManualRegression(Regression):
     """The same model in manual optimization, accumulating with the strategy's window."""
 
-    def __init__(self, batch_size: int = 8, samples: int = 256) -> None:
-        super().__init__(batch_size, samples)
+    def __init__(self, batch_size: int = 8, samples: int = 256, stateful: bool = False) -> None:
+        super().__init__(batch_size, samples, stateful)
         self.automatic_optimization = False
 
     def training_step(self, batch, batch_idx):
@@ -111,7 +135,7 @@ def run_case(case: dict) -> dict:
         **{**QUIET_TRAINER, "enable_checkpointing": bool(callbacks), **case.get("trainer", {})},
     )
     model = (ManualRegression if case.get("manual") else Regression)(
-        case.get("batch_size", 8), case.get("samples", 256)
+        case.get("batch_size", 8), case.get("samples", 256), case.get("stateful", False)
     )
     outcome: dict = {"error": None}
     try:
