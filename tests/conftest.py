@@ -9,7 +9,7 @@ import pytest
 #: Longest first (seconds of one worker, from `--durations`, rounded): a new slow file goes where its time puts it.
 LONGEST_FIRST = (
     "test_failures.py",  # ~170
-    "test_benchmarks_smoke.py",  # ~170
+    "test_benchmarks_smoke.py",  # ~130
     "test_restart.py",  # ~130
     "test_benchmarks_link_smoke.py",  # ~110
     "test_world_size.py",  # ~90
