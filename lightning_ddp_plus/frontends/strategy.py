@@ -265,9 +265,8 @@ class DDPPlusStrategy(DDPPlusFrontEnd, AtomicCheckpoints, DDPStrategy):
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        self.resume.give_generators_back(
-            self.global_rank, self.world_size
-        )  # where the uninterrupted run's generators stood
+        # after a resume: each rank's generators where the uninterrupted run's stood
+        self.resume.give_generators_back(self.global_rank, self.world_size)
         # Every rank says whether this batch is its epoch's last (Lightning knows one batch ahead): uneven_inputs.
         module = self.lightning_module
         if module is None or not isinstance(self.model, DistributedDataParallel):
