@@ -149,24 +149,29 @@ def variants(name: str):
 
 def rank_main(args) -> None:
     raw: dict = {}
-    if args.bench == "scaling":
-        raw[f"{args.world}_processes"] = [
-            fit(DDPPlusStrategy(process_group_backend="gloo"), args, devices=args.world) for _ in range(args.repeats)
-        ]
-    else:
-        factories = variants(args.bench)
+    for bench in args.bench.split(","):  # the benchmarks of one launch, one after another on its process group
+        runs: dict = raw.setdefault(bench, {})
+        if bench == "scaling":
+            runs[f"{args.world}_processes"] = [
+                fit(DDPPlusStrategy(process_group_backend="gloo"), args, devices=args.world)
+                for _ in range(args.repeats)
+            ]
+            continue
+        factories = variants(bench)
         for _ in range(args.repeats):
             for label, factory in factories.items():  # alternating: A B C A B C ...
                 batch_size, accumulate = MICRO_BATCH_SHAPES.get(label, (32, 1))
-                raw.setdefault(label, []).append(fit(factory(), args, batch_size=batch_size, accumulate=accumulate))
+                runs.setdefault(label, []).append(fit(factory(), args, batch_size=batch_size, accumulate=accumulate))
     if int(os.environ["LOCAL_RANK"]) == 0:
         Path(args.raw).write_text(json.dumps(raw))
     if dist.is_initialized():
         dist.destroy_process_group()
 
 
-def launch(args, bench: str, world: int) -> dict:
-    raw = Path(args.out) / f".{bench}_{world}.raw.json"  # --out exists (main makes it); results/ may not
+def launch(args, benches: list[str], world: int) -> dict:
+    """The raw runs of ``benches`` (by benchmark, then variant), all from one launch of ``world`` ranks: a rank's start
+    (importing torch and Lightning) costs more than a tiny benchmark."""
+    raw = Path(args.out) / f".{'_'.join(benches)}_{world}.raw.json"  # --out exists (main makes it); results/ may not
     command = [
         sys.executable,
         __file__,
@@ -179,6 +184,7 @@ def launch(args, bench: str, world: int) -> dict:
         "--batches",
         str(args.batches),
     ]
+    bench = ",".join(benches)
     run_ranks([*command, "--bench", bench, "--world", str(world), "--raw", str(raw)], world=world, timeout=args.timeout)
     data = json.loads(raw.read_text())
     raw.unlink()
@@ -230,21 +236,23 @@ def main() -> None:
             "batch_size": 32,
         },
     }
+    started = time.perf_counter()
+    on_two_ranks = [bench for bench in args.only if bench in ("overhead", "hooks", "setup", "micro_batches")]
+    launched = launch(args, on_two_ranks, 2) if on_two_ranks else {}
     for bench in args.only:
-        started = time.perf_counter()
         if bench == "overhead":
-            results[bench] = summary = summarize(bench, launch(args, bench, 2), "stock", "step_s")
+            results[bench] = summary = summarize(bench, launched[bench], "stock", "step_s")
             for off in ("ddp_plus_ledger_off", "ddp_plus_stragglers_off"):  # the ratios issue 27 bounds (< 1 %)
                 ratio = summary["ddp_plus"]["step_s"]["median"] / summary[off]["step_s"]["median"]
                 summary["ddp_plus"][f"ratio_to_{off}"] = ratio
         elif bench == "hooks":
-            results[bench] = summarize(bench, launch(args, bench, 2), "none", "step_s")
+            results[bench] = summarize(bench, launched[bench], "none", "step_s")
         elif bench == "setup":
-            results[bench] = summarize(bench, launch(args, bench, 2), "stock", "first_step_s")
+            results[bench] = summarize(bench, launched[bench], "stock", "first_step_s")
         elif bench == "micro_batches":
-            results[bench] = summarize(bench, launch(args, bench, 2), "stock_accumulate_4", "samples_per_s")
+            results[bench] = summarize(bench, launched[bench], "stock_accumulate_4", "samples_per_s")
         elif bench == "scaling":
-            raw = {**launch(args, bench, 1), **launch(args, bench, 2)}
+            raw = {**launch(args, [bench], 1)[bench], **launch(args, [bench], 2)[bench]}
             results[bench] = summarize(bench, raw, "1_processes", "samples_per_s")
         elif bench == "manual_accumulation":
             target = out / "manual_accumulation.json"
@@ -266,7 +274,7 @@ def main() -> None:
             ]
             subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             results[bench] = json.loads(target.read_text())
-        print(f"{bench}: done in {time.perf_counter() - started:.0f} s", flush=True)
+        print(f"{bench}: done at {time.perf_counter() - started:.0f} s", flush=True)
     (out / "suite.json").write_text(json.dumps(results, indent=2))
     print(json.dumps(results, indent=2))
     chart(results, out / "suite.png")
