@@ -1,14 +1,15 @@
 """Elastic restart under ``torchrun --max-restarts 1``: rank 1 is killed with SIGKILL mid-epoch (at optimizer step 3 of
 5, k=2 accumulation); the restarted attempt forms its process group, resumes by itself from the last checkpoint at
 the batch where it was taken, and ends with the parameters and ``global_step`` of an uninterrupted run (real
-processes, gloo). Also with one agent per node, where
-the node whose rank is slow to end is restarted by its agent as a membership change."""
+processes, gloo). Also with one agent per node: where the node whose rank is slow to end is restarted by its agent as
+a membership change, and where a node is lost for good and a new one joins later (the optimizer state sharded)."""
 
 import json
 import os
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -54,16 +55,6 @@ def test_killed_rank_restarts_resumes_mid_epoch_and_matches_an_uninterrupted_run
     assert diff <= 1e-6, diff
 
 
-def test_a_sharded_optimizer_restarts_from_its_consolidated_checkpoint(tmp_path, whole_runs):
-    # optimizer_sharding=True: every checkpoint holds the consolidated momentum; the restarted attempt gives each rank
-    # its share back, and ends where the uninterrupted unsharded run ends
-    restarted, output = torchrun_job(tmp_path, "sharded", kill_at=3, k=2, env={"DDP_PLUS_SHARDING": "1"})
-    assert "optimizer_sharding=True" in output and "rank 1 kills itself at step 3" in output
-    assert restarted["attempt"] == 1 and "attempt 1 rank 0 trains from step 3" in output
-    diff = (torch.tensor(restarted["params"]) - torch.tensor(whole_runs(2)["params"])).abs().max()
-    assert diff <= 1e-6, diff
-
-
 def test_two_agents_agree_on_the_attempt_when_one_restarts_for_a_membership_change(tmp_path, whole_runs):
     """Rank 1 (node 1) is killed; rank 0 (node 0) takes 4 s to end, so node 1's agent is back in the rendezvous
     first and node 0's agent restarts its worker as a membership change, without counting a restart: its
@@ -100,47 +91,76 @@ def test_two_agents_agree_on_the_attempt_when_one_restarts_for_a_membership_chan
     assert diff <= 1e-6, diff
 
 
-def test_an_elastic_job_that_loses_a_node_for_good_continues_on_the_other_with_the_same_global_batch(
+def test_an_elastic_job_loses_a_node_for_good_continues_alone_with_the_same_global_batch_and_takes_a_new_node_back(
     tmp_path, whole_runs
 ):
-    """Issue 29: ``torchrun --nnodes=1:2``, one agent per node; at optimizer step 3 node 1 is lost for good (its
-    agent and its worker SIGKILLed). Node 0's worker fails on the dead peer, its agent restarts it once node 1 has
-    missed its heartbeats, and the attempt runs alone on 1 rank: it resumes the 2-rank checkpoint with the global
-    batch kept (accumulation 2 -> 4) and ends where the uninterrupted 2-rank run ends."""
+    """Issue 29: ``torchrun --nnodes=1:2 --rdzv-backend ddp-plus``, one agent per node, the optimizer state sharded;
+    at optimizer step 3 node 1 is lost for good (its agent and its worker SIGKILLed). Node 0's worker fails on the
+    dead peer, its agent restarts it once node 1 has missed its heartbeats, and the attempt runs alone on 1 rank: it
+    resumes the 2-rank checkpoint's consolidated state with the global batch kept (accumulation 2 -> 4). At step 4 a
+    new node's agent joins: node 0's agent restarts its worker as a membership change, and the third attempt resumes
+    on 2 ranks (accumulation 4 -> 2), each rank given its share again. The job ends where the uninterrupted 2-rank
+    run (unsharded) ends. Stock ``c10d`` cannot take the new node: its agent waits for the workers' store address
+    that rank 0 published only in its first round (``processes.rendezvous``)."""
     import re
 
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    port, out, ckpt = free_port(), tmp_path / "out.json", tmp_path / "ckpt"
-    env = {**clean_environment(), "PYTHONPATH": str(REPO_ROOT), "DDP_PLUS_NODES": "2", "DDP_PLUS_KILL_NODE": "1"}
+    port, out, ckpt, marker = free_port(), tmp_path / "out.json", tmp_path / "ckpt", tmp_path / "alone"
+    env = {
+        **clean_environment(),
+        "PYTHONPATH": str(REPO_ROOT),
+        "DDP_PLUS_NODES": "2",
+        "DDP_PLUS_KILL_NODE": "1",
+        "DDP_PLUS_GROW_MARKER": str(marker),
+        "DDP_PLUS_SHARDING": "1",
+    }
     # quick to notice a lost node (heartbeat every second, gone after 2 missed) and to close a round once one is in
-    rendezvous = "last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=2"
-    agents = []
+    rendezvous = "last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=4"
+    agents: list[subprocess.Popen] = []
+
+    def start_agent(node: int) -> None:
+        command = [
+            torchrun, "--nnodes", "1:2", "--nproc-per-node", "1", "--max-restarts", "1", "--rdzv-backend",
+            "ddp-plus", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", f"is_host={int(node == 0)},{rendezvous}",
+            str(REPO_ROOT / "tests" / "scripts" / "restart_job.py"), str(out), str(ckpt), "3", "2",
+        ]  # fmt: skip
+        log = open(tmp_path / f"node{node}.log", "w")  # noqa: SIM115 (closed with the process)
+        agents.append(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        log.close()
+
     try:
-        for node in range(2):
-            command = [
-                torchrun, "--nnodes", "1:2", "--nproc-per-node", "1", "--max-restarts", "1", "--rdzv-backend",
-                "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", f"is_host={int(node == 0)},{rendezvous}",
-                str(REPO_ROOT / "tests" / "scripts" / "restart_job.py"), str(out), str(ckpt), "3", "2",
-            ]  # fmt: skip
-            log = open(tmp_path / f"node{node}.log", "w")  # noqa: SIM115 (closed with the process)
-            agents.append(
-                subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-            )
-            log.close()
-        agents[0].wait(timeout=200)
+        start_agent(0)
+        start_agent(1)
+        deadline = time.monotonic() + 150
+        while not marker.exists() and agents[0].poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        start_agent(2)  # a new node, once node 0 trains alone
+        agents[0].wait(timeout=150)
+        agents[2].wait(timeout=30)
         agents[1].wait(timeout=10)  # killed long ago
     finally:
         kill_process_groups(agents)
-    node0, node1 = ((tmp_path / f"node{node}.log").read_text() for node in range(2))
-    assert agents[0].returncode == 0, node0[-4000:] + node1[-3000:]
-    assert agents[1].returncode == -9 and "rank 1 kills its node's agent" in node1
-    assert "attempt 1 rank 0 trains from step 3" in node0 and "attempt 1 rank 1" not in node0 + node1
+    node0, node1, node2 = ((tmp_path / f"node{node}.log").read_text() for node in range(3))
+    assert [agent.returncode for agent in agents] == [0, -9, 0], node0[-4000:] + node1[-2000:] + node2[-3000:]
+    assert "rank 1 kills its node's agent" in node1 and "optimizer_sharding=True" in node0
+    assert "attempt 1 rank 0 trains from step 3" in node0 and "attempt 1 rank 1" not in node0 + node1 + node2
     assert "torchrun started this attempt on 1 node(s) of 1 rank(s) each, where `Trainer(num_nodes=2)` says 2" in node0
     assert "world size changed 2 -> 1: keeping the global batch of 16 (accumulation 2 -> 4)" in node0
+    assert "rank 0 trains alone at step 4, waits for a node" in node0
+    grown = node0 + node2
+    assert "attempt 2 rank 0 trains from step 4" in grown and "attempt 2 rank 1 trains from step 4" in grown
+    assert "world size changed 1 -> 2: keeping the global batch of 16 (accumulation 4 -> 2)" in grown
     restarted, whole = json.loads(out.read_text()), whole_runs(2)
+    assert restarted["attempt"] == 2
     assert restarted["global_step"] == whole["global_step"] == 5
     diff = (torch.tensor(restarted["params"]) - torch.tensor(whole["params"])).abs().max()
     assert diff <= 1e-5, diff
     lost = float(re.search(r"\[([0-9.]+)\] rank 1 kills itself", node1).group(1))
     again = float(re.search(r"\[([0-9.]+)\] attempt 1 rank 0 trains", node0).group(1))
-    print(f"from the node's loss to training again on 1 rank: {again - lost:.1f} s")  # for the closing note
+    alone = float(re.search(r"\[([0-9.]+)\] rank 0 trains alone", node0).group(1))
+    back = float(re.search(r"\[([0-9.]+)\] attempt 2 rank 0 trains", grown).group(1))
+    # for the closing note
+    print(
+        f"from the node's loss to training again on 1 rank: {again - lost:.1f} s; from a new node's start to 2 ranks: "
+        f"{back - alone:.1f} s"
+    )

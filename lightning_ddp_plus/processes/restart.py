@@ -14,7 +14,8 @@ membership change, which torch does not count. Its workers then say attempt 0 wh
 formed their groups under different prefixes and did not resume alike, and the job was lost (measured on two
 agents: a rank that took 4 s to end was enough). The ranks therefore agree on the attempt through torchrun's store
 (``agree_on_attempt``); without torchrun's shared store (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, where torch makes
-a new store per attempt) the restart count is used.
+a new store per attempt) the restart count is used. Under ``--rdzv-backend ddp-plus`` (``processes.rendezvous``) the
+rendezvous itself numbers the attempts by its round and gives every worker the number: that holds when a node joins.
 
 What a restarted attempt resumes from, and the rest of its epoch's data, is ``persistence.resume``'s.
 """
@@ -34,6 +35,8 @@ from lightning.fabric.plugins import ClusterEnvironment
 log = logging.getLogger(__name__)
 
 GENERATION_KEY = "ddp_plus/generation"
+#: The attempt that the ``ddp-plus`` rendezvous backend (``processes.rendezvous``) gives the workers of each round
+RENDEZVOUS_ATTEMPT_ENV = "DDP_PLUS_RENDEZVOUS_ATTEMPT"
 _POLL_S = 0.05
 _agreed_attempt: int | None = None
 
@@ -86,7 +89,9 @@ def restart_attempt(timeout: timedelta = timedelta(minutes=5)) -> int | None:
     if not under_torchrun():
         return None
     if _agreed_attempt is None:
-        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        if os.environ.get(RENDEZVOUS_ATTEMPT_ENV, "").isdigit():
+            _agreed_attempt = int(os.environ[RENDEZVOUS_ATTEMPT_ENV])
+        elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
             _agreed_attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
         else:
             host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])

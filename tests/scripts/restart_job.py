@@ -2,7 +2,9 @@
 
 ``ModelCheckpoint`` saves ``last.ckpt`` at every optimizer step. On torchrun's first attempt, rank 1 kills itself with
 SIGKILL at the start of optimizer step ``KILL_AT_STEP`` (``-1``: never; with ``DDP_PLUS_KILL_NODE=1`` it kills its
-torchrun agent first: the node is lost for good); the restarted attempt resumes by itself (the
+torchrun agent first: the node is lost for good). With ``DDP_PLUS_GROW_MARKER=PATH``, an attempt that trains alone
+writes PATH at the start of the next optimizer step and waits there for a node to join (its agent's membership
+restart ends it); the restarted attempt resumes by itself (the
 strategy's ``resume_from_last="on_restart"``). Rank 0 writes the final parameters, ``global_step``, the attempt, and
 every micro-batch it trained on (its first sample's value) with the attempt that trained it.
 """
@@ -54,6 +56,17 @@ class Record(L.Callback):
                 print(f"[{time.time():.3f}] rank 1 kills its node's agent", flush=True)
                 os.kill(os.getppid(), signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)
+        grow_marker = os.environ.get("DDP_PLUS_GROW_MARKER")
+        alone = attempt > 0 and trainer.world_size == 1 and trainer.global_step == self.kill_at + 1
+        if grow_marker and alone and not os.path.exists(grow_marker):
+            print(
+                f"[{time.time():.3f}] rank 0 trains alone at step {trainer.global_step}, waits for a node",
+                flush=True,
+            )
+            open(grow_marker, "w").close()
+            deadline = time.monotonic() + 120
+            while not trainer.received_sigterm and time.monotonic() < deadline:
+                time.sleep(0.1)  # until the agent restarts this worker for the node that joined
         self.seen.append((attempt, float(batch[0][0, 0])))
 
 
