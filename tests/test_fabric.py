@@ -216,6 +216,7 @@ def test_fabric_example_runs_with_fabrics_own_launcher():
     assert "rank 0: 192 optimizer steps, 192 synced / 192 skipped backwards" in result.stdout
 
 
+@pytest.mark.multiprocess
 def test_a_rank_slow_to_fetch_its_batches_is_named_the_straggler_in_a_fabric_loop(results):
     """The phase clock follows Fabric's loop too: the time between ``optimizer.step()`` and the next forward is the
     data fetch, and the other rank waits for it in the gradient all-reduce."""
@@ -228,6 +229,7 @@ def test_a_rank_slow_to_fetch_its_batches_is_named_the_straggler_in_a_fabric_loo
     assert straggler["others_wait_ms"] > 100
 
 
+@pytest.mark.multiprocess
 def test_a_balanced_fabric_loop_names_no_straggler(results):
     assert [case["straggler"] for case in results if case["straggler"] is not None] == [results[15]["straggler"]]
 
