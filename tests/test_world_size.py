@@ -205,8 +205,10 @@ def test_a_resume_on_another_world_size_trains_each_sample_once_and_equals_the_u
     params = [torch.tensor(p) for p in result["params"]]
     assert all(torch.equal(params[0], p) for p in params)
     expected = torch.tensor(resumed[reference]["params"][0])
-    assert torch.allclose(params[0], expected, atol=1e-5, rtol=0), float((params[0] - expected).abs().max())
-    assert "DDPPlusStrategy: world size changed" in result["log"]
+    difference = float((params[0] - expected).abs().max())
+    assert torch.allclose(params[0], expected, atol=1e-5, rtol=0), difference
+    line = next(line for line in result["log"].splitlines() if "DDPPlusStrategy: world size changed" in line)
+    print(f"| {after} | {result['global_step']} | {len(samples(resumed[before], result))} | {difference:.1e} | {line} |")
 
 
 @pytest.mark.multiprocess
@@ -227,6 +229,8 @@ def test_error_refuses_and_keep_per_rank_batch_changes_the_global_batch(resumed)
     assert samples(refused) == []  # nothing trained
     kept = resumed["2 -> 1, keep per-rank batch"]
     assert kept["error"] is None
+    changed = next(line for line in kept["log"].splitlines() if "world size changed" in line)
+    print(f"| 2 -> 1, error | {refused['error'][:300]} |\n| 2 -> 1, keep per-rank batch | {changed} |")
     assert "the global batch changes from 16 to 8" in kept["log"]
     assert samples(resumed["two, stop"], kept) == list(range(256))  # still resumed at the same sample
     assert kept["global_step"] == 4 + 192 // 8
