@@ -208,7 +208,9 @@ def test_a_resume_on_another_world_size_trains_each_sample_once_and_equals_the_u
     difference = float((params[0] - expected).abs().max())
     assert torch.allclose(params[0], expected, atol=1e-5, rtol=0), difference
     line = next(line for line in result["log"].splitlines() if "DDPPlusStrategy: world size changed" in line)
-    print(f"| {after} | {result['global_step']} | {len(samples(resumed[before], result))} | {difference:.1e} | {line} |")
+    print(
+        f"| {after} | {result['global_step']} | {len(samples(resumed[before], result))} | {difference:.1e} | {line} |"
+    )
 
 
 @pytest.mark.multiprocess
