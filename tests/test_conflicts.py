@@ -384,12 +384,25 @@ TORCH_FAILURES = {
 
 
 @pytest.fixture(scope="module")
-def torch_failures(tmp_path_factory):
-    """Every rule's failing combination, one after the other on one pair of processes: each fails on both ranks at
-    the same point, so the process group stays in step for the next case."""
+def conflict_runs(tmp_path_factory):
+    """Every case of this file on one pair of processes (a rank's start costs more than a case): every rule's failing
+    combination, then the error mode's and the resolve mode's cases. Each failure happens on both ranks at the same
+    point, so the process group stays in step for the next case."""
     rules = sorted(TORCH_FAILURES)
-    results = run_cases(tmp_path_factory.mktemp("torch_failures"), [TORCH_FAILURES[rule][0] for rule in rules], "all")
-    return dict(zip(rules, results))
+    failures = [TORCH_FAILURES[rule][0] for rule in rules]
+    errors = [{"strategy": strategy, "model": model} for strategy, model, _, _ in ERROR_CASES]
+    resolved = [{"strategy": strategy, "model": model} for strategy, model, _, _ in RESOLVE_CASES]
+    results = run_cases(tmp_path_factory.mktemp("conflicts"), failures + errors + resolved, "all")
+    return {
+        "torch_failures": dict(zip(rules, results[: len(failures)])),
+        "error": results[len(failures) : len(failures) + len(errors)],
+        "resolve": results[len(failures) + len(errors) :],
+    }
+
+
+@pytest.fixture(scope="module")
+def torch_failures(conflict_runs):
+    return conflict_runs["torch_failures"]
 
 
 @pytest.mark.multiprocess
@@ -420,10 +433,8 @@ ERROR_CASES = [
 
 
 @pytest.mark.multiprocess
-def test_error_mode_reports_before_any_optimizer_step(tmp_path):
-    cases = [{"strategy": strategy, "model": model} for strategy, model, _, _ in ERROR_CASES]
-    results = run_cases(tmp_path, cases, "error")
-    for (strategy, model, rule, mentions), result in zip(ERROR_CASES, results):
+def test_error_mode_reports_before_any_optimizer_step(conflict_runs):
+    for (strategy, model, rule, mentions), result in zip(ERROR_CASES, conflict_runs["error"], strict=True):
         assert result["error"] == "DDPConflictError", result["message"]
         assert f"[{rule}]" in result["message"] and "Fix:" in result["message"]
         for text in mentions:
@@ -502,10 +513,8 @@ RESOLVE_CASES = [
 
 
 @pytest.mark.multiprocess
-def test_resolve_trains_to_the_reference_and_working_combinations_raise_nothing(tmp_path):
-    cases = [{"strategy": strategy, "model": model} for strategy, model, _, _ in RESOLVE_CASES]
-    results = run_cases(tmp_path, cases, "resolve")
-    for (strategy, model, findings, settings), result in zip(RESOLVE_CASES, results):
+def test_resolve_trains_to_the_reference_and_working_combinations_raise_nothing(conflict_runs):
+    for (strategy, model, findings, settings), result in zip(RESOLVE_CASES, conflict_runs["resolve"], strict=True):
         label = f"{strategy} {model}"
         assert result["error"] is None, (label, result["message"])
         assert result["findings"] == findings, label

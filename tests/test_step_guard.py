@@ -174,9 +174,16 @@ GUARD_CASES = [
 
 
 @pytest.fixture(scope="module")
-def guard_runs(tmp_path_factory):
+def step_guard_runs(tmp_path_factory):
+    """Every case of this file, the guard's and the uneven inputs', on one pair of processes (a rank's start, which
+    imports torch and Lightning, costs more than a case)."""
     out = tmp_path_factory.mktemp("guard") / "results.json"
-    return {run["name"]: run for run in run_case_job("step_guard_job.py", GUARD_CASES, out)}
+    return {run["name"]: run for run in run_case_job("step_guard_job.py", GUARD_CASES + UNEVEN_CASES, out)}
+
+
+@pytest.fixture(scope="module")
+def guard_runs(step_guard_runs):
+    return step_guard_runs
 
 
 @pytest.mark.multiprocess
@@ -361,9 +368,8 @@ UNEVEN_CASES = [
 
 
 @pytest.fixture(scope="module")
-def uneven_runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("uneven") / "results.json"
-    return {run["name"]: run for run in run_case_job("step_guard_job.py", UNEVEN_CASES, out)}
+def uneven_runs(step_guard_runs):
+    return step_guard_runs
 
 
 @pytest.mark.multiprocess
