@@ -23,21 +23,26 @@ from tests.helpers import (
 pytestmark = pytest.mark.multiprocess
 
 
-def run_resume_job(tmp_path: Path, mode: str) -> dict:
-    out = tmp_path / f"{mode}.json"
-    args = python_script("resume_job.py") + [str(out), mode, str(tmp_path / "first.ckpt"), str(tmp_path / "writes.log")]
+def run_resume_job(tmp_path: Path, modes: str) -> dict:
+    """Each of ``modes`` (joined by commas) on one pair of processes: its parameters and ``global_step``."""
+    out = tmp_path / f"{modes}.json"
+    args = python_script("resume_job.py") + [
+        str(out),
+        modes,
+        str(tmp_path / "first.ckpt"),
+        str(tmp_path / "writes.log"),
+    ]
     for result in start_ranks(args, timeout=240):
         assert result.returncode == 0, result.stdout[-3000:]
     return json.loads(out.read_text())
 
 
 def test_resume_matches_an_uninterrupted_run_and_checkpoints_are_written_once(tmp_path):
-    full = run_resume_job(tmp_path, "full")
-    (tmp_path / "writes.log").unlink(missing_ok=True)
-    first = run_resume_job(tmp_path, "first")
+    runs = run_resume_job(tmp_path, "full,first")  # the uninterrupted run writes no checkpoint
+    full, first = runs["full"], runs["first"]
     assert first["global_step"] == 3  # 8 micro-batches per epoch, k=3: windows 3, 3, 2
     assert (tmp_path / "writes.log").read_text().split() == ["0"]  # one write, by rank 0
-    resumed = run_resume_job(tmp_path, "resume")
+    resumed = run_resume_job(tmp_path, "resume")["resume"]
     assert resumed["global_step"] == full["global_step"] == 6
     for report in (full, resumed):
         assert report["params"][0] == report["params"][1]

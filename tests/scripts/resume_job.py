@@ -1,7 +1,8 @@
 """Checkpoint and resume under ``ddp_plus`` with accumulation: ``resume_job.py OUT_JSON MODE CKPT WRITES_LOG``.
 
-MODE ``full`` trains 2 epochs; ``first`` trains 1 epoch and saves CKPT; ``resume`` continues from CKPT to 2 epochs.
-Every checkpoint write is logged (with the writing rank) to WRITES_LOG by a counting CheckpointIO.
+MODE ``full`` trains 2 epochs; ``first`` trains 1 epoch and saves CKPT; ``resume`` continues from CKPT to 2 epochs;
+modes joined by commas run one after the other on the same ranks. OUT_JSON gets each mode's parameters (every rank's)
+and ``global_step``. Every checkpoint write is logged (with the writing rank) to WRITES_LOG by a counting CheckpointIO.
 """
 
 import json
@@ -26,8 +27,7 @@ class CountingCheckpointIO(TorchCheckpointIO):
         super().save_checkpoint(checkpoint, path, storage_options)
 
 
-def main() -> None:
-    out_path, mode, ckpt, writes_log = sys.argv[1:5]
+def train(mode: str, ckpt: str, writes_log: str) -> dict:
     strategy = DDPPlusStrategy(gradient_accumulation_steps=3, checkpoint_io=CountingCheckpointIO(writes_log))
     trainer = L.Trainer(
         strategy=strategy, accelerator="cpu", devices=2, max_epochs=1 if mode == "first" else 2, **QUIET_TRAINER
@@ -39,9 +39,15 @@ def main() -> None:
     flat = flat_parameters(model)
     gathered = [torch.zeros_like(flat) for _ in range(2)]
     dist.all_gather(gathered, flat)
+    return {"params": [t.tolist() for t in gathered], "global_step": trainer.global_step}
+
+
+def main() -> None:
+    out_path, modes, ckpt, writes_log = sys.argv[1:5]
+    results = {mode: train(mode, ckpt, writes_log) for mode in modes.split(",")}
     if dist.get_rank() == 0:
         with open(out_path, "w") as handle:
-            json.dump({"params": [t.tolist() for t in gathered], "global_step": trainer.global_step}, handle)
+            json.dump(results, handle)
     dist.destroy_process_group()
 
 
