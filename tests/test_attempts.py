@@ -63,3 +63,24 @@ def test_an_elastic_attempt_trains_on_the_nodes_torchrun_started(monkeypatch, wo
         assert f"torchrun started this attempt on {nodes} node(s)" in line and "`Trainer(num_nodes=2)`" in line
         fabric = nodes_of_this_attempt(TorchElasticEnvironment(), devices=1, num_nodes=2, front_end="Fabric")[1]
         assert "`Fabric(num_nodes=2)` says 2" in fabric
+
+
+def test_the_attempt_the_ddp_plus_rendezvous_gives_is_taken_as_it_is(monkeypatch):
+    """Under ``--rdzv-backend ddp-plus`` the round numbers the attempt; a worker whose agent counted no restart (a
+    node that joined) takes it, with no agreement through the store."""
+    from lightning_ddp_plus.processes import restart
+
+    monkeypatch.setattr(restart, "_agreed_attempt", None)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")  # would ask the store, which is not there
+    monkeypatch.setenv(restart.RENDEZVOUS_ATTEMPT_ENV, "2")
+    assert restart.restart_attempt() == 2
+
+
+def test_torchrun_finds_the_ddp_plus_rendezvous_backend():
+    from importlib.metadata import entry_points
+
+    (backend,) = [point for point in entry_points(group="torchrun.handlers") if point.name == "ddp-plus"]
+    create = backend.load()()
+    # a module outside the package: torch loads every backend's entry point in every torchrun agent
+    assert callable(create) and backend.module == "lightning_ddp_plus_rendezvous"
