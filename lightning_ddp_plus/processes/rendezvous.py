@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 
+from torch.distributed import Store
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo, RendezvousParameters
 from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
@@ -43,6 +44,11 @@ class RoundByRoundRendezvousHandler(DynamicRendezvousHandler):
     def get_backend(self) -> str:
         return BACKEND_NAME  # torchrun checks it against the name it was asked for
 
+    def _get_store(self) -> Store:
+        # the round whose keys the round's store holds, read once: the heartbeat thread may sync a newer state later
+        self._store_round: int = self._state_holder.state.round
+        return super()._get_store()
+
     def next_rendezvous(self) -> RendezvousInfo:
         info = super().next_rendezvous()
         store, rank = info.store, info.rank
@@ -58,10 +64,9 @@ class RoundByRoundRendezvousHandler(DynamicRendezvousHandler):
                 master_port=int(store.get(RendezvousStoreInfo.MASTER_PORT_KEY).decode()),
             )
             self._bootstrap_store_info = address
-        round_number = self._state_holder.state.round
-        first = self._store.compare_set(f"{FIRST_ROUND_KEY}/{self._settings.run_id}", "", str(round_number))
+        first = self._store.compare_set(f"{FIRST_ROUND_KEY}/{self._settings.run_id}", "", str(self._store_round))
         # the agent starts its workers with its own environment, read when they start
-        os.environ[RENDEZVOUS_ATTEMPT_ENV] = str(round_number - int(first.decode()))
+        os.environ[RENDEZVOUS_ATTEMPT_ENV] = str(self._store_round - int(first.decode()))
         return RendezvousInfo(store, rank, info.world_size, address)
 
 
