@@ -168,6 +168,19 @@ CASES = [
     },
     {"name": "fixed 8, static graph", "micro_batch_size": 8, "strategy": {"static_graph": True}},
     {"name": "fixed 8, uneven inputs joined", "micro_batch_size": 8, "strategy": {"uneven_inputs": "join"}},
+    # `ddp-plus check`'s suggestion in the run's folder: "auto" starts from it, and never runs out of memory here
+    {
+        "name": "auto, from the memory plan",
+        "micro_batch_size": "auto",
+        "limits": {"1": 8},
+        "plan": {"micro_batch_size": 8, "world_size": 2},
+    },
+    {  # a plan made for another world size is not used: the whole batch first, as without one
+        "name": "auto, a plan of another world size",
+        "micro_batch_size": "auto",
+        "limits": {"1": 8},
+        "plan": {"micro_batch_size": 8, "world_size": 4},
+    },
     {"name": "auto, no row fits", "micro_batch_size": "auto", "limits": {"1": 0}, "phase": "forward"},
     {"name": "reference, wide", "wide": True},
     {
@@ -187,6 +200,8 @@ EXPECTED = {
     "auto, rank 1 in the forward": ("reference", 8),
     "auto, both ranks in the backward": ("reference", 8),
     "auto, a later batch": ("reference", 8),
+    "auto, from the memory plan": ("reference", 8),
+    "auto, a plan of another world size": ("reference", 8),
     "fixed 8, with sharding, telemetry and the replica guard": ("reference", 8),
     "fixed 8, static graph": ("reference", 8),
     "fixed 8, uneven inputs joined": ("reference", 8),
@@ -199,6 +214,7 @@ EXPECTED = {
 def micro_batch_results(tmp_path_factory):
     folder = tmp_path_factory.mktemp("micro_batches")
     cases = [{**case, "save_to": str(folder / case["save_to"])} if "save_to" in case else case for case in CASES]
+    cases = [{**case, "plan_root": str(folder / "runs" / case["name"])} if "plan" in case else case for case in cases]
     # one arena: a thread's own malloc arena would reserve 64 MiB of the address space the limit case measures
     results = run_case_job("micro_batch_job.py", cases, folder / "results.json", env={"MALLOC_ARENA_MAX": "1"})
     return {result["name"]: result for result in results}, folder
@@ -229,6 +245,8 @@ def test_auto_halves_on_every_rank_and_names_the_rank_that_failed(micro_batch_re
     assert results["auto, rank 1 in the forward"]["changes"] == [[32, 16, [1]], [16, 8, [1]]]
     assert results["auto, both ranks in the backward"]["changes"] == [[32, 16, [0, 1]], [16, 8, [1]]]
     assert results["auto, a later batch"]["changes"] == [[32, 16, [0]], [16, 8, [0]]]
+    assert results["auto, from the memory plan"]["changes"] == []  # started from the plan's 8 rows
+    assert results["auto, a plan of another world size"]["changes"] == [[32, 16, [1]], [16, 8, [1]]]
     limited = results["auto, address-space limit"]
     assert limited["changes"] and all(ranks == [1] for _, _, ranks in limited["changes"])
     assert limited["size"] == limited["changes"][-1][1] < 32  # a real allocation failure, and a size that held

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import sys
 import warnings
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -25,6 +26,7 @@ from lightning_ddp_plus.conflicts.facts import ForwardProbe, ModelFacts, static_
 from lightning_ddp_plus.conflicts.rules import CheckedSettings, Finding, evaluate
 from lightning_ddp_plus.memory.plan import MemoryPlan, device_memory_of, measure_model, plan_layouts
 from lightning_ddp_plus.memory.sizes import parse_size
+from lightning_ddp_plus.memory.suggestion import SUGGESTION_FILE, MicroBatchSuggestion, write_suggestion
 from lightning_ddp_plus.sync.accumulation import merge_accumulation_settings
 from lightning_ddp_plus.sync.micro_batches import batch_rows
 
@@ -161,6 +163,32 @@ def memory_plan(
     )
 
 
+def leave_suggestion(plan: MemoryPlan, folder: str, model: pl.LightningModule) -> str | None:
+    """Where the plan suggests a micro-batch: write it for ``micro_batch_size="auto"`` (``memory.suggestion``); where
+    it decided on another layout, remove a suggestion an earlier check left. What was done, as a line (``None``: the
+    plan made no decision, having no device memory to decide against)."""
+    if plan.decision is None or plan.device_memory is None:
+        return None
+    path = Path(folder) / SUGGESTION_FILE
+    micro = next((layout for layout in plan.layouts if layout.name == "micro_batch"), None)
+    if plan.decision.layout != "micro_batch" or micro is None or micro.micro_batch_size is None:
+        if path.is_file():
+            path.unlink()
+            return f"removed {path}: this plan suggests no micro-batch for micro_batch_size='auto' to start from."
+        return None
+    suggestion = MicroBatchSuggestion(
+        micro_batch_size=micro.micro_batch_size,
+        world_size=plan.world_size,
+        device_memory=plan.device_memory,
+        parameters=sum(p.numel() for p in model.parameters()),
+    )
+    written = write_suggestion(folder, suggestion)
+    return (
+        f"wrote {written}: a run of this model on {plan.world_size} rank(s) with micro_batch_size='auto' starts from "
+        f"{suggestion.micro_batch_size} rows per chunk."
+    )
+
+
 def describe_facts(facts: ModelFacts) -> str:
     def names(values: Any, limit: int = 6) -> str:
         values = list(values or ())
@@ -226,6 +254,9 @@ def run_check(args: list[str]) -> int:
     print(report(view, facts, source, findings))
     plan, text = memory_plan(cli.trainer, cli.model, batch, device_memory, world_size)
     print(text)
+    left = None if plan is None else leave_suggestion(plan, cli.trainer.default_root_dir, cli.model)
+    if left is not None:
+        print(left)
     does_not_fit = plan is not None and plan.configured is not None and plan.fits(plan.configured) is False
     if does_not_fit:
         print("ERROR the configured layout does not fit the device memory: see the verdict above.")

@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable, MutableMapping
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -58,6 +59,7 @@ from lightning_ddp_plus.diagnostics.telemetry import SyncTelemetry
 from lightning_ddp_plus.diagnostics.torch_errors import TimeoutContext
 from lightning_ddp_plus.engine.arguments import DDPPlusArguments, FrontEnd
 from lightning_ddp_plus.engine.setup_line import InEffect, setup_line
+from lightning_ddp_plus.memory.suggestion import SUGGESTION_FILE, read_suggestion, starting_size
 from lightning_ddp_plus.processes.restart import restart_attempt, store_client
 from lightning_ddp_plus.sharding import optimizer as sharding
 from lightning_ddp_plus.sync.accumulation import AccumulationWindow, SyncStats, scale_gradients
@@ -166,6 +168,19 @@ class DDPPlusEngine:
         ddp = wrap_module(module, self.settings, device_ids)
         self.start_fit(ddp, module)
         return ddp
+
+    def micro_batches_from_plan(self, folder: str, module: Module, world_size: int) -> None:
+        """``micro_batch_size="auto"``: start from the suggestion ``ddp-plus check`` left in ``folder`` (the run's
+        ``default_root_dir``) where it was made for this model and world size; say which, on rank 0."""
+        sizer = self.micro_batches
+        if not sizer.auto or sizer.size is not None:
+            return
+        parameters = sum(p.numel() for p in module.parameters())
+        where = str(Path(folder) / SUGGESTION_FILE)
+        size, message = starting_size(read_suggestion(folder), parameters, world_size, where)
+        sizer.start_from(size)
+        if message is not None:
+            self._info(message)
 
     def start_fit(self, ddp: DistributedDataParallel, module: Module) -> None:
         """Attach every component to a new wrapper; counters and cadences restart."""

@@ -209,6 +209,8 @@ class DDPPlusStrategy(DDPPlusFrontEnd, AtomicCheckpoints, DDPStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
+        if trainer.training and self.lightning_module is not None:
+            self.engine.micro_batches_from_plan(trainer.default_root_dir, self.lightning_module, trainer.world_size)
         callbacks = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's callback connector
         if self.telemetry is not None and not any(isinstance(c, DDPTelemetry) for c in callbacks):
             callbacks.append(DDPTelemetry())

@@ -398,6 +398,11 @@ class MicroBatchSizer:
         self._info(shrink_message(failures, old, new))
         return new
 
+    def start_from(self, size: int | None) -> None:
+        """``"auto"`` before its first out-of-memory error: the size to start from (a memory plan's suggestion)."""
+        if self.auto and self.size is None and size is not None:
+            self.size = size
+
     def state_dict(self) -> dict[str, Any]:
         return {"micro_batch_size": self.size}
 

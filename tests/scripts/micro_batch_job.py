@@ -6,6 +6,7 @@ or in the backward through an autograd function) once a rank's batch has more ro
 allocator failing under an address-space limit (``RLIMIT_AS``) set on one rank at train start.
 """
 
+import os
 import resource
 import time
 
@@ -15,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_ddp_plus import DDPPlusStrategy
+from lightning_ddp_plus.memory.suggestion import MicroBatchSuggestion, write_suggestion
 from tests.helpers import QUIET_TRAINER, TinyRegression, job_main
 
 ALLREDUCE_HOOK = "torch.distributed.algorithms.ddp_comm_hooks.default_hooks.allreduce_hook"
@@ -75,14 +77,6 @@ def run_case(case: dict) -> dict:
         timeout="60s",
         **case.get("strategy", {}),
     )
-    trainer = L.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=2,
-        max_epochs=1,
-        accumulate_grad_batches=case.get("accumulate", 1),
-        **QUIET_TRAINER,
-    )
     model = MemoryLimited(
         case.get("limits", {}),
         case.get("phase", "forward"),
@@ -91,6 +85,20 @@ def run_case(case: dict) -> dict:
         num_samples=256,
         batch_size=32,
         lr=0.05,
+    )
+    root = None
+    if "plan" in case:  # what `ddp-plus check` leaves in the run's folder (one per rank: no rank waits on another's)
+        root = f"{case['plan_root']}/rank{os.environ['LOCAL_RANK']}"
+        parameters = sum(p.numel() for p in model.parameters())
+        write_suggestion(root, MicroBatchSuggestion(**case["plan"], device_memory=1 << 30, parameters=parameters))
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=2,
+        max_epochs=1,
+        accumulate_grad_batches=case.get("accumulate", 1),
+        default_root_dir=root,
+        **QUIET_TRAINER,
     )
     started = time.perf_counter()
     error = None
