@@ -3,7 +3,8 @@
 ``sizes``: byte sizes as people write them (``80GiB``); ``measure``: what one model, optimizer and training batch
 take (parameters, gradients, DDP's buckets, optimizer state, activations counted with saved-tensor hooks);
 ``plan``: those figures per layout (plain DDP, ``gradient_as_bucket_view``, optimizer sharding at a world size,
-activation checkpointing) against the device's memory; ``decisions``: the decision table, as data.
+activation checkpointing) against the device's memory; ``decisions``: the decision table, as data; ``suggestion``:
+the micro-batch ``ddp-plus check`` leaves for ``micro_batch_size="auto"`` to start from.
 
 May import: ``config``, ``sharding``.
 """
