@@ -55,27 +55,34 @@ def test_killed_rank_restarts_resumes_mid_epoch_and_matches_an_uninterrupted_run
     assert diff <= 1e-6, diff
 
 
+def start_agent(
+    tmp_path, node: int, agents: list, env: dict, port: int, *, nnodes: str, backend: str, conf: str = ""
+) -> None:
+    """One torchrun agent of a one-rank node running ``restart_job.py`` (kill at step 3, k=2), its output in
+    ``nodeN.log``; node 0 hosts the rendezvous. Appended to ``agents``, which the caller kills in ``finally``."""
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    command = [
+        torchrun, "--nnodes", nnodes, "--nproc-per-node", "1", "--max-restarts", "1", "--rdzv-backend", backend,
+        "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", f"is_host={int(node == 0)}{conf}",
+        str(REPO_ROOT / "tests" / "scripts" / "restart_job.py"), str(tmp_path / "out.json"), str(tmp_path / "ckpt"),
+        "3", "2",
+    ]  # fmt: skip
+    log = open(tmp_path / f"node{node}.log", "w")  # noqa: SIM115 (closed with the process)
+    agents.append(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+    log.close()
+
+
 def test_two_agents_agree_on_the_attempt_when_one_restarts_for_a_membership_change(tmp_path, whole_runs):
     """Rank 1 (node 1) is killed; rank 0 (node 0) takes 4 s to end, so node 1's agent is back in the rendezvous
     first and node 0's agent restarts its worker as a membership change, without counting a restart: its
     ``TORCHELASTIC_RESTART_COUNT`` stays 0 while node 1's is 1. Before the ranks agreed through the store, they formed
     their groups under different prefixes and the job hung (reproduced)."""
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    port, out, ckpt = free_port(), tmp_path / "out.json", tmp_path / "ckpt"
+    port, out = free_port(), tmp_path / "out.json"
     env = {**clean_environment(), "PYTHONPATH": str(REPO_ROOT), "DDP_PLUS_NODES": "2", "DDP_PLUS_LINGER_S": "4"}
-    agents = []
+    agents: list[subprocess.Popen] = []
     try:
         for node in range(2):
-            command = [
-                torchrun, "--nnodes", "2", "--nproc-per-node", "1", "--max-restarts", "1", "--rdzv-backend", "c10d",
-                "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", f"is_host={int(node == 0)}",
-                str(REPO_ROOT / "tests" / "scripts" / "restart_job.py"), str(out), str(ckpt), "3", "2",
-            ]  # fmt: skip
-            log = open(tmp_path / f"node{node}.log", "w")  # noqa: SIM115 (closed with the process)
-            agents.append(
-                subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-            )
-            log.close()
+            start_agent(tmp_path, node, agents, env, port, nnodes="2", backend="c10d")
         for agent in agents:
             agent.wait(timeout=200)
     finally:
@@ -104,8 +111,7 @@ def test_an_elastic_job_loses_a_node_for_good_continues_alone_with_the_same_glob
     that rank 0 published only in its first round (``processes.rendezvous``)."""
     import re
 
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    port, out, ckpt, marker = free_port(), tmp_path / "out.json", tmp_path / "ckpt", tmp_path / "alone"
+    port, out, marker = free_port(), tmp_path / "out.json", tmp_path / "alone"
     env = {
         **clean_environment(),
         "PYTHONPATH": str(REPO_ROOT),
@@ -114,27 +120,18 @@ def test_an_elastic_job_loses_a_node_for_good_continues_alone_with_the_same_glob
         "DDP_PLUS_GROW_MARKER": str(marker),
         "DDP_PLUS_SHARDING": "1",
     }
-    # quick to notice a lost node (heartbeat every second, gone after 2 missed) and to close a round once one is in
-    rendezvous = "last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=4"
+    # quick to notice a lost node (a heartbeat every second, dead after 4 missed: a node writes one only when the last
+    # is a whole interval old, so fewer would count healthy nodes dead) and to close a round once one is in
+    rendezvous = ",last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=4"
     agents: list[subprocess.Popen] = []
-
-    def start_agent(node: int) -> None:
-        command = [
-            torchrun, "--nnodes", "1:2", "--nproc-per-node", "1", "--max-restarts", "1", "--rdzv-backend",
-            "ddp-plus", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", f"is_host={int(node == 0)},{rendezvous}",
-            str(REPO_ROOT / "tests" / "scripts" / "restart_job.py"), str(out), str(ckpt), "3", "2",
-        ]  # fmt: skip
-        log = open(tmp_path / f"node{node}.log", "w")  # noqa: SIM115 (closed with the process)
-        agents.append(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
-        log.close()
-
+    elastic = {"nnodes": "1:2", "backend": "ddp-plus", "conf": rendezvous}
     try:
-        start_agent(0)
-        start_agent(1)
+        start_agent(tmp_path, 0, agents, env, port, **elastic)
+        start_agent(tmp_path, 1, agents, env, port, **elastic)
         deadline = time.monotonic() + 150
         while not marker.exists() and agents[0].poll() is None and time.monotonic() < deadline:
             time.sleep(0.2)
-        start_agent(2)  # a new node, once node 0 trains alone
+        start_agent(tmp_path, 2, agents, env, port, **elastic)  # a new node, once node 0 trains alone
         agents[0].wait(timeout=150)
         agents[2].wait(timeout=30)
         agents[1].wait(timeout=10)  # killed long ago

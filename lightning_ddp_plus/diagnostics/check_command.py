@@ -26,7 +26,12 @@ from lightning_ddp_plus.conflicts.facts import ForwardProbe, ModelFacts, static_
 from lightning_ddp_plus.conflicts.rules import CheckedSettings, Finding, evaluate
 from lightning_ddp_plus.memory.plan import MemoryPlan, device_memory_of, measure_model, plan_layouts
 from lightning_ddp_plus.memory.sizes import parse_size
-from lightning_ddp_plus.memory.suggestion import SUGGESTION_FILE, MicroBatchSuggestion, write_suggestion
+from lightning_ddp_plus.memory.suggestion import (
+    SUGGESTION_FILE,
+    MicroBatchSuggestion,
+    parameter_count,
+    write_suggestion,
+)
 from lightning_ddp_plus.sync.accumulation import merge_accumulation_settings
 from lightning_ddp_plus.sync.micro_batches import batch_rows
 
@@ -180,7 +185,7 @@ def leave_suggestion(plan: MemoryPlan, folder: str, model: pl.LightningModule) -
         micro_batch_size=micro.micro_batch_size,
         world_size=plan.world_size,
         device_memory=plan.device_memory,
-        parameters=sum(p.numel() for p in model.parameters()),
+        parameters=parameter_count(model),
     )
     written = write_suggestion(folder, suggestion)
     return (

@@ -59,7 +59,7 @@ from lightning_ddp_plus.diagnostics.telemetry import SyncTelemetry
 from lightning_ddp_plus.diagnostics.torch_errors import TimeoutContext
 from lightning_ddp_plus.engine.arguments import DDPPlusArguments, FrontEnd
 from lightning_ddp_plus.engine.setup_line import InEffect, setup_line
-from lightning_ddp_plus.memory.suggestion import SUGGESTION_FILE, read_suggestion, starting_size
+from lightning_ddp_plus.memory.suggestion import SUGGESTION_FILE, parameter_count, read_suggestion, starting_size
 from lightning_ddp_plus.processes.restart import restart_attempt, store_client
 from lightning_ddp_plus.sharding import optimizer as sharding
 from lightning_ddp_plus.sync.accumulation import AccumulationWindow, SyncStats, scale_gradients
@@ -175,9 +175,8 @@ class DDPPlusEngine:
         sizer = self.micro_batches
         if not sizer.auto or sizer.size is not None:
             return
-        parameters = sum(p.numel() for p in module.parameters())
         where = str(Path(folder) / SUGGESTION_FILE)
-        size, message = starting_size(read_suggestion(folder), parameters, world_size, where)
+        size, message = starting_size(read_suggestion(folder), parameter_count(module), world_size, where)
         sizer.start_from(size)
         if message is not None:
             self._info(message)

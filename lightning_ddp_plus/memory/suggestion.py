@@ -14,6 +14,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from torch.nn import Module
+
 #: In the run's ``default_root_dir``.
 SUGGESTION_FILE = "ddp_plus_memory_plan.json"
 
@@ -30,6 +32,11 @@ class MicroBatchSuggestion:
     """The device memory the plan was made against, in bytes."""
     parameters: int
     """The planned model's number of parameters: a plan of another model is not used."""
+
+
+def parameter_count(module: Module) -> int:
+    """What a suggestion is matched on: the model's number of parameters."""
+    return sum(parameter.numel() for parameter in module.parameters())
 
 
 def write_suggestion(folder: str | Path, suggestion: MicroBatchSuggestion) -> Path:

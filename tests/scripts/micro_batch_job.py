@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_ddp_plus import DDPPlusStrategy
-from lightning_ddp_plus.memory.suggestion import MicroBatchSuggestion, write_suggestion
+from lightning_ddp_plus.memory.suggestion import MicroBatchSuggestion, parameter_count, write_suggestion
 from tests.helpers import QUIET_TRAINER, TinyRegression, job_main
 
 ALLREDUCE_HOOK = "torch.distributed.algorithms.ddp_comm_hooks.default_hooks.allreduce_hook"
@@ -89,8 +89,8 @@ def run_case(case: dict) -> dict:
     root = None
     if "plan" in case:  # what `ddp-plus check` leaves in the run's folder (one per rank: no rank waits on another's)
         root = f"{case['plan_root']}/rank{os.environ['LOCAL_RANK']}"
-        parameters = sum(p.numel() for p in model.parameters())
-        write_suggestion(root, MicroBatchSuggestion(**case["plan"], device_memory=1 << 30, parameters=parameters))
+        plan = MicroBatchSuggestion(**case["plan"], device_memory=1 << 30, parameters=parameter_count(model))
+        write_suggestion(root, plan)
     trainer = L.Trainer(
         strategy=strategy,
         accelerator="cpu",
