@@ -32,17 +32,29 @@ LLAMA_3_2_1B = {
 }
 
 
-#: the figures that grow with depth: activations and the forward-and-backward peak, without and with checkpointing
-DEPTH_FIGURES = ("activations", "activations_checkpointed", "backward_peak", "backward_peak_checkpointed")
+#: the figures that grow with depth: activations and the forward-and-backward peak, without and with checkpointing,
+#: and the optimizer step's temporaries (a foreach step's are the size of every parameter, a model on the ``meta``
+#: device has none to step)
+DEPTH_FIGURES = (
+    "activations",
+    "activations_checkpointed",
+    "backward_peak",
+    "backward_peak_checkpointed",
+    "optimizer_temporaries",
+)
+#: the job's device: the plan reproduces its optimizer implementation (foreach) and allocator rounding on this CPU
+DEVICE_TYPE = "cuda"
 
 
 def activations(shape: dict, layers: int, batch: int, sequence: int) -> dict[str, int]:
     """Saved-tensor bytes of one training forward and the peak of one forward and backward (and both with
-    activation checkpointing) of a real model."""
+    activation checkpointing), and the AdamW step's temporaries, of a real model."""
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**{**shape, "num_hidden_layers": layers}))
     ids = torch.randint(0, shape["vocab_size"], (batch, sequence))
-    figures = measure_model(model, None, lambda: model(input_ids=ids, labels=ids).loss, inputs=ids)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    loss = lambda: model(input_ids=ids, labels=ids).loss
+    figures = measure_model(model, optimizer, loss, inputs=ids, device_type=DEVICE_TYPE)
     return {name: getattr(figures, name) or 0 for name in DEPTH_FIGURES}
 
 
@@ -66,7 +78,7 @@ def main() -> None:
     tiny = {**LLAMA_3_2_1B, "vocab_size": 1000, "hidden_size": 128, "intermediate_size": 512, "num_attention_heads": 4,
             "num_key_value_heads": 2}  # fmt: skip
     predicted, real = extended(tiny, (1, 2), 2, 256, 6), activations(tiny, 6, 2, 256)
-    for name in ("activations", "backward_peak"):
+    for name in ("activations", "backward_peak", "optimizer_temporaries"):
         print(f"the line checked on a tiny config: {name} of 6 layers predicted {predicted[name]} B, measured "
               f"{real[name]} B ({100 * (predicted[name] - real[name]) / real[name]:+.1f} %)")  # fmt: skip
     shape = tiny if args.tiny else LLAMA_3_2_1B
@@ -74,7 +86,7 @@ def main() -> None:
     with torch.device("meta"):
         model = LlamaForCausalLM(LlamaConfig(**shape))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    figures = measure_model(model, optimizer, None)
+    figures = measure_model(model, optimizer, None, device_type=DEVICE_TYPE)
     depth = extended(shape, tuple(args.layers_measured), args.batch, args.sequence, shape["num_hidden_layers"])
     figures = dataclasses.replace(figures, **depth)
     parameters = sum(p.numel() for p in model.parameters())

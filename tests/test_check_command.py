@@ -103,6 +103,8 @@ def test_a_bad_device_memory_fails_before_anything_is_built(capsys):
     assert code == 1 and "`--device-memory='lots'` is not valid" in out
     code, out = check_in_process("no-such-file.yaml", capsys, "--world-size", "0")
     assert code == 1 and "`--world-size='0'` is not valid" in out
+    code, out = check_in_process("no-such-file.yaml", capsys, "--device-type", "cuda:0")
+    assert code == 1 and "`--device-type='cuda:0'` is not valid" in out and "Fix: e.g. `--device-type cuda`" in out
 
 
 def test_without_a_size_the_plan_asks_for_one_on_cpu(capsys):
@@ -182,3 +184,41 @@ def test_a_micro_batch_suggestion_is_left_for_auto_and_removed_when_the_whole_ba
     code, out = check_in_process(DEMO_CONFIG, capsys, "--device-memory", "64MiB", *run)
     assert code == 0 and f"removed {tmp_path / SUGGESTION_FILE}" in out
     assert not (tmp_path / SUGGESTION_FILE).exists()
+
+
+def plan_table(out: str) -> str:
+    return out[out.index("memory plan per rank") : out.index("verdict:")]
+
+
+def test_the_plan_is_for_the_jobs_device_from_lightnings_accelerator_or_the_device_type_option(
+    tmp_path, capsys, monkeypatch
+):
+    """A CUDA job's plan (CUDA faked through Lightning's accelerator: this machine has none) reproduces CUDA's
+    optimizer implementation and allocator rounding; ``--device-type cuda`` plans the same from a CPU config, as on
+    a login node; the CPU's plan differs."""
+    import lightning.fabric.accelerators.cuda as fabric_cuda
+    import torch
+
+    config = write_config(tmp_path, find_unused="false", checkpointing="none", unused="false")
+    code, cpu = check_in_process(config, capsys, "--device-memory", "80GiB")
+    assert code == 0 and "measured here as" not in cpu
+    code, option = check_in_process(config, capsys, "--device-memory", "80GiB", "--device-type", "cuda")
+    assert code == 0
+    assert (
+        "note: measured here as a cuda step: torch's foreach optimizer implementation, each allocation rounded"
+        in option
+    )
+
+    class Properties:
+        total_memory = 80 * 2**30
+
+    monkeypatch.setattr(fabric_cuda, "num_cuda_devices", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Properties())
+    on_cuda = tmp_path / "cuda.yaml"
+    on_cuda.write_text(config.read_text().replace("accelerator: cpu", "accelerator: cuda"))
+    code, faked = check_in_process(on_cuda, capsys)
+    assert code == 0, faked[-2000:]
+    assert "against the cuda device's memory" in faked
+    assert plan_table(faked) == plan_table(option) != plan_table(cpu)

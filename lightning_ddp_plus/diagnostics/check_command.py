@@ -1,12 +1,14 @@
-"""``ddp-plus check --config FILE [--device-memory 80GiB] [--world-size N]``: the conflict checks and the memory
-plan, without a process group and without training.
+"""``ddp-plus check --config FILE [--device-memory 80GiB] [--world-size N] [--device-type cuda]``: the conflict
+checks and the memory plan, without a process group and without training.
 
 Builds the Trainer, model and data from a LightningCLI config (so every argument is validated as for ``fit``),
 reads the model's static facts, runs one probe forward of ``training_step`` on a training batch in this process
 where it can, evaluates the rules and prints each finding with its fix. Then the memory plan
 (``lightning_ddp_plus.memory.plan``) for that model, the first optimizer of ``configure_optimizers`` and that batch:
 per-rank bytes of each DDP layout at the job's world size (``--world-size`` overrides it), against the device's
-memory (the accelerator's when one is present, else ``--device-memory``), with a verdict and the next step.
+memory (the accelerator's when one is present, else ``--device-memory``), with a verdict and the next step. The
+step is measured here as it runs on the job's device (the Trainer's accelerator, or ``--device-type`` where this
+machine has another: a login node without the GPU).
 Exit status 1 when an error-level finding exists, when the configured layout does not fit the device memory, or
 when the config itself is invalid; else 0.
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import sys
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +27,7 @@ from torch.optim import Optimizer
 
 from lightning_ddp_plus.conflicts.facts import ForwardProbe, ModelFacts, static_facts
 from lightning_ddp_plus.conflicts.rules import CheckedSettings, Finding, evaluate
+from lightning_ddp_plus.memory.devices import is_known_device_type
 from lightning_ddp_plus.memory.plan import MemoryPlan, device_memory_of, measure_model, plan_layouts
 from lightning_ddp_plus.memory.sizes import parse_size
 from lightning_ddp_plus.memory.suggestion import (
@@ -35,7 +39,8 @@ from lightning_ddp_plus.memory.suggestion import (
 from lightning_ddp_plus.sync.accumulation import merge_accumulation_settings
 from lightning_ddp_plus.sync.micro_batches import batch_rows
 
-CHECK_HELP = """usage: ddp-plus check --config FILE [--device-memory SIZE] [--world-size N] [LightningCLI arguments]
+CHECK_HELP = """usage: ddp-plus check --config FILE [--device-memory SIZE] [--world-size N] [--device-type TYPE]
+                      [LightningCLI arguments]
 
 The conflict checks and the memory plan of a LightningCLI config, without a process group and without training.
 Exit status 1 on an error-level finding, a configured layout that does not fit, or an invalid config; else 0.
@@ -43,6 +48,8 @@ Exit status 1 on an error-level finding, a configured layout that does not fit, 
 options of ddp-plus check:
   --device-memory SIZE  the memory of one device, e.g. 80GiB or 24GB (default: the accelerator's, when present)
   --world-size N        the number of ranks to plan for (default: the config's devices x num_nodes)
+  --device-type TYPE    the device the job trains on, e.g. cuda, when this machine has another (default: the
+                        Trainer's accelerator): its optimizer implementation and allocator rounding are planned
 
 LightningCLI's arguments (the config's):"""
 
@@ -116,29 +123,50 @@ def first_optimizer(configured: Any) -> Optimizer | None:
     return None
 
 
-def plan_arguments(args: list[str]) -> tuple[list[str], int | None, int | None]:
-    """Take ``--device-memory SIZE`` and ``--world-size N`` out of ``args`` (the rest goes to LightningCLI)."""
-    rest, device_memory, world_size = [], None, None
+@dataclass(frozen=True, kw_only=True)
+class PlanArguments:
+    """The options ``ddp-plus check`` takes for the memory plan, besides LightningCLI's."""
+
+    device_memory: int | None = None
+    """Bytes of one device (``None``: the accelerator's, where one is present)."""
+    world_size: int | None = None
+    """Ranks to plan for (``None``: the config's devices x num_nodes)."""
+    device_type: str | None = None
+    """The device type the job trains on (``None``: the Trainer's accelerator's)."""
+
+
+def plan_arguments(args: list[str]) -> tuple[list[str], PlanArguments]:
+    """Take ``--device-memory SIZE``, ``--world-size N`` and ``--device-type TYPE`` out of ``args`` (the rest goes
+    to LightningCLI)."""
+    rest: list[str] = []
+    found: dict[str, Any] = {}
     iterator = iter(args)
     for argument in iterator:
         name, _, inline = argument.partition("=")
-        if name in ("--device-memory", "--world-size"):
-            value = inline or next(iterator, "")
-            if name == "--device-memory":
-                device_memory = parse_size(value)
-            elif not value.isdigit() or int(value) < 1:
+        if name not in ("--device-memory", "--world-size", "--device-type"):
+            rest.append(argument)
+            continue
+        value = inline or next(iterator, "")
+        if name == "--device-memory":
+            found["device_memory"] = parse_size(value)
+        elif name == "--world-size":
+            if not value.isdigit() or int(value) < 1:
                 raise ValueError(
                     f"`--world-size={value!r}` is not valid: expected a positive integer. Fix: e.g. `--world-size 8`."
                 )
-            else:
-                world_size = int(value)
+            found["world_size"] = int(value)
+        elif not is_known_device_type(value):
+            raise ValueError(
+                f"`--device-type={value!r}` is not valid: expected a torch device type without an index, such as "
+                "'cuda', 'xpu' or 'cpu'. Fix: e.g. `--device-type cuda`."
+            )
         else:
-            rest.append(argument)
-    return rest, device_memory, world_size
+            found["device_type"] = value
+    return rest, PlanArguments(**found)
 
 
 def memory_plan(
-    trainer: pl.Trainer, model: pl.LightningModule, batch: Any, device_memory: int | None, world_size: int | None
+    trainer: pl.Trainer, model: pl.LightningModule, batch: Any, options: PlanArguments
 ) -> tuple[MemoryPlan | None, str]:
     """The plan for the configured run; ``None`` and why when the model's forward cannot run here."""
     strategy = trainer.strategy
@@ -148,18 +176,23 @@ def memory_plan(
     else:
         configured = (bool((getattr(strategy, "_ddp_kwargs", {}) or {}).get("gradient_as_bucket_view")), False)
     source = "the --device-memory figure"
+    device_memory = options.device_memory
     if device_memory is None:
         device_memory = device_memory_of(strategy.root_device)
         source = f"the {strategy.root_device.type} device's memory"
+    # the job's device, through Lightning's accelerator (the model itself stays where it was built, on the CPU)
+    device_type = options.device_type or strategy.root_device.type
     try:
         if isinstance(batch, Exception):
             raise batch
         optimizer = first_optimizer(model.configure_optimizers())
         rows = batch_rows(batch)
-        figures = measure_model(model, optimizer, lambda: training_loss(model, batch), inputs=batch, rows=rows)
+        figures = measure_model(
+            model, optimizer, lambda: training_loss(model, batch), inputs=batch, rows=rows, device_type=device_type
+        )
     except Exception as error:  # noqa: BLE001 - the plan needs one real forward; say why it could not run
         return None, f"memory plan: not made (one training forward could not run here: {type(error).__name__}: {error})"
-    size = world_size or trainer.num_devices * trainer.num_nodes
+    size = options.world_size or trainer.num_devices * trainer.num_nodes
     plan = plan_layouts(figures, size, device_memory, configured=configured)
     memory = "" if device_memory is None else f" against {source}"
     return (
@@ -230,7 +263,7 @@ def run_check(args: list[str]) -> int:
     from lightning.pytorch.cli import LightningCLI
 
     try:
-        args, device_memory, world_size = plan_arguments(args)
+        args, options = plan_arguments(args)
     except ValueError as error:
         print(f"ERROR {error}", file=sys.stderr)
         return 1
@@ -257,7 +290,7 @@ def run_check(args: list[str]) -> int:
     facts, source = probe_facts(cli.model, batch)
     findings = evaluate(view, facts)
     print(report(view, facts, source, findings))
-    plan, text = memory_plan(cli.trainer, cli.model, batch, device_memory, world_size)
+    plan, text = memory_plan(cli.trainer, cli.model, batch, options)
     print(text)
     left = None if plan is None else leave_suggestion(plan, cli.trainer.default_root_dir, cli.model)
     if left is not None:

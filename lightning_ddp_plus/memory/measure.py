@@ -22,6 +22,7 @@ from torch.optim import Optimizer
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from lightning_ddp_plus.memory.devices import rounded
 from lightning_ddp_plus.sharding.optimizer import constructor_defaults
 
 #: Per optimizer class: how many tensors of each parameter's size its state keeps, given the group's settings, and
@@ -57,8 +58,9 @@ def _scalar_bytes() -> int:
     return 8 if torch.get_default_dtype() == torch.float64 else 4
 
 
-def tensor_bytes(tensor: Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
+def tensor_bytes(tensor: Tensor, granularity: int = 1) -> int:
+    """What ``tensor``'s elements take, rounded as an allocator of ``granularity`` bytes hands them out."""
+    return rounded(tensor.numel() * tensor.element_size(), granularity)
 
 
 @dataclass(frozen=True)
@@ -71,8 +73,10 @@ class ParameterFigures:
     optimizer_state: int  # bytes of its optimizer state once the optimizer has stepped
 
 
-def optimizer_state_bytes(optimizer: Optimizer | None) -> list[list[int]]:
-    """Bytes of each parameter's optimizer state after a step, group by group (0 for frozen parameters).
+def optimizer_state_bytes(optimizer: Optimizer | None, granularity: int = 1) -> list[list[int]]:
+    """Bytes of each parameter's optimizer state after a step, group by group (0 for frozen parameters), each
+    tensor rounded to the device allocator's ``granularity`` (scalars such as ``step`` live on the CPU unless the
+    optimizer is capturable or fused: they are counted as they are).
 
     Exact: a formula for the classes above (checked against real steps in the tests), else one real step of the
     class on zero-valued copies of the parameters (this costs one copy of the trainable parameters, briefly).
@@ -83,54 +87,87 @@ def optimizer_state_bytes(optimizer: Optimizer | None) -> list[list[int]]:
     if name in _FULL_SIZE_STATE and type(optimizer).__module__.startswith("torch.optim"):
         return [
             [
-                _FULL_SIZE_STATE[name](group) * tensor_bytes(p) + _SCALAR_STATE[name] * _scalar_bytes()
+                _FULL_SIZE_STATE[name](group) * tensor_bytes(p, granularity) + _SCALAR_STATE[name] * _scalar_bytes()
                 if p.requires_grad or name in _EAGER_STATE
                 else 0
                 for p in group["params"]
             ]
             for group in optimizer.param_groups
         ]
-    return stepped_copy(optimizer)[0]
+    return stepped_copy(optimizer, granularity=granularity)[0]
 
 
-def stepped_copy(optimizer: Optimizer) -> tuple[list[list[int]], int]:
+def runs_foreach(optimizer: Optimizer, device_default: bool | None = None) -> bool:
+    """Whether ``optimizer``'s step runs torch's ``foreach`` implementation: each group's own choice, else
+    ``device_default`` (torch's pick on the job's device; ``None``: here, where it is never foreach, the CPU's).
+    Classes without the option (the user's own) are taken as stepping parameter by parameter.
+
+    >>> params = [torch.zeros(2, requires_grad=True)]
+    >>> runs_foreach(torch.optim.AdamW(params), True), runs_foreach(torch.optim.AdamW(params, foreach=False), True)
+    (True, False)
+    """
+    groups = optimizer.param_groups
+    return bool(groups) and all(
+        not group.get("fused") and (group["foreach"] if group["foreach"] is not None else bool(device_default))
+        if "foreach" in group
+        else False
+        for group in groups
+    )
+
+
+def stepped_copy(
+    optimizer: Optimizer, foreach: bool | None = None, granularity: int = 1
+) -> tuple[list[list[int]], int]:
     """One step of ``optimizer``'s class on zero-valued copies of its parameters: the bytes of each parameter's
-    state, and the step's temporaries (the peak of what the step allocates, less the state it keeps). Temporaries are
-    what the class really does on this device: a ``foreach`` step holds intermediates the size of a whole group, a
-    per-parameter loop those of one parameter."""
+    state, and the step's temporaries (the peak of what the step allocates, less the state it keeps). Temporaries
+    are what the class does: a ``foreach`` step holds intermediates the size of a whole group, a per-parameter loop
+    those of one parameter. ``foreach``: the implementation torch would pick on the job's device, for groups that
+    leave it unset (``None``: the one it picks here); a group that sets ``foreach`` or ``fused`` keeps its choice."""
     groups = []
     copies = []
     for group in optimizer.param_groups:
         params = [torch.zeros_like(p, requires_grad=p.requires_grad) for p in group["params"]]
         copies.append(params)
-        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
+        settings = {k: v for k, v in group.items() if k != "params"}
+        if foreach is not None and settings.get("foreach", False) is None and not settings.get("fused"):
+            settings["foreach"] = foreach
+        groups.append({**settings, "params": params})
     probe = type(optimizer)(groups, **constructor_defaults(optimizer))
     for params in copies:
         for p in params:
             if p.requires_grad:
                 p.grad = torch.zeros_like(p)
-    with LiveTensorBytes([copies]) as live:
+    with LiveTensorBytes([copies], granularity=granularity) as live:
         probe.step()
+    # read while the state is alive: it stays after the step, so it is not a temporary (freeing it below would
+    # take it off ``live`` and count it twice, once as state and once as the step's temporaries)
+    temporaries = max(0, live.peak - live.live)
     figures = [
         [
-            sum(tensor_bytes(v) for v in probe.state[p].values() if isinstance(v, Tensor)) if p in probe.state else 0
+            sum(
+                tensor_bytes(v, granularity if v.dim() else 1) for v in probe.state[p].values() if isinstance(v, Tensor)
+            )
+            if p in probe.state
+            else 0
             for p in params
         ]
         for params in copies
     ]
     del probe, copies, groups
     gc.collect()
-    return figures, max(0, live.peak - live.live)
+    return figures, temporaries
 
 
 class LiveTensorBytes(TorchDispatchMode):
     """Bytes of the tensor storages that operations create inside the mode and that are still alive (``live``), and
     the most at any moment (``peak``). Each storage is counted once, from the operation that first returns it until
     it is freed; storages of ``existing`` (and views of them) are not counted. It counts what the device's allocator
-    is asked for, so it reads the same on a CPU as on a GPU (the allocator's rounding and caching aside)."""
+    is asked for, each storage rounded up to ``granularity`` bytes as that allocator hands it out, so it reads the
+    same on a CPU as on a GPU (the allocator's caching aside)."""
 
-    def __init__(self, existing: Any = None) -> None:
+    def __init__(self, existing: Any = None, granularity: int = 1) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
+        self.granularity = granularity
         self.live = 0
         self.peak = 0
         self._excluded: set[int] = set()
@@ -151,7 +188,7 @@ class LiveTensorBytes(TorchDispatchMode):
             known = self._alive.get(key)
             if (known is not None and known() is storage) or storage.data_ptr() in self._excluded:
                 continue
-            size = storage.nbytes()
+            size = rounded(storage.nbytes(), self.granularity)
             # the weak reference's callback runs when the storage is freed (torch keeps one Python object per
             # storage while it lives), which is when the allocator gets the bytes back
             self._alive[key] = weakref.ref(storage, functools.partial(self._freed_storage, key, size))
@@ -160,7 +197,9 @@ class LiveTensorBytes(TorchDispatchMode):
         return out
 
 
-def backward_peak_bytes(module: Module, training_forward: Callable[[], Any], inputs: Any = None) -> int:
+def backward_peak_bytes(
+    module: Module, training_forward: Callable[[], Any], inputs: Any = None, granularity: int = 1
+) -> int:
     """The most bytes one forward and backward hold at once beyond the parameters, buffers and batch: the saved
     activations, the intermediates beside them, and the backward's temporaries (the gradients of the largest
     outputs, e.g. two logits-sized tensors for a language model's loss). Gradients are allocated before it and
@@ -172,7 +211,7 @@ def backward_peak_bytes(module: Module, training_forward: Callable[[], Any], inp
             p.grad = torch.zeros_like(p)
     try:
         existing = [*module.parameters(), *module.buffers(), *(p.grad for p in trainable), inputs]
-        with LiveTensorBytes(existing) as live:
+        with LiveTensorBytes(existing, granularity=granularity) as live:
             loss = training_forward()
             loss.backward()
             del loss
@@ -183,19 +222,24 @@ def backward_peak_bytes(module: Module, training_forward: Callable[[], Any], inp
         gc.collect()
 
 
-def parameter_figures(module: Module, optimizer: Optimizer | None) -> list[list[ParameterFigures]]:
+def parameter_figures(
+    module: Module, optimizer: Optimizer | None, granularity: int = 1
+) -> list[list[ParameterFigures]]:
     """Every parameter, in the optimizer's groups (the order ZeRO partitions them in); parameters the optimizer does
     not hold form a last group with no state. Without an optimizer: one group, no state."""
     groups: list[list[Tensor]] = [list(group["params"]) for group in optimizer.param_groups] if optimizer else []
-    states = optimizer_state_bytes(optimizer)
+    states = optimizer_state_bytes(optimizer, granularity)
     held = {id(p) for group in groups for p in group}
     rest = [p for p in module.parameters() if id(p) not in held]
     figures = [
-        [ParameterFigures(p.numel(), tensor_bytes(p), p.requires_grad, state) for p, state in zip(group, sizes)]
+        [
+            ParameterFigures(p.numel(), tensor_bytes(p, granularity), p.requires_grad, state)
+            for p, state in zip(group, sizes)
+        ]
         for group, sizes in zip(groups, states)
     ]
     if rest:
-        figures.append([ParameterFigures(p.numel(), tensor_bytes(p), p.requires_grad, 0) for p in rest])
+        figures.append([ParameterFigures(p.numel(), tensor_bytes(p, granularity), p.requires_grad, 0) for p in rest])
     return figures
 
 
@@ -210,7 +254,9 @@ def _storages(value: Any, found: set[int]) -> None:
             _storages(item, found)
 
 
-def saved_activation_bytes(module: Module, training_forward: Callable[[], Any], inputs: Any = None) -> int:
+def saved_activation_bytes(
+    module: Module, training_forward: Callable[[], Any], inputs: Any = None, granularity: int = 1
+) -> int:
     """Bytes of the tensors one training forward saves for backward, each storage once; the forward's result is
     dropped without a backward. ``inputs``: the batch (its tensors are not counted)."""
     excluded: set[int] = set()
@@ -222,7 +268,7 @@ def saved_activation_bytes(module: Module, training_forward: Callable[[], Any], 
         storage = tensor.untyped_storage()
         pointer = storage.data_ptr()
         if pointer not in excluded and pointer not in seen:
-            seen[pointer] = storage.nbytes()
+            seen[pointer] = rounded(storage.nbytes(), granularity)
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):

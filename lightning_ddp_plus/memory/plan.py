@@ -6,9 +6,11 @@ with ``optimizer_sharding`` the share torch's partition gives the fullest rank),
 forward saves for its backward. A step holds more than that at its peak, briefly: the backward's temporaries (the
 gradients of the largest outputs, two logits-sized tensors for a language model's loss) or the optimizer step's
 intermediates, whichever is larger; both are measured (one forward and backward, and one optimizer step on copies,
-counted tensor by tensor) and shown as ``transient``, so ``step peak`` is the most one step holds. What the plan does
-not count (the CUDA context, allocator fragmentation and caching, communication buffers) is left to ``headroom``, a
-fraction of the device kept free.
+counted tensor by tensor) and shown as ``transient``, so ``step peak`` is the most one step holds. The step is
+measured where the plan runs, as the job's device would run it (``memory.devices``: the optimizer implementation
+torch picks there, the allocator's rounding). What the plan does not count (the CUDA context, the cuBLAS workspace,
+allocator fragmentation and caching, communication buffers) is left to ``headroom``, a fraction of the device kept
+free.
 
 Example (a model measured once, then planned for 8 ranks on an 80 GiB device, with no process started):
 
@@ -36,12 +38,14 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_ddp_plus.memory.decisions import Decision, decide
+from lightning_ddp_plus.memory.devices import DeviceAllocation, device_allocation
 from lightning_ddp_plus.memory.measure import (
     ParameterFigures,
     backward_peak_bytes,
     checkpointing_on,
     checkpointing_toggle,
     parameter_figures,
+    runs_foreach,
     saved_activation_bytes,
     stepped_copy,
     tensor_bytes,
@@ -77,6 +81,12 @@ class ModelFigures:
     backward_peak_checkpointed: int | None = None
     #: what one optimizer step allocates beyond the state it keeps
     optimizer_temporaries: int = 0
+    #: whether that step is torch's ``foreach`` implementation, whose temporaries are the size of all the parameters it
+    #: steps (so a rank stepping its share under ``optimizer_sharding`` holds its share of them); else a
+    #: per-parameter loop's, the size of the largest parameter, on any rank
+    optimizer_foreach: bool = False
+    #: the device the step was measured for (``None``: the CPU it ran on, nothing reproduced)
+    device: DeviceAllocation | None = None
 
     @property
     def parameters(self) -> int:
@@ -198,19 +208,26 @@ def measure_model(
     inputs: Any = None,
     checkpointing: bool = True,
     rows: int | None = None,
+    device_type: str | None = None,
 ) -> ModelFigures:
     """Measure one replica: the parameters in the optimizer's groups, the state the optimizer will keep, and the
     activations of ``training_forward()`` (one training forward on one micro-batch, returning the loss), and, where
     the model can switch activation checkpointing and ``checkpointing`` is on, of the same forward with it.
-    ``training_forward=None``: no forward (e.g. a model built on the ``meta`` device), activations 0."""
-    groups = tuple(tuple(group) for group in parameter_figures(module, optimizer))
-    buffers = sum(tensor_bytes(b) for b in module.buffers())
+    ``training_forward=None``: no forward (e.g. a model built on the ``meta`` device), activations 0.
+    ``device_type``: the device the job trains on (default: the one the parameters are on, the CPU for ``meta``);
+    the step is measured here as it runs there (``memory.devices``)."""
+    if device_type is None:  # a model built on the meta device is placed later: the CPU's, unless told
+        device_type = next((p.device.type for p in module.parameters() if p.device.type != "meta"), "cpu")
+    device = device_allocation(device_type)
+    granularity = device.granularity
+    groups = tuple(tuple(group) for group in parameter_figures(module, optimizer, granularity))
+    buffers = sum(tensor_bytes(b, granularity) for b in module.buffers())
     if training_forward is None:
-        return ModelFigures(groups, buffers, activations=0)
+        return ModelFigures(groups, buffers, activations=0, device=device)
     was_training = module.training
     module.train()
-    activations = saved_activation_bytes(module, training_forward, inputs)
-    peak = backward_peak_bytes(module, training_forward, inputs)
+    activations = saved_activation_bytes(module, training_forward, inputs, granularity)
+    peak = backward_peak_bytes(module, training_forward, inputs, granularity)
     checkpointed = peak_checkpointed = None
     toggle = checkpointing_toggle(module) if checkpointing else None
     already_on = checkpointing_on(module)
@@ -218,8 +235,8 @@ def measure_model(
         enable, disable = toggle
         enable()
         try:
-            checkpointed = saved_activation_bytes(module, training_forward, inputs)
-            peak_checkpointed = backward_peak_bytes(module, training_forward, inputs)
+            checkpointed = saved_activation_bytes(module, training_forward, inputs, granularity)
+            peak_checkpointed = backward_peak_bytes(module, training_forward, inputs, granularity)
         finally:
             disable()
     module.train(was_training)
@@ -232,8 +249,21 @@ def measure_model(
         rows=rows,
         backward_peak=peak,
         backward_peak_checkpointed=peak_checkpointed,
-        optimizer_temporaries=stepped_copy(optimizer)[1] if optimizer is not None else 0,
+        optimizer_temporaries=(
+            stepped_copy(optimizer, device.foreach_optimizers, granularity)[1] if optimizer is not None else 0
+        ),
+        optimizer_foreach=optimizer is not None and runs_foreach(optimizer, device.foreach_optimizers),
+        device=device,
     )
+
+
+def optimizer_temporaries(figures: ModelFigures, sharded_state: int | None) -> int:
+    """The optimizer step's temporaries on the fullest rank: all of them without sharding (``sharded_state=None``);
+    with it, a foreach step's in proportion to the state that rank steps (torch's partition of whole parameters),
+    a loop's unchanged (the largest parameter is on some rank)."""
+    if sharded_state is None or not figures.optimizer_foreach or figures.optimizer_state <= 0:
+        return figures.optimizer_temporaries
+    return -(-figures.optimizer_temporaries * sharded_state // figures.optimizer_state)
 
 
 def _layout(
@@ -248,6 +278,7 @@ def _layout(
     activations, peak = figures.activations, figures.backward_peak
     if checkpointed and figures.activations_checkpointed is not None:
         activations, peak = figures.activations_checkpointed, figures.backward_peak_checkpointed
+    stepped = optimizer_temporaries(figures, sharded_state if sharded else None)
     return Layout(
         name,
         title,
@@ -256,12 +287,24 @@ def _layout(
         buckets=figures.trainable,
         optimizer_state=sharded_state if sharded else figures.optimizer_state,
         activations=activations,
-        transient=max(0, (peak or 0) - activations, figures.optimizer_temporaries - activations),
+        transient=max(0, (peak or 0) - activations, stepped - activations),
     )
 
 
 def _notes(figures: ModelFigures, world_size: int, shares: list[int]) -> tuple[str, ...]:
     notes = []
+    device = figures.device
+    if device is not None and device.device_type != "cpu":
+        notes.append(
+            f"measured here as a {device.device_type} step: torch's "
+            + ("foreach" if device.foreach_optimizers else "per-parameter")
+            + " optimizer implementation, "
+            + (
+                f"each allocation rounded up to {device.granularity} bytes"
+                if device.granularity_known
+                else f"exact bytes (this plan does not know how the {device.device_type} allocator rounds)"
+            )
+        )
     if figures.checkpointing_on:
         notes.append("activation checkpointing is on in this model: every layout's activations are with it")
     if world_size > 1 and shares and max(shares) > 0:
@@ -348,12 +391,13 @@ def _micro_batch_layout(plan: MemoryPlan) -> Layout | None:
     for name in ("ddp", "ddp_bucket_view", "sharded"):
         base = plan.layout(name)
         held = base.total - base.activations - base.transient
-        if held + figures.optimizer_temporaries > usable:
+        stepped = optimizer_temporaries(figures, base.optimizer_state if name == "sharded" else None)
+        if held + stepped > usable:
             continue
         size = min(rows - 1, int((usable - held) // peak_per_row))
         if size >= 1:
             activations = int(per_row * size)
-            transient = max(0, int(peak_per_row * size) - activations, figures.optimizer_temporaries - activations)
+            transient = max(0, int(peak_per_row * size) - activations, stepped - activations)
             return dataclasses.replace(
                 base,
                 name="micro_batch",
