@@ -59,11 +59,20 @@ def activations(shape: dict, layers: int, batch: int, sequence: int) -> dict[str
 
 
 def extended(shape: dict, measured: tuple[int, int], batch: int, sequence: int, layers: int) -> dict[str, int]:
-    """The lines through the figures at ``measured`` depths, at ``layers``."""
+    """The figures at ``layers``: activations and the optimizer step's temporaries on the line through the
+    ``measured`` depths; a forward-and-backward peak as the deeper one's, plus the activations the added layers save.
+
+    A peak is not a line: it can sit where depth does not reach (Llama 3.2 1B's is the same at 1 and 2 layers, at the
+    tied embedding's gradient), and a line through it would fall below the activations of a deeper model. Each added
+    layer holds at most its saved tensors more at any moment (its own temporaries are those of the layers measured),
+    so this is the most the deeper model's peak can be."""
     (depth_a, depth_b) = measured
     low, high = activations(shape, depth_a, batch, sequence), activations(shape, depth_b, batch, sequence)
     slope = {name: (high[name] - low[name]) / (depth_b - depth_a) for name in DEPTH_FIGURES}
-    return {name: int(low[name] + slope[name] * (layers - depth_a)) for name in DEPTH_FIGURES}
+    figures = {name: int(low[name] + slope[name] * (layers - depth_a)) for name in DEPTH_FIGURES}
+    for peak, saved in (("backward_peak", "activations"), ("backward_peak_checkpointed", "activations_checkpointed")):
+        figures[peak] = high[peak] + figures[saved] - high[saved]
+    return figures
 
 
 def main() -> None:

@@ -2,6 +2,8 @@
 
 ``sizes``: byte sizes as people write them (``80GiB``); ``measure``: what one model, optimizer and training batch
 take (parameters, gradients, DDP's buckets, optimizer state, activations counted with saved-tensor hooks);
+``devices``: how the job's device runs the step where it differs from the CPU measuring it (CUDA's foreach
+optimizer step, its allocator's blocks);
 ``plan``: those figures per layout (plain DDP, ``gradient_as_bucket_view``, optimizer sharding at a world size,
 activation checkpointing) against the device's memory; ``decisions``: the decision table, as data; ``suggestion``:
 the micro-batch ``ddp-plus check`` leaves for ``micro_batch_size="auto"`` to start from.

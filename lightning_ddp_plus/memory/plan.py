@@ -222,8 +222,9 @@ def measure_model(
     granularity = device.granularity
     groups = tuple(tuple(group) for group in parameter_figures(module, optimizer, granularity))
     buffers = sum(tensor_bytes(b, granularity) for b in module.buffers())
+    foreach = optimizer is not None and runs_foreach(optimizer, device.foreach_optimizers)
     if training_forward is None:
-        return ModelFigures(groups, buffers, activations=0, device=device)
+        return ModelFigures(groups, buffers, activations=0, optimizer_foreach=foreach, device=device)
     was_training = module.training
     module.train()
     activations = saved_activation_bytes(module, training_forward, inputs, granularity)
@@ -252,7 +253,7 @@ def measure_model(
         optimizer_temporaries=(
             stepped_copy(optimizer, device.foreach_optimizers, granularity)[1] if optimizer is not None else 0
         ),
-        optimizer_foreach=optimizer is not None and runs_foreach(optimizer, device.foreach_optimizers),
+        optimizer_foreach=foreach,
         device=device,
     )
 
