@@ -99,20 +99,20 @@ def optimizer_state_bytes(optimizer: Optimizer | None, granularity: int = 1) -> 
 
 def runs_foreach(optimizer: Optimizer, device_default: bool | None = None) -> bool:
     """Whether ``optimizer``'s step runs torch's ``foreach`` implementation: each group's own choice, else
-    ``device_default`` (torch's pick on the job's device; ``None``: here, where it is never foreach, the CPU's).
-    Classes without the option (the user's own) are taken as stepping parameter by parameter.
+    ``device_default``, torch's pick on the job's device (``None``: a per-parameter loop, the CPU's pick). Classes
+    without the option (the user's own) are taken as stepping parameter by parameter.
 
     >>> params = [torch.zeros(2, requires_grad=True)]
     >>> runs_foreach(torch.optim.AdamW(params), True), runs_foreach(torch.optim.AdamW(params, foreach=False), True)
     (True, False)
     """
-    groups = optimizer.param_groups
-    return bool(groups) and all(
-        not group.get("fused") and (group["foreach"] if group["foreach"] is not None else bool(device_default))
-        if "foreach" in group
-        else False
-        for group in groups
-    )
+
+    def group_runs_foreach(group: dict[str, Any]) -> bool:
+        if "foreach" not in group or group.get("fused"):
+            return False
+        return bool(device_default) if group["foreach"] is None else bool(group["foreach"])
+
+    return bool(optimizer.param_groups) and all(map(group_runs_foreach, optimizer.param_groups))
 
 
 def stepped_copy(
