@@ -305,19 +305,19 @@ def test_the_step_peak_is_within_ten_percent_of_a_real_step_and_never_says_fits_
     """Issue 28 part 6: a real step (forward, backward, AdamW step, under DDP with its buckets) peaks above
     parameters, gradients, state and activations by the backward's temporaries or, with a small batch, by the
     optimizer step's; the plan's step peak must be within 10 % of the peak resident set of real steps (every tensor
-    its own mapping, code paged in beforehand). The ``@cuda`` case runs CUDA's implementation (foreach AdamW) on this
-    CPU against the plan for ``device_type="cuda"``: the CPU's plan is more than 10 % under it."""
+    its own mapping, code paged in beforehand). The ``@cuda`` cases run CUDA's implementation (foreach AdamW) on this
+    CPU against the plan for ``device_type="cuda"``: where the optimizer step makes the peak, the CPU's plan is more
+    than 10 % under it."""
     import json
 
     from tests.helpers import python_script, run_job
 
-    result = run_job([*python_script("step_peak_job.py")], timeout=240, env={"MALLOC_MMAP_THRESHOLD_": str(64 * 1024)})
+    result = run_job([*python_script("step_peak_job.py")], timeout=400, env={"MALLOC_MMAP_THRESHOLD_": str(64 * 1024)})
     assert result.returncode == 0, result.stdout[-3000:]
     records = {r["case"]: r for r in map(json.loads, (l for l in result.stdout.splitlines() if l.startswith("{")))}
+    models = ("llama", "gpt2", "peft-lora")
     assert list(records) == [
-        "llama@cpu:8x256",
-        "gpt2@cpu:8x256",
-        "peft-lora@cpu:8x256",
+        *(f"{model}@{device}:8x256" for device in ("cpu", "cuda") for model in models),
         "llama-wide@cpu:1x16",
         "llama-wide@cuda:1x16",
     ]

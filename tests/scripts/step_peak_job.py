@@ -30,7 +30,11 @@ MODELS = {
     # 10.5 M parameters and a batch of a few tokens: the optimizer step, not the backward, makes the peak
     "llama-wide": lambda: tiny_llama(hidden_size=512, intermediate_size=1024, num_hidden_layers=4),
 }
-CASES = ["llama@cpu:8x256", "gpt2@cpu:8x256", "peft-lora@cpu:8x256", "llama-wide@cpu:1x16", "llama-wide@cuda:1x16"]
+CASES = [
+    *(f"{model}@{device}:8x256" for device in ("cpu", "cuda") for model in ("llama", "gpt2", "peft-lora")),
+    "llama-wide@cpu:1x16",
+    "llama-wide@cuda:1x16",
+]
 
 
 def status(key: str) -> int:
