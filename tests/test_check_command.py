@@ -105,6 +105,8 @@ def test_a_bad_device_memory_fails_before_anything_is_built(capsys):
     assert code == 1 and "`--world-size='0'` is not valid" in out
     code, out = check_in_process("no-such-file.yaml", capsys, "--device-type", "cuda:0")
     assert code == 1 and "`--device-type='cuda:0'` is not valid" in out and "Fix: e.g. `--device-type cuda`" in out
+    code, out = check_in_process("no-such-file.yaml", capsys, "--device-type=gpu")
+    assert code == 1 and "`--device-type='gpu'` is not valid" in out and "'gpu' is 'cuda' on NVIDIA GPUs" in out
 
 
 def test_without_a_size_the_plan_asks_for_one_on_cpu(capsys):

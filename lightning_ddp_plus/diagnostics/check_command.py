@@ -158,7 +158,8 @@ def plan_arguments(args: list[str]) -> tuple[list[str], PlanArguments]:
         elif not is_known_device_type(value):
             raise ValueError(
                 f"`--device-type={value!r}` is not valid: expected a torch device type without an index, such as "
-                "'cuda', 'xpu' or 'cpu'. Fix: e.g. `--device-type cuda`."
+                "'cuda', 'xpu' or 'cpu' (Lightning's accelerator 'gpu' is 'cuda' on NVIDIA GPUs). "
+                "Fix: e.g. `--device-type cuda`."
             )
         else:
             found["device_type"] = value
