@@ -276,7 +276,7 @@ def test_a_sharded_rank_holds_its_share_of_a_foreach_steps_temporaries():
     share (checked against a real foreach step over the fullest rank's parameters, from torch's partition); a
     per-parameter loop's do not (the largest parameter is on some rank)."""
     from lightning_ddp_plus.memory.measure import stepped_copy
-    from lightning_ddp_plus.memory.plan import optimizer_temporaries
+    from lightning_ddp_plus.memory.plan import optimizer_temporaries_on_rank
     from lightning_ddp_plus.sharding.partition import assign_ranks
 
     model = tiny_llama()
@@ -290,12 +290,12 @@ def test_a_sharded_rank_holds_its_share_of_a_foreach_steps_temporaries():
     fullest = max(shares, key=lambda share: sum(p.numel() for p in share))
     measured = stepped_copy(torch.optim.AdamW(fullest, foreach=True), granularity=512)[1]
     sharded = plan_layouts(figures, 4).layout("sharded")
-    planned = optimizer_temporaries(figures, sharded.optimizer_state)
+    planned = optimizer_temporaries_on_rank(figures, sharded.optimizer_state)
     assert figures.optimizer_foreach and abs(planned - measured) <= 0.02 * measured, (planned, measured)
     assert planned < 0.5 * figures.optimizer_temporaries
     on_cpu = measure_model(model, optimizer, forward, inputs=ids, checkpointing=False)
     assert not on_cpu.optimizer_foreach
-    assert optimizer_temporaries(on_cpu, plan_layouts(on_cpu, 4).layout("sharded").optimizer_state) == (
+    assert optimizer_temporaries_on_rank(on_cpu, plan_layouts(on_cpu, 4).layout("sharded").optimizer_state) == (
         on_cpu.optimizer_temporaries
     )
 

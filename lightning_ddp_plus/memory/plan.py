@@ -258,7 +258,7 @@ def measure_model(
     )
 
 
-def optimizer_temporaries(figures: ModelFigures, sharded_state: int | None) -> int:
+def optimizer_temporaries_on_rank(figures: ModelFigures, sharded_state: int | None) -> int:
     """The optimizer step's temporaries on the fullest rank: all of them without sharding (``sharded_state=None``);
     with it, a foreach step's in proportion to the state that rank steps (torch's partition of whole parameters),
     a loop's unchanged (the largest parameter is on some rank)."""
@@ -279,7 +279,7 @@ def _layout(
     activations, peak = figures.activations, figures.backward_peak
     if checkpointed and figures.activations_checkpointed is not None:
         activations, peak = figures.activations_checkpointed, figures.backward_peak_checkpointed
-    stepped = optimizer_temporaries(figures, sharded_state if sharded else None)
+    stepped = optimizer_temporaries_on_rank(figures, sharded_state if sharded else None)
     return Layout(
         name,
         title,
@@ -298,7 +298,7 @@ def _notes(figures: ModelFigures, world_size: int, shares: list[int]) -> tuple[s
     if device is not None and device.device_type != "cpu":
         notes.append(
             f"measured here as a {device.device_type} step: torch's "
-            + ("foreach" if device.foreach_optimizers else "per-parameter")
+            + ("foreach" if figures.optimizer_foreach else "per-parameter")
             + " optimizer implementation, "
             + (
                 f"each allocation rounded up to {device.granularity} bytes"
@@ -392,7 +392,7 @@ def _micro_batch_layout(plan: MemoryPlan) -> Layout | None:
     for name in ("ddp", "ddp_bucket_view", "sharded"):
         base = plan.layout(name)
         held = base.total - base.activations - base.transient
-        stepped = optimizer_temporaries(figures, base.optimizer_state if name == "sharded" else None)
+        stepped = optimizer_temporaries_on_rank(figures, base.optimizer_state if name == "sharded" else None)
         if held + stepped > usable:
             continue
         size = min(rows - 1, int((usable - held) // peak_per_row))
