@@ -97,6 +97,12 @@ def optimizer_state_bytes(optimizer: Optimizer | None, granularity: int = 1) -> 
     return stepped_copy(optimizer, granularity=granularity)[0]
 
 
+def _group_runs_foreach(group: dict[str, Any], device_default: bool | None) -> bool:
+    if "foreach" not in group or group.get("fused"):
+        return False
+    return bool(device_default) if group["foreach"] is None else bool(group["foreach"])
+
+
 def runs_foreach(optimizer: Optimizer, device_default: bool | None = None) -> bool:
     """Whether ``optimizer``'s step runs torch's ``foreach`` implementation: each group's own choice, else
     ``device_default``, torch's pick on the job's device (``None``: a per-parameter loop, the CPU's pick). Classes
@@ -106,13 +112,8 @@ def runs_foreach(optimizer: Optimizer, device_default: bool | None = None) -> bo
     >>> runs_foreach(torch.optim.AdamW(params), True), runs_foreach(torch.optim.AdamW(params, foreach=False), True)
     (True, False)
     """
-
-    def group_runs_foreach(group: dict[str, Any]) -> bool:
-        if "foreach" not in group or group.get("fused"):
-            return False
-        return bool(device_default) if group["foreach"] is None else bool(group["foreach"])
-
-    return bool(optimizer.param_groups) and all(map(group_runs_foreach, optimizer.param_groups))
+    groups = optimizer.param_groups
+    return bool(groups) and all(_group_runs_foreach(group, device_default) for group in groups)
 
 
 def stepped_copy(
@@ -129,8 +130,8 @@ def stepped_copy(
         params = [torch.zeros_like(p, requires_grad=p.requires_grad) for p in group["params"]]
         copies.append(params)
         settings = {k: v for k, v in group.items() if k != "params"}
-        if foreach is not None and settings.get("foreach", False) is None and not settings.get("fused"):
-            settings["foreach"] = foreach
+        if foreach is not None and "foreach" in settings:
+            settings["foreach"] = _group_runs_foreach(settings, foreach)
         groups.append({**settings, "params": params})
     probe = type(optimizer)(groups, **constructor_defaults(optimizer))
     for params in copies:
