@@ -11,16 +11,27 @@ PACKAGE = Path(lightning_ddp_plus.__file__).parent
 
 #: What each subpackage may import of this package (its docstring says the same); the top level may import all.
 ALLOWED = {
-    "config": set(),
+    "private_apis": set(),
+    "config": {"private_apis"},
     "demo": set(),
-    "sync": {"config"},
-    "sharding": {"config"},
-    "memory": {"config", "sharding"},
-    "conflicts": {"config"},
-    "processes": {"config"},
-    "persistence": {"config", "processes"},
-    "diagnostics": {"config", "sync", "conflicts", "memory", "processes"},
-    "engine": {"config", "sync", "sharding", "memory", "conflicts", "diagnostics", "processes", "persistence"},
+    "sync": {"config", "private_apis"},
+    "sharding": {"config", "private_apis"},
+    "memory": {"config", "sharding", "private_apis"},
+    "conflicts": {"config", "private_apis"},
+    "processes": {"config", "private_apis"},
+    "persistence": {"config", "processes", "private_apis"},
+    "diagnostics": {"config", "sync", "conflicts", "memory", "processes", "private_apis"},
+    "engine": {
+        "config",
+        "sync",
+        "sharding",
+        "memory",
+        "conflicts",
+        "diagnostics",
+        "processes",
+        "persistence",
+        "private_apis",
+    },
     "frontends": {
         "config",
         "sync",
@@ -31,6 +42,7 @@ ALLOWED = {
         "persistence",
         "engine",
         "demo",
+        "private_apis",
     },
 }
 
@@ -113,44 +125,91 @@ def test_public_names_stay_at_the_top_level():
         assert getattr(lightning_ddp_plus, name) is not None
 
 
-#: torch's private names for DDP and its reducer that the package calls: only ``sync/ddp_internals.py`` may.
-DDP_INTERNALS = {
-    "_build_params_for_reducer",
-    "_build_debug_param_to_name_mapping",
-    "_ddp_init_helper",
-    "_set_static_graph",
-    "_has_rebuilt_buckets",
-    "_comm_hooks",
-    "_remove_autograd_hooks",
-    "_bucket_config",
-    "_BucketCapacityConfig",
-    "_use_python_reducer",
-    "_DDPSink",
-    "_find_tensors",
-    "_check_reducer_finalized",
-    "_get_zeros_like_grad_buckets",
-    "_run_comm_hook",
-    "_delay_all_reduce",
-    "_get_ddp_logging_data",
-    "_execution_engine",
-    "_set_pg_timeout",
-    "_set_ddp_runtime_logging_sample_rate",
-    "set_runtime_stats_and_log",
-    "prepare_for_forward",
-    "prepare_for_backward",
-}
+#: The libraries whose private names live in ``private_apis`` only.
+FOREIGN = ("torch", "lightning", "lightning_fabric", "pytorch_lightning")
 
 
-def test_ddp_internals_are_called_from_one_module():
-    touching = set()
+def is_private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def own_private_names() -> set[str]:
+    """The underscored names this package defines: functions, classes, module names, and attributes it sets on
+    ``self``/``cls`` (what a class of its own keeps)."""
+    own = set()
     for path in PACKAGE.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            name = node.attr if isinstance(node, ast.Attribute) else getattr(node, "name", None)
-            if isinstance(node, ast.alias):
-                name = node.name
-            if name in DDP_INTERNALS:
-                touching.add(module_name(path))
-    assert touching == {"lightning_ddp_plus.sync.ddp_internals"}
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                own.add(node.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                    own.add(node.attr)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                own.add(node.id)
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                own.add(node.target.id)
+    return {name for name in own if is_private(name)}
+
+
+def lightning_strategy_members() -> set[str]:
+    """The protected members of Lightning's strategies, which a strategy subclass overrides and reads (Lightning's
+    extension API for strategies): allowed on ``self`` in the front ends."""
+    from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
+    from lightning.pytorch.strategies import DDPStrategy
+
+    members = set()
+    for strategy in (DDPStrategy(), FabricDDPStrategy()):
+        members |= {name for name in dir(strategy) if is_private(name)}
+    return members
+
+
+def foreign_private_names(path: Path, own: set[str], strategy_members: set[str]) -> list[str]:
+    """Every private name of torch or Lightning that ``path`` uses: an import of an underscored module or name, or an
+    underscored attribute that this package does not define (read on any object but ``sys`` and ``os``)."""
+    found = []
+    front_end = path.parent.name == "frontends"
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in FOREIGN:
+            names = [*node.module.split("."), *(alias.name for alias in node.names)]
+            found += [f"{path.name}:{node.lineno} {node.module}: {n}" for n in names if is_private(n)]
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                parts = alias.name.split(".")
+                if parts[0] in FOREIGN and any(is_private(part) for part in parts):
+                    found.append(f"{path.name}:{node.lineno} import {alias.name}")
+        elif isinstance(node, ast.Attribute) and is_private(node.attr):
+            holder = node.value
+            on_self = isinstance(holder, ast.Name) and holder.id in ("self", "cls")
+            if isinstance(holder, ast.Name) and holder.id in ("sys", "os"):
+                continue
+            if front_end and on_self and node.attr in strategy_members:
+                continue
+            if node.attr not in own:
+                found.append(f"{path.name}:{node.lineno} .{node.attr} on {ast.unparse(holder)}")
+    return found
+
+
+def test_private_torch_and_lightning_names_are_used_in_private_apis_only():
+    own = own_private_names()
+    members = lightning_strategy_members()
+    room = PACKAGE / "private_apis"
+    outside = [
+        found
+        for path in PACKAGE.rglob("*.py")
+        if room not in path.parents
+        for found in foreign_private_names(path, own, members)
+    ]
+    assert outside == []
+    inside = [found for path in room.glob("*.py") for found in foreign_private_names(path, own, members)]
+    assert len(inside) > 20  # the rule finds what the room holds: it can fail
+
+
+def test_the_private_api_room_says_what_each_name_is_for():
+    for path in (PACKAGE / "private_apis").glob("*.py"):
+        if path.name == "__init__.py":
+            continue
+        docstring = ast.get_docstring(ast.parse(path.read_text())) or ""
+        assert "| what |" in docstring and "probe" in docstring, path.name
 
 
 def function_lengths() -> dict[str, int]:

@@ -6,7 +6,10 @@ import math
 import re
 from datetime import timedelta
 
+import torch.distributed as dist
+
 from lightning_ddp_plus.config.messages import ArgumentTypeError, ArgumentValueError, describe_bad_value
+from lightning_ddp_plus.private_apis.torch_distributed import set_group_timeout
 
 #: torch's and Lightning's default for non-NCCL process groups, and ours for every backend.
 DEFAULT_TIMEOUT = timedelta(seconds=1800)
@@ -147,3 +150,40 @@ def check_setup_timeout(
                 "drop `setup_timeout` and raise `timeout` itself, or use a gloo or NCCL backend.",
             )
         )
+
+
+class GroupTimeouts:
+    """The default group's timeout over a fit, where ``setup_timeout`` makes it differ from ``timeout``: the setup
+    timeout until the first training step, ``timeout`` from there to the end of the fit, then the setup timeout
+    again for whatever sets up next.
+
+    Args:
+        step: ``timeout``, what a training step's collectives wait.
+        setup: ``setup_timeout`` (``None``: ``timeout`` throughout, nothing is switched).
+    """
+
+    def __init__(self, step: timedelta, setup: timedelta | None) -> None:
+        self.step, self.setup = step, setup
+        #: The fit has run a training step (so ``timeout`` is in effect).
+        self.steps_started = False
+
+    def first_step(self) -> None:
+        """At each training forward: the first one of a fit switches to ``timeout``."""
+        if not self.steps_started:
+            self.steps_started = True
+            self._switch(self.step)
+
+    def fit_ended(self) -> None:
+        if self.steps_started:
+            self.steps_started = False
+            self._switch(self.setup or self.step)
+
+    def in_effect(self) -> tuple[timedelta, str]:
+        """The timeout a collective waits now, and the argument that set it."""
+        if self.steps_started or self.setup is None:
+            return self.step, "timeout"
+        return self.setup, "setup_timeout"
+
+    def _switch(self, timeout: timedelta) -> None:
+        if self.setup is not None and dist.is_available() and dist.is_initialized():
+            set_group_timeout(timeout)

@@ -100,7 +100,7 @@ class ConflictCheck:
         info: how the resolution is logged.
     """
 
-    def __init__(self, mode: str, warn: Callable[[str], None], info: Callable[[str], None]) -> None:
+    def __init__(self, mode: ConflictMode, warn: Callable[[str], None], info: Callable[[str], None]) -> None:
         self.mode = mode
         self._warn, self._info = warn, info
         #: What the check found at the first training forward (empty before, or with ``"off"``).

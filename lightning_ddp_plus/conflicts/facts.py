@@ -33,8 +33,9 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_leaves
 from typing_extensions import Self
+
+from lightning_ddp_plus.private_apis.torch_distributed import tree_leaves
 
 REENTRANT = "reentrant"
 NON_REENTRANT = "non_reentrant"

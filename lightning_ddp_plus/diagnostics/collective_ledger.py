@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
@@ -133,3 +133,28 @@ class CollectiveLedger:
     def last(self, count: int = 8) -> list[CollectiveRecord]:
         """The last ``count`` records, oldest first (a copy: the main thread may append meanwhile)."""
         return list(self.records)[-count:]
+
+
+class BufferBroadcastRecord:
+    """DDP's buffer broadcast (``broadcast_buffers``) in the ledger: it runs between DDP's own forward pre-hooks and
+    the module's, so the record opens in the wrapper's pre-hook (``forward_starts``) and closes in the module's."""
+
+    def __init__(self, ledger: CollectiveLedger) -> None:
+        self.ledger = ledger
+        self.broadcasts = False
+        self._open = ExitStack()
+
+    def attach(self, ddp: Any, module: Any, broadcasts: bool) -> list[Any]:
+        """Start recording for a new wrapper; returns the hook handle to remove at the end of the fit."""
+        self.broadcasts = broadcasts and any(True for _ in module.buffers())
+        return [module.register_forward_pre_hook(self._broadcast_done)] if self.broadcasts else []
+
+    def forward_starts(self, ddp: Any) -> None:
+        if self.broadcasts and ddp.require_forward_param_sync:  # DDP's condition to broadcast buffers
+            self._open.enter_context(self.ledger.collective("buffer broadcast", users_call=False))
+
+    def _broadcast_done(self, module: Any, args: Any) -> None:
+        self._open.close()
+
+    def close(self) -> None:
+        self._open.close()

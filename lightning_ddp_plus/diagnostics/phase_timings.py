@@ -27,7 +27,9 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
+
+from lightning_ddp_plus.private_apis.torch_distributed import queue_backward_callback
 
 TimedPhase = Literal["data fetch", "compute", "collective wait", "optimizer step"]
 TIMED_PHASES: tuple[TimedPhase, ...] = ("data fetch", "compute", "collective wait", "optimizer step")
@@ -214,6 +216,15 @@ class StragglerWatch:
         #: Every rank's medians at the last comparison (for telemetry and the report).
         self.last_times: list[PhaseTimes] = []
         self.last_finding: StragglerFinding | None = None
+
+    def backward_starts(self, loss: Any) -> None:
+        """Before a synced backward: once its graph is computed, the rest of it is waiting for the gradient
+        all-reduce (the reducer's own callback, queued after this one, waits for it)."""
+        if loss is not None and loss.grad_fn is not None:
+            loss.grad_fn.register_prehook(lambda grad_outputs: queue_backward_callback(self._waiting))
+
+    def _waiting(self) -> None:
+        self.clock.switch("collective wait")
 
     def reset(self) -> None:
         """A new fit: no steps timed yet (the clock object stays: the ledger holds it)."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import itertools
 import json
 import os
 import sys
@@ -39,6 +40,8 @@ import torch.distributed as dist
 from lightning_ddp_plus.diagnostics.call_sites import collective_in_progress, stack_text, user_call_site
 from lightning_ddp_plus.diagnostics.collective_ledger import CollectiveLedger
 from lightning_ddp_plus.diagnostics.stalls import RankState, StallReport, explain_stall, state_of
+from lightning_ddp_plus.private_apis.torch_distributed import default_store
+from lightning_ddp_plus.processes.restart import restart_attempt, store_client
 
 #: How often the thread looks at the ledger and at the store.
 POLL_SECONDS = 0.5
@@ -217,3 +220,23 @@ def _stop_every_watchdog() -> None:
 
 def _to_stderr(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
+
+
+#: Fits in this process, for the stall watchdog's keys in the job's store.
+_FIT_NUMBERS = itertools.count(1)
+#: How long the stall watchdog's store client waits for the store (a cut link must not hold up the job's end).
+STORE_TIMEOUT = timedelta(seconds=5)
+
+
+def start_for_fit(watchdog: StallWatchdog, warn: Callable[[str], None]) -> None:
+    """Start ``watchdog`` for a new fit, on every rank of a job of two or more (every rank counts its fits alike, so
+    the fit's keys in the job's store agree, and keys of earlier fits stay apart)."""
+    if not dist.is_initialized() or dist.get_world_size() < 2:
+        return
+    store = store_client(STORE_TIMEOUT)  # fails fast on a cut link, rather than at the collective timeout
+    if store is None:
+        warn("DDPPlusStrategy: no client of the job's store could be made, so stalls are not explained.")
+        return
+    prefix = f"ddp_plus/stalls/attempt_{restart_attempt() or 0}/fit_{next(_FIT_NUMBERS)}"
+    rank = dist.get_rank()
+    watchdog.start(store, rank, dist.get_world_size(), prefix, server=default_store() if rank == 0 else None)

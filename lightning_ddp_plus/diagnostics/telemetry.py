@@ -19,8 +19,8 @@ import lightning.pytorch as pl
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_ddp_plus.diagnostics.phase_timings import TIMED_PHASES, PhaseTimes
+from lightning_ddp_plus.private_apis.torch_ddp import logging_data, set_timing_sample_rate
 from lightning_ddp_plus.sync.comm_hooks import CommHook, HookAssembly
-from lightning_ddp_plus.sync.ddp_internals import logging_data, set_timing_sample_rate
 
 _NS_PER_MS = 1e6
 _TIMINGS = {

@@ -51,12 +51,12 @@ from lightning_ddp_plus.conflicts.check import ConflictMode
 from lightning_ddp_plus.diagnostics.replicas import check_every_n_steps
 from lightning_ddp_plus.persistence.resume import ResumeMode
 from lightning_ddp_plus.persistence.world_size import WorldSizeChange
+from lightning_ddp_plus.private_apis.torch_distributed import CAN_SET_GROUP_TIMEOUT, GROUP_TIMEOUT_BACKENDS
 from lightning_ddp_plus.processes.launcher import StartMethod
 from lightning_ddp_plus.sharding.optimizer import OptimizerSharding, check_optimizer_sharding, refusals
 from lightning_ddp_plus.sync.accumulation import ShortWindow, check_accumulation_steps
 from lightning_ddp_plus.sync.buckets import check_auto_with_hook
 from lightning_ddp_plus.sync.comm_hooks import CommHook, HookFunction, check_comm_wrapper, parse_comm_hook
-from lightning_ddp_plus.sync.ddp_internals import CAN_SET_GROUP_TIMEOUT, GROUP_TIMEOUT_BACKENDS
 from lightning_ddp_plus.sync.micro_batches import check_micro_batch_size, micro_batch_refusals
 from lightning_ddp_plus.sync.uneven import UnevenInputs
 
@@ -414,6 +414,12 @@ class DDPPlusArguments:
         """The timeout the process group is created with: ``setup_timeout``, else ``timeout``."""
         assert self.setup_timeout is None or isinstance(self.setup_timeout, timedelta)
         return self.setup_timeout or self.collective_timeout
+
+    @property
+    def setup_collective_timeout(self) -> timedelta | None:
+        """``setup_timeout`` as its check parsed it (``None``: ``timeout`` throughout)."""
+        assert self.setup_timeout is None or isinstance(self.setup_timeout, timedelta)
+        return self.setup_timeout
 
     @property
     def stall_threshold(self) -> timedelta | None:

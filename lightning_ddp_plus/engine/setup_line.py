@@ -8,11 +8,14 @@ path) are spelled out below.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning_ddp_plus.config.settings import DDPSettings
 from lightning_ddp_plus.config.timeout import format_timeout
 from lightning_ddp_plus.engine.arguments import DDPPlusArguments, FrontEnd
+
+if TYPE_CHECKING:
+    from lightning_ddp_plus.engine.engine import DDPPlusEngine
 
 #: Shown first, as what the job runs on: the resolved backend, the timeout and the world size.
 _LEADING = ("process_group_backend", "timeout")
@@ -90,3 +93,11 @@ def setup_line(
     extra = f", extra={effect.settings.extra}" if effect.settings.extra else ""
     timeout = format_timeout(arguments.collective_timeout)
     return f"{front_end}: backend={backend}, timeout={timeout}, world_size={world_size}, {rest}{extra}"
+
+
+def describe_run(engine: DDPPlusEngine, front_end: FrontEnd, backend: str, world_size: int, buckets: int | None) -> str:
+    """The setup line of ``engine``'s run: every argument with the value in effect, logged by rank 0 at setup."""
+    window = engine.window
+    guard = engine.sync_guard.describe()
+    effect = InEffect(engine.settings, engine.hooks.name, window.steps, window.short_window, guard, buckets)
+    return setup_line(front_end, engine.arguments, effect, backend, world_size)

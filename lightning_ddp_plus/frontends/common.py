@@ -1,5 +1,6 @@
 """What the Trainer strategy and the Fabric strategy share: the engine built from the declared arguments, read-only
-views of it, the backend's checks, the environment, wrapping, the guarded backward and the registered names.
+views of it, the backend's checks, the environment, wrapping and the registered names. A batch's backward runs
+through ``engine.guarded_backward``, a batch in chunks through the engine's ``MicroBatchRunner``.
 
 ``DDPPlusFrontEnd`` comes first in each front end's bases, before Lightning's ``DDPStrategy`` of its framework; where
 it overrides a method both frameworks have (``setup_environment``, ``teardown``, ``_get_process_group_backend``,
@@ -9,10 +10,8 @@ it overrides a method both frameworks have (``setup_environment``, ``teardown``,
 from __future__ import annotations
 
 import os
-import time
-from collections.abc import Callable, Generator, Mapping
-from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass
+from collections.abc import Mapping
+from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -30,46 +29,21 @@ from lightning_ddp_plus.diagnostics.phase_timings import PhaseTimes
 from lightning_ddp_plus.diagnostics.telemetry import SyncTelemetry
 from lightning_ddp_plus.engine.arguments import DDPPlusArguments, FrontEnd
 from lightning_ddp_plus.engine.engine import DDPPlusEngine
+from lightning_ddp_plus.engine.setup_line import describe_run
 from lightning_ddp_plus.frontends.registry import register_names
+from lightning_ddp_plus.private_apis.torch_ddp import logging_data
+from lightning_ddp_plus.private_apis.torch_distributed import CAN_SET_GROUP_TIMEOUT, GROUP_TIMEOUT_BACKENDS
 from lightning_ddp_plus.processes import reachability
 from lightning_ddp_plus.processes.launcher import register_process_group_shutdown
 from lightning_ddp_plus.sharding.optimizer import check_overlap_backend
-from lightning_ddp_plus.sync.accumulation import SyncStats, WindowPosition
+from lightning_ddp_plus.sync.accumulation import SyncStats
 from lightning_ddp_plus.sync.buckets import BucketChoice
 from lightning_ddp_plus.sync.comm_hooks import CommHook, HookCallCounter, HookFunction
-from lightning_ddp_plus.sync.ddp_internals import CAN_SET_GROUP_TIMEOUT, GROUP_TIMEOUT_BACKENDS, logging_data
-from lightning_ddp_plus.sync.micro_batches import (
-    PHASES,
-    BatchOutOfMemory,
-    MicroBatchOutOfMemoryError,
-    OutOfMemory,
-    batch_rows,
-    default_mode_message,
-    free_memory,
-    is_out_of_memory,
-)
 from lightning_ddp_plus.sync.wrapper import wrapping_stream
 
 
 def _size(tensor: Any) -> int:
     return int(tensor.numel() * tensor.element_size()) if isinstance(tensor, Tensor) else 0
-
-
-@dataclass(frozen=True)
-class ChunksDone:
-    """A batch trained in chunks: its loss (each chunk's weighted by its rows, summed: the batch's mean for a mean
-    loss; detached, the backwards ran) and the last chunk's output of the step function."""
-
-    loss: Tensor | None
-    output: Any
-
-
-@dataclass(frozen=True)
-class BackwardDone:
-    """What a guarded backward returned, and whether a deferred uneven-inputs flag ended the epoch on this batch."""
-
-    result: Any
-    ends_epoch: bool
 
 
 class DDPPlusFrontEnd:
@@ -136,7 +110,7 @@ class DDPPlusFrontEnd:
     @property
     def sync_stats(self) -> SyncStats:
         """Synced and skipped backward passes and optimizer steps on this rank."""
-        return self.engine.sync_stats
+        return self.engine.window.stats
 
     @property
     def findings(self) -> list[Finding]:
@@ -272,156 +246,4 @@ class DDPPlusFrontEnd:
         backend = self._process_group_backend or (self.engine.arguments.backend or "auto")
         sizes = str(logging_data(ddp).get("bucket_sizes", "")) if ddp is not None else ""
         buckets = len(sizes.split(",")) if sizes else None
-        return self.engine.describe(self.front_end, backend, self.world_size, buckets)
-
-    def _guarded_backward(
-        self,
-        ddp: DistributedDataParallel,
-        loss: Tensor,
-        position: WindowPosition,
-        synced: bool,
-        *,
-        divided_by_steps: bool,
-        post_forward: bool,
-        run: Callable[[Tensor], Any],
-        restore: Callable[[], None],
-    ) -> BackwardDone:
-        """One backward through the engine: the conflict check's decision at the first one, the window's loss scale
-        (``divided_by_steps``: Lightning already divided the loss by k), ``run``, ``restore`` whatever happens, then
-        the per-step guard. A backward that raised what the guard can take over (a static graph that gained a
-        parameter) is completed by the guard, which then raises ``DDPConflictError`` or skips the step.
-        ``post_forward``: DDP's forward had finished (not so in Lightning's manual optimization)."""
-        engine = self.engine
-        loss = engine.before_backward(ddp, loss, post_forward=post_forward)
-        scale = engine.window.loss_scale(position, divided_by_steps=divided_by_steps) * engine.loss_weight()
-        if scale != 1.0:
-            loss = loss * scale
-        result: Any = loss
-        failed = False
-        try:
-            # with the loss divided by k, Lightning's loop called the backward: the user's line would be trainer.fit
-            with engine.synced_backward(synced, users_call=not divided_by_steps):
-                result = run(loss)
-        except RuntimeError as error:
-            if not (synced and engine.recovers_from(error)):
-                raise
-            failed = True
-        finally:
-            restore()
-        return BackwardDone(result, engine.after_backward(synced, failed=failed))
-
-    # ------------------------------------------------------------------ micro-batches and out-of-memory errors
-
-    def _train_in_chunks(
-        self,
-        ddp: DistributedDataParallel,
-        batch: Any,
-        *,
-        step: Callable[[Any], tuple[Tensor | None, Any]],
-        backward: Callable[[Tensor, bool], None],
-        synced: bool,
-        split_hook: Any = None,
-    ) -> ChunksDone:
-        """Train one batch in chunks of ``micro_batch_size`` rows: ``step(chunk)`` runs the forward and returns its
-        loss (``None``: nothing to backward) and output, ``backward(weighted loss, synced)`` its backward; only the
-        last chunk's is synced (when ``synced``). With ``"auto"``, an out-of-memory error on any rank runs the batch
-        again on every rank with half the rows per chunk, until it fits."""
-        sizer = self.engine.micro_batches
-        buffers = [b.detach().clone() for b in ddp.module.buffers()] if sizer.auto else []
-        broadcasts_buffers = ddp.require_forward_param_sync
-        while True:
-            started = time.perf_counter()
-            try:
-                return self._chunks_attempt(ddp, batch, step, backward, synced, split_hook)
-            except BatchOutOfMemory as agreed:
-                failures = agreed.failures
-            # the batch runs again from what it started with: running statistics, and DDP's buffer broadcast
-            for buffer, saved in zip(ddp.module.buffers(), buffers):
-                buffer.copy_(saved)
-            ddp.require_forward_param_sync = broadcasts_buffers
-            self.engine.recover_from_out_of_memory(failures, self.root_device, started)
-
-    def _chunks_attempt(
-        self,
-        ddp: DistributedDataParallel,
-        batch: Any,
-        step: Callable[[Any], tuple[Tensor | None, Any]],
-        backward: Callable[[Tensor, bool], None],
-        synced: bool,
-        split_hook: Any,
-    ) -> ChunksDone:
-        engine = self.engine
-        chunks = engine.micro_batches.chunks(batch, split_hook)
-        total = sum(chunk.rows for chunk in chunks)
-        losses: list[Tensor] = []
-        output: Any = None
-        loss: Tensor | None = None
-        weighted: Tensor | None = None
-        failure: OutOfMemory | None = None
-        for index, chunk in enumerate(chunks):
-            last = index == len(chunks) - 1
-            # the run's first backward of a static graph all-reduces, whichever chunk it is (R3, as in a window)
-            syncs = (synced and last) or engine.window.must_sync_first_backward(self.settings.static_graph)
-            phase = "forward"
-            try:
-                with nullcontext() if syncs else _sync_off(ddp):
-                    loss, output = step(chunk.data)
-                if loss is None:
-                    continue
-                weighted = loss * (chunk.rows / total)
-                losses.append(weighted.detach())
-                phase = "backward"
-                backward(weighted, syncs)
-            except BatchOutOfMemory:
-                raise
-            except Exception as error:  # only out-of-memory errors are taken over, others re-raised
-                if not (engine.micro_batches.auto and is_out_of_memory(error)):
-                    raise
-                failure = OutOfMemory(self.global_rank, phase, chunk.rows, total)
-                break
-        if failure is not None:
-            # out of the handler, the error's traceback and the attempt's graph are gone: free them before the
-            # completion allocates its buckets
-            loss = weighted = output = None
-            free_memory(self.root_device)
-            # a failed synced backward may have launched some of its buckets; before it, none was
-            engine.out_of_memory(failure, synced_backward_started=phase == "backward" and last and synced)
-        return ChunksDone(sum(losses) if losses else None, output)  # type: ignore[arg-type]
-
-    @contextmanager
-    def _out_of_memory_explained(self, batch: Any) -> Generator[None, None, None]:
-        """Where ``micro_batch_size`` is not ``"auto"``, or outside its chunks: an out-of-memory error on this rank
-        becomes ``MicroBatchOutOfMemoryError`` naming the rank, the phase, the batch's rows and the fix (left in the
-        job's store first), and another rank's collective that breaks because of it says the same, not the
-        transport's error."""
-        try:
-            yield
-        except MicroBatchOutOfMemoryError:
-            raise
-        except Exception as error:
-            engine = self.engine
-            if is_out_of_memory(error):
-                phase = engine.ledger.phase if engine.ledger.phase in PHASES else "forward"
-                rows = batch_rows(batch) or 0
-                chunk = engine.micro_batches.size or rows
-                failure = OutOfMemory(self.global_rank, phase, min(chunk, rows), rows)
-                message = default_mode_message(failure, engine.arguments.micro_batch_size)
-                engine.publish_out_of_memory(failure, message)
-                raise MicroBatchOutOfMemoryError(message) from error
-            if isinstance(error, RuntimeError) and self.world_size > 1:
-                peer = engine.peer_out_of_memory(self.world_size)
-                if peer is not None:
-                    raise MicroBatchOutOfMemoryError(peer) from None
-            raise
-
-
-@contextmanager
-def _sync_off(ddp: DistributedDataParallel) -> Generator[None, None, None]:
-    """A chunk before the batch's last: its forward prepares no all-reduce (DDP's ``no_sync``, without resetting a
-    setting the caller made)."""
-    before = ddp.require_backward_grad_sync
-    ddp.require_backward_grad_sync = False
-    try:
-        yield
-    finally:
-        ddp.require_backward_grad_sync = before
+        return describe_run(self.engine, self.front_end, backend, self.world_size, buckets)

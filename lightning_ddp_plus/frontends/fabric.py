@@ -29,11 +29,9 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Any, TypeVar
 
 import torch
-from lightning.fabric import wrappers as fabric_wrappers
 from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.strategies import DDPStrategy
-from lightning.fabric.strategies.ddp import _DDPBackwardSyncControl
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.nn import Module
@@ -43,17 +41,20 @@ from typing_extensions import override
 
 from lightning_ddp_plus.engine.arguments import takes_declared_arguments
 from lightning_ddp_plus.engine.engine import DDPPlusEngine
+from lightning_ddp_plus.engine.guarded_backward import guarded_backward
 from lightning_ddp_plus.frontends.common import DDPPlusFrontEnd
 from lightning_ddp_plus.persistence.io import AtomicCheckpoints
+from lightning_ddp_plus.private_apis.lightning import DDPBackwardSyncControl, fabric_backward
 from lightning_ddp_plus.processes.launcher import ParentWatchedFabricLauncher, nodes_of_this_attempt, watch_parent
 from lightning_ddp_plus.sharding.optimizer import refuse_clipping
 from lightning_ddp_plus.sync.accumulation import WindowPosition, scale_gradients
+from lightning_ddp_plus.sync.step_agreement import StepAgreed
 from lightning_ddp_plus.sync.uneven import PaddedBatches, RankBatches
 
 T = TypeVar("T")
 
 
-class _SyncControl(_DDPBackwardSyncControl):
+class _SyncControl(DDPBackwardSyncControl):
     """Fabric's ``no_backward_sync``, except for the run's first backward with a static graph, which torch needs
     synced (rule R3)."""
 
@@ -219,7 +220,9 @@ class DDPPlusFabricStrategy(DDPPlusFrontEnd, AtomicCheckpoints, DDPStrategy):
             self.engine.uneven.padding = False
 
     def _ends_here(self, state: RankBatches) -> bool:
-        return self._ddp is not None and self.engine.batch_starts(state, self._epoch, one_synced_backward=False)
+        return self._ddp is not None and self.engine.agreement.batch_starts(
+            state, self._epoch, one_synced_backward=False
+        )
 
     def _window_before_forward(self, ddp: DistributedDataParallel) -> None:
         window = self.engine.window
@@ -239,8 +242,8 @@ class DDPPlusFabricStrategy(DDPPlusFrontEnd, AtomicCheckpoints, DDPStrategy):
             raise RuntimeError("train_micro_batches needs the module set up first: `fabric.setup(model, optimizer)`.")
         position = self.engine.window.peek(is_last=self._next_is_last)
         synced = self.engine.window.syncs(position, self.settings.static_graph)
-        with self._out_of_memory_explained(batch):
-            done = self._train_in_chunks(
+        with self.engine.out_of_memory_reports.explained(batch, self.global_rank, self.world_size):
+            done = self.engine.micro_batch_runner.run(
                 ddp,
                 batch,
                 step=lambda chunk: (loss_of(module, chunk), None),
@@ -248,6 +251,7 @@ class DDPPlusFabricStrategy(DDPPlusFrontEnd, AtomicCheckpoints, DDPStrategy):
                     ddp, loss, module, position, synced_now, as_fabric_backward=True
                 ),
                 synced=synced,
+                rank=self.global_rank,
             )
         self._window_moves_on(position)
         return done.loss
@@ -272,23 +276,28 @@ class DDPPlusFabricStrategy(DDPPlusFrontEnd, AtomicCheckpoints, DDPStrategy):
         *args: Any,
         as_fabric_backward: bool = False,
         **kwargs: Any,
-    ) -> None:
+    ) -> StepAgreed:
         def sync_back_on() -> None:
             if self._turned_sync_off:
                 ddp.require_backward_grad_sync = True
                 self._turned_sync_off = False
 
         def run(loss: Tensor) -> None:  # marked as `fabric.backward` marks it: Fabric's module refuses others
-            fabric_wrappers._in_fabric_backward = as_fabric_backward or fabric_wrappers._in_fabric_backward
-            try:
+            with fabric_backward(as_fabric_backward):
                 super(DDPPlusFabricStrategy, self).backward(loss, module, *args, **kwargs)
-            finally:
-                if as_fabric_backward:
-                    fabric_wrappers._in_fabric_backward = False
 
-        self._guarded_backward(
-            ddp, loss, position, synced, divided_by_steps=False, post_forward=True, run=run, restore=sync_back_on
+        done = guarded_backward(
+            self.engine,
+            ddp,
+            loss,
+            position,
+            synced,
+            divided_by_steps=False,
+            post_forward=True,
+            run=run,
+            restore=sync_back_on,
         )
+        return done.agreed
 
     def _window_moves_on(self, position: WindowPosition) -> None:
         if self.engine.window.steps > 1:

@@ -35,10 +35,13 @@ from typing_extensions import override
 from lightning_ddp_plus.config.training_arguments import port_training_arguments
 from lightning_ddp_plus.diagnostics.telemetry import DDPTelemetry
 from lightning_ddp_plus.engine.arguments import takes_declared_arguments
+from lightning_ddp_plus.engine.guarded_backward import guarded_backward
 from lightning_ddp_plus.frontends.common import DDPPlusFrontEnd
 from lightning_ddp_plus.frontends.trainer_chunks import TrainerChunks
 from lightning_ddp_plus.persistence.io import AtomicCheckpoints
 from lightning_ddp_plus.persistence.resume import ResumeCoordinator
+from lightning_ddp_plus.private_apis.lightning import trainer_of, training_loaders
+from lightning_ddp_plus.private_apis.torch_ddp import flush_static_graph
 from lightning_ddp_plus.processes.launcher import (
     KillChildrenOnFailureLauncher,
     ResultsReturningLauncher,
@@ -49,7 +52,7 @@ from lightning_ddp_plus.processes.launcher import (
 from lightning_ddp_plus.processes.restart import init_process_group, under_torchrun
 from lightning_ddp_plus.sharding.optimizer import refuse_clipping
 from lightning_ddp_plus.sync.accumulation import WindowPosition, scale_gradients, window_position
-from lightning_ddp_plus.sync.ddp_internals import flush_static_graph
+from lightning_ddp_plus.sync.micro_batches import refuse_micro_batches
 from lightning_ddp_plus.sync.uneven import PaddedBatches, RankBatches, even_by_construction
 from lightning_ddp_plus.sync.wrapper import ddp_kwargs
 
@@ -111,7 +114,7 @@ class DDPPlusStrategy(DDPPlusFrontEnd, AtomicCheckpoints, DDPStrategy):
         self.engine.watch_stalls = True  # every fit ends with teardown, which stops the watchdog
         self._backward_syncs = True
         self._static_graph_flushed = False
-        self._chunks = TrainerChunks(self)
+        self._chunks = TrainerChunks(self.engine)
 
     @classmethod
     def from_training_arguments(
@@ -160,7 +163,7 @@ class DDPPlusStrategy(DDPPlusFrontEnd, AtomicCheckpoints, DDPStrategy):
         steps = self.engine.window.reconcile(trainer.accumulate_grad_batches)
         module = self._lightning_module
         manual = module is not None and not module.automatic_optimization
-        self._chunks.refuse(manual, steps, module)
+        refuse_micro_batches(self.options.micro_batch_size, manual, steps, module)
         trainer.accumulate_grad_batches = 1 if manual else steps
         return self.resume.before_launch(trainer, function, args)
 
@@ -198,7 +201,11 @@ class DDPPlusStrategy(DDPPlusFrontEnd, AtomicCheckpoints, DDPStrategy):
     @override
     def process_dataloader(self, dataloader: Any) -> Any:
         module = self.lightning_module
-        if module is not None and module._trainer is not None and module.trainer.state.stage == RunningStage.TRAINING:
+        if (
+            module is not None
+            and trainer_of(module) is not None
+            and module.trainer.state.stage == RunningStage.TRAINING
+        ):
             dataloader = self.resume.dataloader(dataloader, module.trainer)
             if self.options.uneven_inputs == "join" and not even_by_construction([dataloader]):
                 dataloader = PaddedBatches(dataloader, self.engine.uneven.padding_state)
@@ -274,9 +281,7 @@ class DDPPlusStrategy(DDPPlusFrontEnd, AtomicCheckpoints, DDPStrategy):
         if module is None or not isinstance(self.model, DistributedDataParallel):
             return
         trainer = module.trainer
-        combined = trainer.fit_loop._combined_loader  # its len() fails on iterable loaders: test it against None
-        loaders = [] if combined is None else combined.flattened
-        if self.engine.uneven.even_by_construction(trainer.current_epoch, loaders):
+        if self.engine.uneven.even_by_construction(trainer.current_epoch, training_loaders(trainer)):
             return
         progress = trainer.fit_loop.epoch_loop.batch_progress
         length = trainer.num_training_batches
@@ -286,7 +291,7 @@ class DDPPlusStrategy(DDPPlusFrontEnd, AtomicCheckpoints, DDPStrategy):
             length=int(length) if length != float("inf") else None,
         )
         one_synced_backward = module.automatic_optimization and self.gradient_accumulation_steps == 1
-        if self.engine.batch_starts(state, trainer.current_epoch, one_synced_backward):
+        if self.engine.agreement.batch_starts(state, trainer.current_epoch, one_synced_backward):
             self._end_epoch_here()
 
     def _end_epoch_here(self) -> None:
@@ -313,16 +318,29 @@ class DDPPlusStrategy(DDPPlusFrontEnd, AtomicCheckpoints, DDPStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._out_of_memory_explained(self._chunks.batch_starts(args)):
-            return (
-                self._chunks.training_step(args, kwargs)
-                if self._chunks.apply
-                else super().training_step(*args, **kwargs)
+        self._chunks.batch = args[0] if args else None
+        with self.engine.out_of_memory_reports.explained(self._chunks.batch, self.global_rank, self.world_size):
+            ddp, module = self.model, self.lightning_module
+            if not (self.engine.micro_batches.active and isinstance(ddp, DistributedDataParallel) and module):
+                return super().training_step(*args, **kwargs)
+            optimizers = module.trainer.optimizers
+            return self._chunks.run_training_step(
+                ddp,
+                module,
+                args,
+                self._position(),
+                step=lambda chunk: super(DDPPlusStrategy, self).training_step(chunk, *args[1:], **kwargs),
+                backward=lambda loss: super(DDPPlusStrategy, self).backward(
+                    loss, optimizers[0] if optimizers else None
+                ),
+                divisor=module.trainer.accumulate_grad_batches,
+                rank=self.global_rank,
+                end_epoch=self._end_epoch_here,
             )
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
-        if self._chunks.give_gradients_back():  # the chunks ran their backwards in training_step
+        if self._chunks.restore_gradients():  # the chunks ran their backwards in training_step
             return closure_loss
         ddp = self.model
         if not isinstance(ddp, DistributedDataParallel):
@@ -345,7 +363,8 @@ class DDPPlusStrategy(DDPPlusFrontEnd, AtomicCheckpoints, DDPStrategy):
             if not automatic:
                 ddp.require_backward_grad_sync = True
 
-        done = self._guarded_backward(
+        done = guarded_backward(
+            self.engine,
             ddp,
             closure_loss,
             position,
@@ -392,7 +411,8 @@ class DDPPlusStrategy(DDPPlusFrontEnd, AtomicCheckpoints, DDPStrategy):
             if not lightning_module.automatic_optimization and not self.sync_gradients:
                 rank_zero_warn(self.engine.window.step_mid_window_warning())
             closure = self._rescaling_closure(closure, optimizer)
-        with self._out_of_memory_explained(self._chunks.batch):  # the closure runs the training step and the backward
+        explained = self.engine.out_of_memory_reports.explained(self._chunks.batch, self.global_rank, self.world_size)
+        with explained:  # the closure runs the training step and the backward
             output = super().optimizer_step(optimizer, closure, model, **kwargs)
         step = self.engine.after_optimizer_step()
         if lightning_module is not None:

@@ -10,93 +10,94 @@ as after any backward.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-import lightning.pytorch as pl
-from lightning.pytorch.strategies import DDPStrategy
 from torch import Tensor
+from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
-from torch.optim import Optimizer
 
-from lightning_ddp_plus.sync.micro_batches import CHECKPOINT_KEY, refuse_micro_batches
+from lightning_ddp_plus.engine.engine import DDPPlusEngine
+from lightning_ddp_plus.engine.guarded_backward import guarded_backward
+from lightning_ddp_plus.sync.accumulation import WindowPosition
+from lightning_ddp_plus.sync.micro_batches import CHECKPOINT_KEY
 
 
 class TrainerChunks:
-    """The Trainer strategy's side of ``micro_batch_size`` (the loop over chunks is ``_train_in_chunks``)."""
+    """The Trainer strategy's side of ``micro_batch_size``: the batch's gradients kept aside between the chunks'
+    backwards (in ``training_step``) and the closure's ``backward``, and the size in checkpoints.
 
-    def __init__(self, strategy: Any) -> None:  # the DDPPlusStrategy (its module imports this one)
-        self.strategy = strategy
+    Args:
+        engine: the strategy's engine (its ``MicroBatchRunner`` runs the chunks).
+    """
+
+    def __init__(self, engine: DDPPlusEngine) -> None:
+        self.engine = engine
         self._kept: list[tuple[Tensor, Tensor | None]] | None = None
         #: The training batch running now (the out-of-memory error names its rows).
         self.batch: Any = None
 
-    def refuse(self, manual: bool, accumulation_steps: int, module: pl.LightningModule | None) -> None:
-        """Before launch: what ``micro_batch_size`` cannot run with raises (see ``refuse_micro_batches``)."""
-        refuse_micro_batches(self.strategy.options.micro_batch_size, manual, accumulation_steps, module)
-
-    def batch_starts(self, args: tuple[Any, ...]) -> Any:
-        self.batch = args[0] if args else None
-        return self.batch
-
-    @property
-    def apply(self) -> bool:
-        """The training step runs in chunks: ``micro_batch_size`` is set and the wrapper exists."""
-        strategy = self.strategy
-        return (
-            strategy.engine.micro_batches.active
-            and isinstance(strategy.model, DistributedDataParallel)
-            and strategy.lightning_module is not None
-        )
-
     def saving(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
         """The checkpoint with the size in effect, so that a resume starts from it."""
-        if self.strategy.engine.micro_batches.active:
-            checkpoint[CHECKPOINT_KEY] = self.strategy.engine.micro_batches.state_dict()
+        if self.engine.micro_batches.active:
+            checkpoint[CHECKPOINT_KEY] = self.engine.micro_batches.state_dict()
         return checkpoint
 
     def loaded(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
-        self.strategy.engine.micro_batches.load_state_dict(checkpoint.get(CHECKPOINT_KEY, {}))
+        self.engine.micro_batches.load_state_dict(checkpoint.get(CHECKPOINT_KEY, {}))
         return checkpoint
 
-    def training_step(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """The batch in chunks, each chunk's forward and backward here; returns what ``training_step`` returns,
-        with the batch's loss (detached) as its loss."""
-        strategy = self.strategy
-        ddp, module = strategy.model, strategy.lightning_module
-        trainer = module.trainer
-        position = strategy._position()
+    def run_training_step(
+        self,
+        ddp: DistributedDataParallel,
+        module: Module,
+        args: tuple[Any, ...],
+        position: WindowPosition,
+        step: Callable[[Any], Any],
+        backward: Callable[[Tensor], Any],
+        divisor: int,
+        rank: int,
+        end_epoch: Callable[[], None],
+    ) -> Any:
+        """The batch ``args[0]`` in chunks, each chunk's forward (``step``, Lightning's ``training_step``) and
+        backward (``backward``, Lightning's) here, the loss divided by ``divisor`` as Lightning's closure divides
+        it (``end_epoch``: a held uneven-inputs flag ends the epoch on this batch); returns what ``training_step``
+        returns, with the batch's loss (detached) as its loss."""
+        engine = self.engine
         parameters = [p for p in module.parameters() if p.requires_grad]
         if position.index == 0:  # Lightning zeroes only after training_step: the chunks must start from nothing
             for parameter in parameters:
                 parameter.grad = None
-        optimizer: Optimizer | None = trainer.optimizers[0] if trainer.optimizers else None
-        divisor = trainer.accumulate_grad_batches  # as Lightning's closure divides the batch's loss by k
 
-        def step(chunk: Any) -> tuple[Tensor | None, Any]:
-            output = DDPStrategy.training_step(strategy, chunk, *args[1:], **kwargs)  # Lightning's, past our override
+        def chunk_step(chunk: Any) -> tuple[Tensor | None, Any]:
+            output = step(chunk)
             loss = output.get("loss") if isinstance(output, dict) else output
             return (loss if isinstance(loss, Tensor) else None), output
 
-        def backward(loss: Tensor, synced: bool) -> None:
-            done = strategy._guarded_backward(
+        def chunk_backward(loss: Tensor, synced: bool) -> Any:
+            run = lambda scaled: backward(scaled)
+            done = guarded_backward(
+                engine,
                 ddp,
                 loss / divisor,
                 position,
                 synced,
                 divided_by_steps=True,
                 post_forward=True,
-                run=lambda loss: DDPStrategy.backward(strategy, loss, optimizer),
+                run=run,
                 restore=lambda: None,
             )
             if done.ends_epoch:
-                strategy._end_epoch_here()
+                end_epoch()
+            return done.agreed
 
-        done = strategy._train_in_chunks(
+        done = engine.micro_batch_runner.run(
             ddp,
             args[0],
-            step=step,
-            backward=backward,
+            step=chunk_step,
+            backward=chunk_backward,
             synced=ddp.require_backward_grad_sync,  # Lightning's loop blocked it mid-window
+            rank=rank,
             split_hook=getattr(module, "split_batch", None),
         )
         self._kept = [(p, p.grad) for p in parameters]
@@ -106,7 +107,7 @@ class TrainerChunks:
             return {**done.output, "loss": done.loss}
         return done.loss
 
-    def give_gradients_back(self) -> bool:
+    def restore_gradients(self) -> bool:
         """In the closure's ``backward``: put back what the chunks computed; False when no chunks ran."""
         if self._kept is None:
             return False

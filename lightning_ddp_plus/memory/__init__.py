@@ -8,5 +8,5 @@ optimizer step, its allocator's blocks);
 activation checkpointing) against the device's memory; ``decisions``: the decision table, as data; ``suggestion``:
 the micro-batch ``ddp-plus check`` leaves for ``micro_batch_size="auto"`` to start from.
 
-May import: ``config``, ``sharding``.
+May import: ``config``, ``sharding``, ``private_apis``.
 """

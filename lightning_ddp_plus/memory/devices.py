@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from lightning_ddp_plus.private_apis.torch_distributed import foreach_devices
+
 
 @dataclass(frozen=True, kw_only=True)
 class DeviceAllocation:
@@ -46,10 +48,7 @@ GRANULARITY: dict[str, int] = {"cpu": 1, "cuda": 512}
 def foreach_device_types() -> frozenset[str]:
     """The device types torch runs its optimizers' ``foreach`` implementation on by default, read from torch itself
     (the list grows between versions); CUDA alone where this torch does not publish it."""
-    from torch.utils import _foreach_utils
-
-    published = getattr(_foreach_utils, "_get_foreach_kernels_supported_devices", None)
-    return frozenset(published()) if callable(published) else frozenset({"cuda"})
+    return foreach_devices()
 
 
 def device_allocation(device_type: str) -> DeviceAllocation:

@@ -19,10 +19,9 @@ import torch
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from lightning_ddp_plus.memory.devices import rounded
+from lightning_ddp_plus.private_apis.torch_distributed import TorchDispatchMode, tree_leaves
 from lightning_ddp_plus.sharding.optimizer import constructor_defaults
 
 #: Per optimizer class: how many tensors of each parameter's size its state keeps, given the group's settings, and

@@ -90,3 +90,10 @@ def starting_size(
         None,
         f"micro_batch_size='auto' starts from the whole batch: the memory plan in {where} was made for {made_for}.",
     )
+
+
+def starting_size_in_folder(folder: str | Path, module: Module, world_size: int) -> tuple[int | None, str | None]:
+    """The size a run of ``module`` on ``world_size`` ranks starts from, read from the suggestion in ``folder`` (the
+    run's ``default_root_dir``), and the line that says which."""
+    where = str(Path(folder) / SUGGESTION_FILE)
+    return starting_size(read_suggestion(folder), parameter_count(module), world_size, where)

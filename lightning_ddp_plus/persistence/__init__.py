@@ -2,5 +2,5 @@
 stays yours), which file a resume may use (checked without unpickling), and ``resume.ResumeCoordinator``: the resume
 decided once for all ranks, loaded weights-only, and the rest of an interrupted epoch's data.
 
-May import: ``config``, ``processes``.
+May import: ``config``, ``processes``, ``private_apis``.
 """

@@ -46,9 +46,10 @@ from typing import Any
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
-from lightning.fabric.utilities.cloud_io import _load, get_filesystem
+from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
-from lightning.fabric.utilities.types import _PATH
+
+from lightning_ddp_plus.private_apis.lightning import PathLike, has_own_checkpoint_io, load_file, wrapping_checkpoint_io
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +66,7 @@ class CheckpointSaveError(OSError):
     """
 
 
-def is_local_path(path: _PATH) -> bool:
+def is_local_path(path: PathLike) -> bool:
     """Whether ``path`` is on the local (POSIX) filesystem, where a rename replaces a file atomically."""
     from fsspec.implementations.local import LocalFileSystem
 
@@ -131,7 +132,7 @@ def save_error(error: OSError, target: Path, written: int | None) -> CheckpointS
     )
 
 
-def atomic_write(target: _PATH, write: Callable[[Path], None]) -> None:
+def atomic_write(target: PathLike, write: Callable[[Path], None]) -> None:
     """Call ``write(temporary)`` for a temporary file beside ``target``, then fsync it, rename it over ``target`` and
     fsync the directory. On any failure the temporary file is removed and ``target`` is left as it was.
 
@@ -234,7 +235,7 @@ class AtomicCheckpointIO(CheckpointIO):
         """Whether ``torch.save`` writes the file itself (the wrapped IO is Lightning's own, not a subclass)."""
         return type(self.checkpoint_io) is TorchCheckpointIO
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: PathLike, storage_options: Any | None = None) -> None:
         if not is_local_path(path):
             self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
             return
@@ -255,17 +256,17 @@ class AtomicCheckpointIO(CheckpointIO):
 
         atomic_write(target, write)
 
-    def load_checkpoint(self, path: _PATH, map_location: Any | None = None, weights_only: bool | None = None) -> Any:
+    def load_checkpoint(self, path: PathLike, map_location: Any | None = None, weights_only: bool | None = None) -> Any:
         location = map_location if map_location is not None else (lambda storage, loc: storage)
         if self.writes_directly:  # Lightning's own loader, with weights_only on every Lightning version
             if not get_filesystem(path).exists(path):
                 raise FileNotFoundError(f"Checkpoint file not found: {path}")
-            return _load(path, map_location=location, weights_only=weights_only)
+            return load_file(path, map_location=location, weights_only=weights_only)
         if accepts_argument(self.checkpoint_io.load_checkpoint, "weights_only"):
             return self.checkpoint_io.load_checkpoint(path, map_location=location, weights_only=weights_only)
         return self.checkpoint_io.load_checkpoint(path, map_location=location)
 
-    def remove_checkpoint(self, path: _PATH) -> None:
+    def remove_checkpoint(self, path: PathLike) -> None:
         self.checkpoint_io.remove_checkpoint(path)
 
     def teardown(self) -> None:
@@ -276,14 +277,6 @@ class AtomicCheckpointIO(CheckpointIO):
             self._cleaned.add(directory)
             for path in remove_stale_temporaries(directory):
                 log.info(f"Removed {path}, the temporary file of a save that was killed before this run.")
-
-
-def _async_wrapper_class() -> type | None:
-    try:
-        from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
-    except ImportError:
-        return None
-    return _WrappingCheckpointIO
 
 
 class AtomicCheckpoints:
@@ -311,12 +304,12 @@ class AtomicCheckpoints:
     def _give_atomic_default(self) -> None:
         """Where Lightning would create a ``TorchCheckpointIO`` (none passed, or an async IO without an IO of its
         own), create the atomic one instead."""
-        wrapping = _async_wrapper_class()
+        wrapping = wrapping_checkpoint_io()
         if self._checkpoint_io is None:
             self._checkpoint_io = AtomicCheckpointIO()
         elif wrapping is not None and isinstance(self._checkpoint_io, wrapping):
             async_io: Any = self._checkpoint_io
-            if not async_io._base_checkpoint_io_configured:
+            if not has_own_checkpoint_io(async_io):
                 async_io.checkpoint_io = AtomicCheckpointIO()
 
     def save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
@@ -338,7 +331,7 @@ class AtomicCheckpoints:
 
 
 def _saves_atomically(io: CheckpointIO) -> bool:
-    wrapping = _async_wrapper_class()
+    wrapping = wrapping_checkpoint_io()
     if wrapping is not None and isinstance(io, wrapping):
         return isinstance(getattr(io, "checkpoint_io", None), AtomicCheckpointIO)
     return isinstance(io, AtomicCheckpointIO)

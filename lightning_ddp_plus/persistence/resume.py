@@ -58,6 +58,14 @@ from lightning_ddp_plus.persistence.world_size import (
     WorldSizeChange,
     plan_world_size_change,
 )
+from lightning_ddp_plus.private_apis.lightning import (
+    lightning_last_checkpoint,
+    route_resume_start,
+    trainer_of,
+    training_loaders,
+    update_dataloader,
+    user_chose_checkpoint,
+)
 from lightning_ddp_plus.processes.restart import restart_attempt
 
 #: ``resume_from_last``: ``"on_restart"`` resumes an attempt that torchrun restarted after a failure.
@@ -284,7 +292,7 @@ class ResumeCoordinator:
             return args
         parameters = list(inspect.signature(function).parameters)
         index = parameters.index("ckpt_path") if "ckpt_path" in parameters else None
-        if index is None or index >= len(args) or trainer._checkpoint_connector._user_managed:
+        if index is None or index >= len(args) or user_chose_checkpoint(trainer):
             return args
         if args[index] == "last":
             self._request = "last"
@@ -293,33 +301,19 @@ class ResumeCoordinator:
             self._info(f"DDPPlusStrategy: attempt {restart_attempt()} resumes from the newest readable checkpoint.")
         else:
             return args
-        self._route_resume_start(trainer)
+        # Lightning resolves ``ckpt_path`` in its connector's ``resume_start``, before any public hook runs
+        route_resume_start(
+            trainer, lambda path: self.choose_on_every_rank(trainer) if path == NEWEST_READABLE else path
+        )
         return (*args[:index], NEWEST_READABLE, *args[index + 1 :])
-
-    def _route_resume_start(self, trainer: Any) -> None:
-        connector = trainer._checkpoint_connector
-        resume_start = type(connector).resume_start.__get__(connector)
-
-        def resume_start_with_choice(checkpoint_path: Any = None, *args: Any, **kwargs: Any) -> None:
-            if checkpoint_path == NEWEST_READABLE:
-                checkpoint_path = self.choose_on_every_rank(trainer)
-            resume_start(checkpoint_path, *args, **kwargs)
-
-        connector.resume_start = resume_start_with_choice
 
     def choose_on_every_rank(self, trainer: Any) -> Any:
         """Rank 0 chooses, every rank gets its choice (a collective), and the path Lightning should load."""
-        from lightning.pytorch.trainer.states import TrainerFn
-
         choice = choose(trainer, self.strategy.checkpoint_io) if self.strategy.is_global_zero else None
         choice = self.strategy.broadcast(choice)
 
-        def lightning_last() -> Any:
-            return trainer._checkpoint_connector._parse_ckpt_path(
-                TrainerFn.FITTING, "last", model_provided=True, model_connected=True
-            )
-
         directories, _ = checkpoint_directories(trainer)
+        lightning_last = lambda: lightning_last_checkpoint(trainer)
         path = resolve(choice, self._request, directories, lightning_last, self._warn, self._info)
         self.chosen = None if path is None else str(path)
         return path
@@ -361,14 +355,14 @@ class ResumeCoordinator:
         self, checkpoint: dict[str, Any], module: Any, accumulation: int, micro_batch_size: int | None = None
     ) -> dict[str, Any]:
         """The checkpoint with the layout it is taken with (``DataLayout``), during a fit of ``module``."""
-        trainer = getattr(module, "_trainer", None)
+        trainer = trainer_of(module)
         if trainer is None:
             return checkpoint
         try:
             checkpoint[GENERATORS_KEY] = every_ranks_generator_states()
         except RuntimeError as error:  # a peer is gone (a save while the job fails): the rest of the save still counts
             self._warn(f"DDPPlusStrategy: the checkpoint keeps no random generator states ({error}).")
-        loaders = [] if trainer.fit_loop._combined_loader is None else trainer.fit_loop._combined_loader.flattened
+        loaders = training_loaders(trainer)
         loader = loaders[0] if len(loaders) == 1 and isinstance(loaders[0], DataLoader) else None
         if loader is None or loader.batch_size is None:
             return checkpoint
@@ -404,21 +398,17 @@ class ResumeCoordinator:
             return self._resume_on_another_world_size(dataloader, trainer, layout, plan, counted)  # type: ignore[arg-type]
         if consumed == 0 or not isinstance(dataloader, DataLoader) or dataloader.batch_size is None:
             return dataloader
-        from lightning.pytorch.utilities.data import _update_dataloader
-
         self._info(
             f"DDPPlusStrategy: resuming mid-epoch, skipping the {consumed} batches the epoch had consumed before the "
             "checkpoint (Lightning's warning that the loader is not resumable does not apply: the sampler is)."
         )
-        return _update_dataloader(dataloader, SkipFirstSampler(dataloader.sampler, consumed * dataloader.batch_size))
+        return update_dataloader(dataloader, SkipFirstSampler(dataloader.sampler, consumed * dataloader.batch_size))
 
     def _resume_on_another_world_size(
         self, dataloader: Any, trainer: Any, layout: DataLayout, plan: Any, consumed: int
     ) -> Any:
         """Accumulation as planned, the loop's batch counters in the new layout's batches, and the rest of the
         epoch's permutation dealt to the new ranks (``ResumeAtSample``)."""
-        from lightning.pytorch.utilities.data import _update_dataloader
-
         sampler = getattr(dataloader, "sampler", None)
         stateful = callable(getattr(dataloader, "state_dict", None)) and callable(
             getattr(dataloader, "load_state_dict", None)
@@ -447,4 +437,4 @@ class ResumeCoordinator:
         self._info(f"DDPPlusStrategy: {plan.message}.")
         if layout.batches_consumed == 0:  # an epoch's start: the sampler's own order, from its first sample
             return dataloader
-        return _update_dataloader(dataloader, ResumeAtSample(sampler, samples, trainer.current_epoch))
+        return update_dataloader(dataloader, ResumeAtSample(sampler, samples, trainer.current_epoch))

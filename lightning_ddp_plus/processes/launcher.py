@@ -23,12 +23,15 @@ from typing import Any, Literal
 
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import TorchElasticEnvironment
-from lightning.fabric.strategies.launchers.subprocess_script import (
-    _SubprocessScriptLauncher as _FabricSubprocessScriptLauncher,
-)
-from lightning.fabric.utilities.distributed import _destroy_dist_connection
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from typing_extensions import override
+
+from lightning_ddp_plus.private_apis.lightning import (
+    FabricSubprocessScriptLauncher,
+    MultiProcessingLauncher,
+    SubprocessScriptLauncher,
+    destroy_dist_connection,
+)
+from lightning_ddp_plus.private_apis.torch_distributed import default_group
 
 #: How the ranks are started (Lightning's launchers): ``popen`` re-runs the script, the others start workers.
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
@@ -65,7 +68,7 @@ def nodes_of_this_attempt(
     )
 
 
-class ParentWatchedFabricLauncher(_FabricSubprocessScriptLauncher):
+class ParentWatchedFabricLauncher(FabricSubprocessScriptLauncher):
     """Fabric's popen launcher, plus: the child ranks it starts exit as soon as the launching process is gone
     (``watch_parent``). ``fabric.launch()`` returns to the user's script in rank 0, so a failure there never passes
     through the launcher, and without this the children would wait in their next collective until the timeout."""
@@ -88,7 +91,7 @@ class _SettlesBeforeLaunch:
         return args
 
 
-class KillChildrenOnFailureLauncher(_SettlesBeforeLaunch, _SubprocessScriptLauncher):
+class KillChildrenOnFailureLauncher(_SettlesBeforeLaunch, SubprocessScriptLauncher):
     """Lightning's popen launcher, plus: if rank 0 fails, its child ranks are killed before the error propagates."""
 
     def __init__(self, *args: Any, before_launch: BeforeLaunch | None = None, **kwargs: Any) -> None:
@@ -107,7 +110,7 @@ class KillChildrenOnFailureLauncher(_SettlesBeforeLaunch, _SubprocessScriptLaunc
             raise
 
 
-class ResultsReturningLauncher(_SettlesBeforeLaunch, _MultiProcessingLauncher):
+class ResultsReturningLauncher(_SettlesBeforeLaunch, MultiProcessingLauncher):
     """Lightning's spawn/fork launcher, plus ``before_launch`` and the strategy's results (findings, counts,
     resolved settings) carried from rank 0's worker back to the strategy object in the launching process."""
 
@@ -172,7 +175,7 @@ def register_process_group_shutdown() -> None:
     """
     global _registered
     if dist.is_available() and dist.is_initialized():
-        group = dist.distributed_c10d._get_default_group()
+        group = default_group()
         if not any(held is group for held in _held_groups):
             _held_groups.append(group)
     if not _registered:
@@ -182,7 +185,7 @@ def register_process_group_shutdown() -> None:
 
 def _shutdown_process_group() -> None:
     gc.collect()
-    _destroy_dist_connection()
+    destroy_dist_connection()
     _held_groups.clear()
     gc.collect()
 

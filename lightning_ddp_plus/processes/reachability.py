@@ -8,9 +8,7 @@ other rank's host. A host that refuses the connection answered, so it is reachab
 route to host" / "Network is unreachable", is cut off. The note then says which: a peer is unreachable (the link or
 that node is down), or every host answers (a rank is hung or crashed: read its log).
 
-torch internals: the job's store is reached with ``torch.distributed.distributed_c10d._get_default_store`` (private
-in every torch release; tested on 2.13.0, 2.14.1 and 2.15.0). It is this module's only call outside torch's public
-API; the calls into DDP's own internals are ``sync/ddp_internals.py``'s.
+The job's store is reached through ``private_apis.torch_distributed.default_store`` (torch keeps it private).
 """
 
 from __future__ import annotations
@@ -22,6 +20,8 @@ from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
+
+from lightning_ddp_plus.private_apis.torch_distributed import default_store
 
 PROBE_SECONDS = 2.0
 MAX_HOSTS_PROBED = 32
@@ -44,7 +44,7 @@ def publish_host() -> None:
     master_addr, master_port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if not dist.is_initialized() or not master_addr or not master_port:
         return
-    store = dist.distributed_c10d._get_default_store()
+    store = default_store()
     _published["address"] = outgoing_address(master_addr, int(master_port))
     store.set(_KEY.format(rank=dist.get_rank()), _published["address"])
 
@@ -92,7 +92,7 @@ def diagnose() -> str | None:
             f"({master_problem}), so the link between the nodes, or that node, is down."
         )
     try:
-        hosts = _peer_hosts(dist.distributed_c10d._get_default_store(), world_size, rank)
+        hosts = _peer_hosts(default_store(), world_size, rank)
     except Exception:  # noqa: BLE001 - without the store no peer can be named
         hosts = {}
     others = sorted({address for address in hosts.values() if address != own})[:MAX_HOSTS_PROBED]

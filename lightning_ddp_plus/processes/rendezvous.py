@@ -15,7 +15,8 @@ This handler is ``c10d``'s, with two changes, both made after torch's own rendez
   restart count says. It reaches the workers as ``DDP_PLUS_RENDEZVOUS_ATTEMPT`` (``processes.restart`` reads it):
   a membership change is an attempt like a restart, so the joined attempt resumes from the last checkpoint.
 
-The rendezvous settings (``--rdzv-conf``) are ``c10d``'s. torch finds the backend through the ``torchrun.handlers``
+The rendezvous settings (``--rdzv-conf``) are ``c10d``'s, read as torch's ``create_handler`` reads them. What it reads
+of torch's handler state is reached through ``private_apis.torch_distributed.RoundRecordingHandler``. torch finds the backend through the ``torchrun.handlers``
 entry point, which names the small ``lightning_ddp_plus_rendezvous`` module, so that a torchrun agent that does not
 use this backend does not import Lightning.
 """
@@ -23,13 +24,14 @@ use this backend does not import Lightning.
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 
-from torch.distributed import Store
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo, RendezvousParameters
 from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler, create_handler
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousTimeout
 
+from lightning_ddp_plus.private_apis.torch_distributed import RoundRecordingHandler
 from lightning_ddp_plus.processes.restart import RENDEZVOUS_ATTEMPT_ENV
 
 #: ``torchrun --rdzv-backend ddp-plus`` (the ``torchrun.handlers`` entry point in pyproject.toml)
@@ -37,17 +39,12 @@ BACKEND_NAME = "ddp-plus"
 FIRST_ROUND_KEY = "ddp_plus/first_round"
 
 
-class RoundByRoundRendezvousHandler(DynamicRendezvousHandler):
+class RoundByRoundRendezvousHandler(RoundRecordingHandler):
     """``c10d``'s handler that publishes the workers' store address in every round and numbers the attempts by the
     round (see the module's docstring)."""
 
     def get_backend(self) -> str:
         return BACKEND_NAME  # torchrun checks it against the name it was asked for
-
-    def _get_store(self) -> Store:
-        # the round whose keys the round's store holds, read once: the heartbeat thread may sync a newer state later
-        self._store_round: int = self._state_holder.state.round
-        return super()._get_store()
 
     def next_rendezvous(self) -> RendezvousInfo:
         info = super().next_rendezvous()
@@ -63,16 +60,31 @@ class RoundByRoundRendezvousHandler(DynamicRendezvousHandler):
                 master_addr=store.get(RendezvousStoreInfo.MASTER_ADDR_KEY).decode(),
                 master_port=int(store.get(RendezvousStoreInfo.MASTER_PORT_KEY).decode()),
             )
-            self._bootstrap_store_info = address
-        first = self._store.compare_set(f"{FIRST_ROUND_KEY}/{self._settings.run_id}", "", str(self._store_round))
+            self.use_workers_store(address)
+        first = self.rendezvous_store.compare_set(f"{FIRST_ROUND_KEY}/{self.run_id}", "", str(self.store_round))
         # the agent starts its workers with its own environment, read when they start
-        os.environ[RENDEZVOUS_ATTEMPT_ENV] = str(self._store_round - int(first.decode()))
+        os.environ[RENDEZVOUS_ATTEMPT_ENV] = str(self.store_round - int(first.decode()))
         return RendezvousInfo(store, rank, info.world_size, address)
 
 
+def _timeout(params: RendezvousParameters, key: str) -> timedelta | None:
+    seconds = params.get_as_int(f"{key}_timeout")
+    return None if seconds is None else timedelta(seconds=seconds)
+
+
 def create_round_by_round_handler(params: RendezvousParameters) -> RendezvousHandler:
-    """The handler for ``--rdzv-backend ddp-plus``: ``c10d``'s store and state, this module's rounds."""
+    """The handler for ``--rdzv-backend ddp-plus``: ``c10d``'s store, state and settings, this module's rounds."""
     backend, store = create_backend(params)
-    handler = create_handler(store, backend, params)
-    handler.__class__ = RoundByRoundRendezvousHandler  # c10d's factory builds the base class; the state is the same
+    timeout = RendezvousTimeout(*(_timeout(params, key) for key in ("join", "last_call", "close", "heartbeat")))
+    handler: RendezvousHandler = RoundByRoundRendezvousHandler.from_backend(
+        params.run_id,
+        store,
+        backend,
+        params.min_nodes,
+        params.max_nodes,
+        params.local_addr,
+        timeout,
+        keep_alive_interval=params.get_as_int("keep_alive_interval", 5) or 5,
+        keep_alive_max_attempt=params.get_as_int("keep_alive_max_attempt", 3) or 3,
+    )
     return handler

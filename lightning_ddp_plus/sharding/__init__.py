@@ -4,5 +4,5 @@
 uses it); ``optimizer``: wrapping an optimizer in ``ZeroRedundancyOptimizer`` with its class, hyperparameters and
 parameter groups, what each mode refuses and why, and the overlap hook.
 
-May import: ``config``.
+May import: ``config``, ``private_apis``.
 """

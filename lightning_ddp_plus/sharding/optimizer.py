@@ -30,6 +30,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_ddp_plus.config.messages import ArgumentTypeError, ArgumentValueError, describe_bad_value
+from lightning_ddp_plus.private_apis.torch_distributed import mark_stepped, zero_overlaps_with_ddp
 
 OptimizerSharding = bool | Literal["overlap"]
 SHARDING_VALUES: tuple[object, ...] = (False, True, "overlap")
@@ -139,8 +140,8 @@ class ShardedOptimizer(ZeroRedundancyOptimizer):
     @override
     def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:  # type: ignore[override]
         if self.replaced is not None:
-            self.replaced._opt_called = True  # type: ignore[attr-defined]  # a scheduler on it checks this
-        if self._overlap_with_ddp:
+            mark_stepped(self.replaced)  # a scheduler on it checks this
+        if zero_overlaps_with_ddp(self):
             # the step ran inside the backward (the overlap hook); Lightning's closure still has to run it
             return closure() if closure is not None else None
         return super().step(closure=closure, **kwargs)
@@ -237,3 +238,35 @@ def state_bytes(optimizer: Optimizer) -> int:
         for value in per_parameter.values()
         if isinstance(value, torch.Tensor)
     )
+
+
+def shard_optimizers(
+    optimizers: list[Optimizer],
+    mode: OptimizerSharding,
+    ddp: DistributedDataParallel | None,
+    static_graph: bool,
+    info: Callable[[str], None],
+) -> list[Optimizer]:
+    """With ``optimizer_sharding``: each optimizer as a ``ShardedOptimizer`` (ZeRO-1), with the overlap hook
+    registered on ``ddp`` for ``"overlap"``; else ``optimizers`` itself."""
+    if not mode:
+        return optimizers
+    overlap = mode == "overlap"
+    if overlap and len(optimizers) != 1:
+        raise ValueError(
+            f"`optimizer_sharding='overlap'` runs one optimizer inside DDP's backward, and {len(optimizers)} were "
+            "given. Fix: use `optimizer_sharding=True` with several optimizers."
+        )
+    sharded = [shard(optimizer, overlap=overlap) for optimizer in optimizers]
+    if overlap:
+        if ddp is None:  # the step would then run nowhere: ShardedOptimizer.step only runs the closure
+            raise RuntimeError(
+                "optimizer_sharding='overlap' needs the module wrapped before its optimizer: set up the module "
+                "first (`fabric.setup(model, optimizer)`, or `fabric.setup_module` before `setup_optimizers`)."
+            )
+        register_overlap(ddp, sharded[0])
+        info(
+            "DDPPlusStrategy: optimizer_sharding='overlap': torch applies no parameter update in the first "
+            f"{OVERLAP_WARMUP_STEPS[static_graph]} optimizer steps, while it learns DDP's gradient buckets."
+        )
+    return list(sharded)

@@ -1,8 +1,7 @@
 """Synchronization: how gradients are all-reduced and how the ranks stay in step. Accumulation windows (one
 all-reduce per optimizer step), bucket sizes, communication hooks, uneven inputs, building the DDP wrapper
 (``wrapper``), the per-step guard that every synced backward all-reduced every bucket (``step_guard``) and the small
-gloo group it and uneven inputs agree on (``side_channel``), and ``ddp_internals``: the one module that calls DDP's
-private API, with the torch names and probes it relies on.
+gloo group it and uneven inputs agree on (``side_channel``). DDP's private API is reached through ``private_apis``.
 
-May import: ``config``.
+May import: ``config``, ``private_apis``.
 """

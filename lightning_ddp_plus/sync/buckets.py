@@ -22,8 +22,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_ddp_plus.config.messages import ArgumentValueError, describe_bad_value
+from lightning_ddp_plus.private_apis.torch_ddp import logging_data, record_runtime_stats, set_bucket_cap
 from lightning_ddp_plus.sync.comm_hooks import CommHook
-from lightning_ddp_plus.sync.ddp_internals import logging_data, record_runtime_stats, set_bucket_cap
 
 #: The sizes ``"auto"`` tries, in MiB; ``None`` is torch's default (25 MiB with a 1 MiB first bucket).
 AUTO_BUCKET_CANDIDATES_MB: tuple[float | None, ...] = (None, 1, 5, 100)

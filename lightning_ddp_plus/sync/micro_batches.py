@@ -7,9 +7,10 @@ change.
 
 With ``micro_batch_size="auto"`` an out-of-memory error on any rank makes every rank drop the batch's gradients,
 halve the size and run the same batch again. The pure parts live here (what a batch's rows are, how it is split,
-which errors are out-of-memory, the size after a failure, the messages); the engine runs the agreement, because it
-rides on the per-step guard's (``step_guard``): a rank that failed tells the others there, after issuing the bucket
-all-reduces the others' backward waits for, so no rank is left waiting inside its backward.
+which errors are out-of-memory, the size after a failure, the messages); ``micro_batch_runner`` runs a batch's
+chunks and attempts, and the agreement rides on the per-step guard's (``step_agreement``): a rank that failed tells
+the others there, after issuing the bucket all-reduces the others' backward waits for, so no rank is left waiting
+inside its backward.
 """
 
 from __future__ import annotations
@@ -336,16 +337,6 @@ class SizeChange:
     attempt_seconds: float
 
 
-class BatchOutOfMemory(Exception):
-    """Raised on every rank once the ranks agreed that some rank ran out of memory in this batch's attempt: the
-    front end's loop over chunks catches it and runs the batch again with smaller chunks. Never leaves the
-    strategy."""
-
-    def __init__(self, failures: Sequence[OutOfMemory]) -> None:
-        super().__init__(describe_failures(failures))
-        self.failures = list(failures)
-
-
 class MicroBatchSizer:
     """Owns ``micro_batch_size``: the size in effect, how a batch is split, and the size after an out-of-memory
     error that every rank agreed on.
@@ -413,6 +404,9 @@ class MicroBatchSizer:
             self.size = size
 
 
+#: torch's batch normalizations (their shared base class is private).
+_BATCH_NORMS = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d, torch.nn.SyncBatchNorm)
+
 #: Where a Trainer checkpoint keeps the size in effect.
 CHECKPOINT_KEY = "ddp_plus_micro_batches"
 
@@ -444,7 +438,7 @@ def refuse_micro_batches(setting: MicroBatchSize, manual: bool, accumulation_ste
                 "global batch: 'auto' then splits it as memory allows), or use a fixed `micro_batch_size`.",
             )
         )
-    if module is not None and any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in module.modules()):
+    if module is not None and any(isinstance(m, _BATCH_NORMS) for m in module.modules()):
         rank_zero_warn(
             f"micro_batch_size={setting!r}: the model has batch normalization, whose statistics are then computed "
             "per chunk, not per batch (its running statistics too); the gradients differ from the whole batch's.",

@@ -37,15 +37,15 @@ import torch.distributed as dist
 from torch.nn import Parameter
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_ddp_plus.sync.ddp_internals import (
+from lightning_ddp_plus.private_apis.torch_ddp import (
     can_complete_reductions,
-    default_store,
     has_comm_hook,
     reducer_parameters,
     reducer_unfinished,
     run_bucket_hook,
     zeroed_buckets,
 )
+from lightning_ddp_plus.private_apis.torch_distributed import default_store
 from lightning_ddp_plus.sync.side_channel import SideChannel
 
 #: torch's reducer names the parameters of this backward that got no gradient (``_check_reducer_finalized``).
@@ -123,17 +123,17 @@ def settle_gradients(
         return False
     skip = {id(p) for p in no_rank_had}
     kept = [p for p in parameters if id(p) not in skip]
-    for parameter in kept:
-        if parameter.grad is None:
-            parameter.grad = torch.zeros_like(parameter)
-    flat = torch._utils._flatten_dense_tensors([p.grad for p in kept])
+    gradients = [torch.zeros_like(p) if p.grad is None else p.grad for p in kept]
+    for parameter, gradient in zip(kept, gradients):
+        parameter.grad = gradient
+    flat = torch.cat([gradient.reshape(-1) for gradient in gradients])
     if finished_ranks:
         dist.broadcast(flat, src=finished_ranks[0], group=ddp.process_group)  # the side channel's ranks: the world
     else:
         flat.div_(ddp.process_group.size())  # as the reducer does, before the sum
         dist.all_reduce(flat, group=ddp.process_group)
-    for parameter, value in zip(kept, torch._utils._unflatten_dense_tensors(flat, [p.grad for p in kept])):
-        parameter.grad.copy_(value)
+    for gradient, value in zip(gradients, flat.split([g.numel() for g in gradients])):
+        gradient.copy_(value.view_as(gradient))
     for parameter in parameters:
         if id(parameter) in skip:
             parameter.grad = None
@@ -232,6 +232,12 @@ class SyncGuard:
     def agrees_through_store(self) -> bool:
         """The ranks agree through the job's store instead of an all-reduce per step (gloo gradient groups)."""
         return self._store is not None
+
+    def describe(self) -> str:
+        """How the guard runs, for the setup line."""
+        if not self._active:
+            return "on (checked once the wrapper is built)" if self.enabled else "off"
+        return "on (store)" if self.agrees_through_store else "on (all-reduce per step)"
 
     def attach(self, ddp: DistributedDataParallel) -> None:
         self._active, self._store, self._agreement_requested = False, None, False

@@ -1,5 +1,5 @@
 """Building ``DistributedDataParallel`` from the settings, on the model's own device stream, with the buffers the
-settings promise. Changing a built wrapper's reducer is ``ddp_internals``'.
+settings promise. Changing a built wrapper's reducer is ``private_apis.torch_ddp``'s.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from torch.nn import Module
 from torch.nn.parallel.distributed import DistributedDataParallel
 
 from lightning_ddp_plus.config.settings import DDPSettings
-from lightning_ddp_plus.sync.ddp_internals import HAS_FORWARD_SYNC_BUFFERS
+from lightning_ddp_plus.private_apis.torch_ddp import HAS_FORWARD_SYNC_BUFFERS
 
 __all__ = ["HAS_FORWARD_SYNC_BUFFERS", "ddp_kwargs", "wrap_module", "wrapping_stream"]
 

@@ -2,7 +2,7 @@
 
 The rest of the package calls these functions, never the underscored names themselves (``tests/test_layout.py``
 checks that), so what depends on a torch release is listed here, and a torch that changes one of them breaks one
-function, whose probe says so.
+function, whose probe says so. torch's private names outside DDP are ``torch_distributed``'s.
 
 | what | torch names used | probe, and what happens without it |
 |---|---|---|
@@ -12,9 +12,6 @@ function, whose probe says so.
 | did the reducer finish, and finishing it (``reducer_unfinished``, ``zeroed_buckets``, ``run_bucket_hook``) | ``reducer._check_reducer_finalized``, ``_get_zeros_like_grad_buckets``, ``_run_comm_hook`` | ``can_complete_reductions``: where it is False the per-step guard is off, with a warning that says so |
 | a static graph's first delayed all-reduce (``flush_static_graph``) | ``reducer._delay_all_reduce`` | none |
 | runtime timings (``logging_data``, ``record_runtime_stats``, ``set_timing_sample_rate``) | ``_get_ddp_logging_data``, ``logger.set_runtime_stats_and_log``, ``_set_ddp_runtime_logging_sample_rate`` | none |
-| the job's store (``default_store``) | ``distributed_c10d._get_default_store`` | ``None`` where it raises: the guard then agrees by all-reduce |
-| the moment a backward's autograd graph is computed, before the gradient all-reduce is waited for (``queue_backward_callback``) | ``Variable._execution_engine.queue_callback``, which DDP's reducer itself uses to finalize | none |
-| a process group's timeout after its creation (``set_group_timeout``) | ``distributed_c10d._set_pg_timeout`` (gloo and NCCL groups) | ``CAN_SET_GROUP_TIMEOUT``: without it ``setup_timeout`` is refused before launch |
 | ``broadcast_buffers`` without a deprecation warning | ``forward_sync_buffers`` (public in torch 2.13) | ``HAS_FORWARD_SYNC_BUFFERS``: older releases get ``broadcast_buffers`` |
 
 Tested on torch 2.13.0 (CI), 2.14.1 and 2.15.0 (``docs/install.md`` lists the runs); the package's range is
@@ -25,13 +22,10 @@ from __future__ import annotations
 
 import inspect
 import weakref
-from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 from torch import Tensor
-from torch.autograd import Variable
 from torch.nn import Parameter
 from torch.nn.parallel.distributed import DistributedDataParallel, _DDPSink, _find_tensors
 
@@ -162,29 +156,3 @@ def record_runtime_stats(ddp: DistributedDataParallel) -> None:
 def set_timing_sample_rate(ddp: DistributedDataParallel, rate: int) -> None:
     """torch times the first 10 synced iterations, then every ``rate``-th."""
     ddp._set_ddp_runtime_logging_sample_rate(rate)
-
-
-def default_store() -> Any:
-    """The job's store (the default process group's), or ``None`` where this torch does not expose it."""
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except (RuntimeError, ValueError, AttributeError):
-        return None
-
-
-def queue_backward_callback(callback: Callable[[], None]) -> None:
-    """Run ``callback`` when the running backward's graph is computed (called from an autograd hook, during the
-    backward). Callbacks run in the order queued: one queued at the start of a backward runs before the reducer's
-    own, which waits for the gradient all-reduce."""
-    Variable._execution_engine.queue_callback(callback)
-
-
-#: Whether this torch can change a process group's timeout once the group exists (``setup_timeout`` needs it).
-CAN_SET_GROUP_TIMEOUT = hasattr(dist.distributed_c10d, "_set_pg_timeout")
-#: The backends whose groups ``_set_pg_timeout`` changes (it warns and does nothing on the others).
-GROUP_TIMEOUT_BACKENDS = ("gloo", "nccl")
-
-
-def set_group_timeout(timeout: timedelta, group: Any = None) -> None:
-    """The timeout of the collectives ``group`` (default: the default group) runs from now on."""
-    dist.distributed_c10d._set_pg_timeout(timeout, group)

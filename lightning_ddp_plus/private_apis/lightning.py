@@ -1,0 +1,120 @@
+"""Lightning's private names that the package uses.
+
+| what | Lightning names used | checked on | probe, and what happens without it |
+|---|---|---|---|
+| the launchers the front ends extend (``SubprocessScriptLauncher``, ``MultiProcessingLauncher``, ``FabricSubprocessScriptLauncher``) | ``lightning.pytorch.strategies.launchers._SubprocessScriptLauncher``, ``_MultiProcessingLauncher``, ``lightning.fabric.strategies.launchers.subprocess_script._SubprocessScriptLauncher`` | 2.5, 2.6 | none: Lightning has no public launcher to extend |
+| ending the process group at exit (``destroy_dist_connection``) | ``lightning.fabric.utilities.distributed._destroy_dist_connection`` | the same | none |
+| loading a checkpoint file as Lightning does (``load_file``, ``PathLike``) | ``lightning.fabric.utilities.cloud_io._load``, ``lightning.fabric.utilities.types._PATH`` | the same | none |
+| the async checkpoint IO's wrapper (``wrapping_checkpoint_io``, ``has_own_checkpoint_io``) | ``lightning.pytorch.plugins.io.wrapper._WrappingCheckpointIO``, ``_base_checkpoint_io_configured`` | the same | ``None`` where the class is missing: no async IO to give a default |
+| Fabric's backward-sync control (``DDPBackwardSyncControl``) and its backward flag (``fabric_backward``) | ``lightning.fabric.strategies.ddp._DDPBackwardSyncControl``, ``lightning.fabric.wrappers._in_fabric_backward`` | the same | none |
+| choosing the checkpoint to resume (``route_resume_start``, ``user_chose_checkpoint``, ``lightning_last_checkpoint``) | ``Trainer._checkpoint_connector``, its ``resume_start``, ``_user_managed``, ``_parse_ckpt_path`` | the same | none: Lightning resolves ``ckpt_path`` there, before any public hook runs |
+| a loader with another sampler (``update_dataloader``) | ``lightning.pytorch.utilities.data._update_dataloader`` | the same | none: it re-instantiates a user's loader subclass as Lightning does |
+| the training loaders of the running fit (``training_loaders``) and a module's Trainer (``trainer_of``) | ``FitLoop._combined_loader``, ``LightningModule._trainer`` | the same | ``[]`` / ``None`` before the fit has them |
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator
+from contextlib import contextmanager
+from typing import Any
+
+from lightning.fabric import wrappers as fabric_wrappers
+from lightning.fabric.strategies.ddp import _DDPBackwardSyncControl as DDPBackwardSyncControl
+from lightning.fabric.strategies.launchers.subprocess_script import (
+    _SubprocessScriptLauncher as FabricSubprocessScriptLauncher,
+)
+from lightning.fabric.utilities.cloud_io import _load as load_file
+from lightning.fabric.utilities.distributed import _destroy_dist_connection as destroy_dist_connection
+from lightning.fabric.utilities.types import _PATH as PathLike
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher as MultiProcessingLauncher
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher as SubprocessScriptLauncher
+
+__all__ = [
+    "DDPBackwardSyncControl",
+    "FabricSubprocessScriptLauncher",
+    "MultiProcessingLauncher",
+    "PathLike",
+    "SubprocessScriptLauncher",
+    "destroy_dist_connection",
+    "fabric_backward",
+    "has_own_checkpoint_io",
+    "lightning_last_checkpoint",
+    "load_file",
+    "route_resume_start",
+    "trainer_of",
+    "training_loaders",
+    "update_dataloader",
+    "user_chose_checkpoint",
+    "wrapping_checkpoint_io",
+]
+
+
+def wrapping_checkpoint_io() -> type | None:
+    """Lightning's base of ``AsyncCheckpointIO`` (a checkpoint IO around another), where this Lightning has it."""
+    try:
+        from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
+    except ImportError:
+        return None
+    return _WrappingCheckpointIO
+
+
+def has_own_checkpoint_io(wrapping_io: Any) -> bool:
+    """Whether a wrapping checkpoint IO was given an IO of its own (else the strategy gives it its default)."""
+    return bool(wrapping_io._base_checkpoint_io_configured)
+
+
+@contextmanager
+def fabric_backward(marked: bool) -> Generator[None, None, None]:
+    """Mark the backward as ``fabric.backward`` marks it (Fabric's module refuses a backward it did not see), when
+    ``marked``; a mark already set by Fabric stays."""
+    if not marked:
+        yield
+        return
+    fabric_wrappers._in_fabric_backward = True
+    try:
+        yield
+    finally:
+        fabric_wrappers._in_fabric_backward = False
+
+
+def route_resume_start(trainer: Any, route: Callable[[Any], Any]) -> None:
+    """Have the Trainer's checkpoint connector pass ``ckpt_path`` through ``route`` when the fit resolves it."""
+    connector = trainer._checkpoint_connector
+    resume_start = type(connector).resume_start.__get__(connector)
+
+    def resume_start_routed(checkpoint_path: Any = None, *args: Any, **kwargs: Any) -> None:
+        resume_start(route(checkpoint_path), *args, **kwargs)
+
+    connector.resume_start = resume_start_routed
+
+
+def user_chose_checkpoint(trainer: Any) -> bool:
+    """Whether the user set the checkpoint through ``trainer.ckpt_path`` (Lightning's connector manages it then)."""
+    return bool(trainer._checkpoint_connector._user_managed)
+
+
+def lightning_last_checkpoint(trainer: Any) -> Any:
+    """What Lightning makes of ``ckpt_path="last"`` for a fit."""
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    return trainer._checkpoint_connector._parse_ckpt_path(
+        TrainerFn.FITTING, "last", model_provided=True, model_connected=True
+    )
+
+
+def update_dataloader(dataloader: Any, sampler: Any) -> Any:
+    """``dataloader`` rebuilt with ``sampler``, as Lightning rebuilds a user's loader (its subclass and arguments)."""
+    from lightning.pytorch.utilities.data import _update_dataloader
+
+    return _update_dataloader(dataloader, sampler)
+
+
+def training_loaders(trainer: Any) -> list[Any]:
+    """The running fit's training loaders (empty before the fit loop has combined them)."""
+    combined = trainer.fit_loop._combined_loader  # its len() fails on iterable loaders: test it against None
+    return [] if combined is None else list(combined.flattened)
+
+
+def trainer_of(module: Any) -> Any:
+    """The Trainer a LightningModule is attached to, or ``None`` (its ``trainer`` property raises then)."""
+    return getattr(module, "_trainer", None)

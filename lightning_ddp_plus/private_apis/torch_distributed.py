@@ -1,0 +1,131 @@
+"""torch's private names outside ``DistributedDataParallel`` that the package uses.
+
+| what | torch names used | checked on | probe, and what happens without it |
+|---|---|---|---|
+| the job's store (``default_store``) | ``distributed_c10d._get_default_store`` | 2.13.0, 2.14.1, 2.15.0 | ``None`` where it raises: the step guard agrees by all-reduce, no host is published |
+| the default group, held until exit (``default_group``) | ``distributed_c10d._get_default_group`` | the same | none |
+| a group's timeout after its creation (``set_group_timeout``) | ``distributed_c10d._set_pg_timeout`` (gloo and NCCL) | the same | ``CAN_SET_GROUP_TIMEOUT``: without it ``setup_timeout`` is refused before launch |
+| the moment a backward's graph is computed (``queue_backward_callback``) | ``Variable._execution_engine.queue_callback``, which DDP's reducer itself uses | the same | none |
+| the leaves of nested outputs (``tree_leaves``) | ``torch.utils._pytree.tree_leaves`` (``torch.utils.pytree`` where public) | the same | the public module first |
+| counting allocations (``TorchDispatchMode``) | ``torch.utils._python_dispatch.TorchDispatchMode`` | the same | none: the memory plan needs it |
+| the devices with foreach kernels (``foreach_devices``) | ``torch.utils._foreach_utils._get_foreach_kernels_supported_devices`` | the same | ``{"cuda"}`` where it is missing |
+| ZeRO's overlap flag and a scheduler's step check (``zero_overlaps_with_ddp``, ``mark_stepped``) | ``ZeroRedundancyOptimizer._overlap_with_ddp``, ``Optimizer._opt_called`` | the same | ``getattr`` with the default torch sets |
+| whether a tensor was changed in place (``tensor_version``) | ``Tensor._version`` | the same | none |
+| torchrun's rendezvous state (``RoundRecordingHandler``) | ``DynamicRendezvousHandler._get_store``, ``_state_holder``, ``_store``, ``_settings``, ``_bootstrap_store_info`` | the same | none: ``--rdzv-backend ddp-plus`` needs them |
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.autograd import Variable
+from torch.distributed import Store
+from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+from torch.utils._python_dispatch import TorchDispatchMode
+
+try:  # public from torch 2.? on; the private module is the same code
+    from torch.utils.pytree import tree_leaves  # type: ignore[import-not-found,unused-ignore]  # older torch lacks it
+except ImportError:
+    from torch.utils._pytree import tree_leaves
+
+__all__ = [
+    "CAN_SET_GROUP_TIMEOUT",
+    "GROUP_TIMEOUT_BACKENDS",
+    "RoundRecordingHandler",
+    "TorchDispatchMode",
+    "default_group",
+    "default_store",
+    "foreach_devices",
+    "mark_stepped",
+    "queue_backward_callback",
+    "set_group_timeout",
+    "tensor_version",
+    "tree_leaves",
+    "zero_overlaps_with_ddp",
+]
+
+
+def default_store() -> Any:
+    """The job's store (the default process group's), or ``None`` where this torch does not expose it."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (RuntimeError, ValueError, AttributeError):
+        return None
+
+
+def default_group() -> Any:
+    """The default process group object."""
+    return dist.distributed_c10d._get_default_group()
+
+
+#: Whether this torch can change a process group's timeout once the group exists (``setup_timeout`` needs it).
+CAN_SET_GROUP_TIMEOUT = hasattr(dist.distributed_c10d, "_set_pg_timeout")
+#: The backends whose groups ``_set_pg_timeout`` changes (it warns and does nothing on the others).
+GROUP_TIMEOUT_BACKENDS = ("gloo", "nccl")
+
+
+def set_group_timeout(timeout: timedelta, group: Any = None) -> None:
+    """The timeout of the collectives ``group`` (default: the default group) runs from now on."""
+    dist.distributed_c10d._set_pg_timeout(timeout, group)
+
+
+def queue_backward_callback(callback: Callable[[], None]) -> None:
+    """Run ``callback`` when the running backward's graph is computed (called from an autograd hook, during the
+    backward). Callbacks run in the order queued: one queued at the start of a backward runs before the reducer's
+    own, which waits for the gradient all-reduce."""
+    Variable._execution_engine.queue_callback(callback)
+
+
+def tensor_version(tensor: torch.Tensor) -> int:
+    """The tensor's version counter: torch adds one for every in-place change (autograd's own check)."""
+    return int(tensor._version)
+
+
+def foreach_devices() -> frozenset[str]:
+    """The device types on which torch runs an optimizer's ``foreach`` implementation when ``foreach`` is unset."""
+    from torch.utils import _foreach_utils
+
+    published = getattr(_foreach_utils, "_get_foreach_kernels_supported_devices", None)
+    return frozenset(published()) if callable(published) else frozenset({"cuda"})
+
+
+def zero_overlaps_with_ddp(optimizer: Any) -> bool:
+    """Whether a ``ZeroRedundancyOptimizer`` steps inside DDP's backward (``overlap_with_ddp=True``)."""
+    return bool(getattr(optimizer, "_overlap_with_ddp", False))
+
+
+def mark_stepped(optimizer: torch.optim.Optimizer) -> None:
+    """What ``Optimizer.step`` records, so that a learning-rate scheduler on ``optimizer`` does not warn that it
+    stepped before the optimizer did."""
+    optimizer._opt_called = True  # type: ignore[attr-defined]
+
+
+class RoundRecordingHandler(DynamicRendezvousHandler):
+    """torch's dynamic rendezvous handler, with the round its store was made for kept, and its state read through
+    named properties (``processes.rendezvous`` builds on them)."""
+
+    store_round = 0
+
+    def _get_store(self) -> Store:
+        # read once, when torch makes the round's store: the heartbeat thread may sync a newer state later
+        self.store_round = self._state_holder.state.round
+        return super()._get_store()
+
+    @property
+    def rendezvous_store(self) -> Store:
+        """The rendezvous' own store (shared by every agent of the job)."""
+        store: Store = self._store
+        return store
+
+    @property
+    def run_id(self) -> str:
+        return str(self._settings.run_id)
+
+    def use_workers_store(self, address: RendezvousStoreInfo) -> None:
+        """Make ``address`` the workers' store this agent hands to its workers (torch caches one from round one)."""
+        self._bootstrap_store_info = address
