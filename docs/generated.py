@@ -4,7 +4,10 @@
   ``DDPPlusArguments`` (the one declaration) generates, with the arguments Fabric does not take and why;
 - ``docs/guides/conflicts.md``: the conflict rules, from ``lightning_ddp_plus.conflicts.rules.RULES``;
 - ``lightning_ddp_plus/demo/cpu.yaml`` (also ``configs/cpu.yaml``): every strategy argument written out, in declaration
-  order; a value set in the file is kept, a missing argument gets its default.
+  order; a value set in the file is kept, a missing argument gets its default;
+- ``lightning_ddp_plus/engine/keywords.py``: the front ends' keyword arguments as ``TypedDict``s (what type checkers
+  and IDEs read from ``**arguments: Unpack[...]``) and every argument's docstring (what ``help()`` and LightningCLI
+  show at run time, where the source may not be installed).
 
 ``python docs/generated.py`` rewrites them; ``python docs/generated.py --check`` (and ``tests/test_generated.py``)
 fails when one is stale. As the site's mkdocs hook it fails a build from stale files, so the site and the repository
@@ -148,17 +151,138 @@ def config_text(text: str) -> str:
     return text[: match.start("body")] + "\n".join(lines) + "\n" + text[match.end("body") :]
 
 
+KEYWORDS = ROOT / "lightning_ddp_plus" / "engine" / "keywords.py"
+
+
+def field_docs(source: str) -> dict[str, str]:
+    """Each field of ``DDPPlusArguments`` in ``source`` and the docstring under it, whitespace folded."""
+    import ast
+
+    tree = ast.parse(source)
+    [declaration] = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "DDPPlusArguments"]
+    docs: dict[str, str] = {}
+    for node, following in zip(declaration.body, declaration.body[1:]):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(following, ast.Expr)
+            and isinstance(following.value, ast.Constant)
+        ):
+            docs[node.target.id] = " ".join(str(following.value.value).split())
+    return docs
+
+
+def imported_names(source: str) -> dict[str, str]:
+    """Each name ``source`` imports with ``from x import name``, and its module."""
+    import ast
+
+    return {
+        alias.asname or alias.name: node.module
+        for node in ast.parse(source).body
+        if isinstance(node, ast.ImportFrom) and node.module
+        for alias in node.names
+    }
+
+
+def keywords_text() -> str:
+    """``engine/keywords.py``: the ``TypedDict`` of each front end's keywords, and the argument docstrings."""
+    from lightning_ddp_plus.config.training_arguments import PORTED_ARGUMENTS
+    from lightning_ddp_plus.engine.arguments import (
+        ARGUMENT_FIELDS,
+        DDP_FURTHER_ARGUMENTS,
+        DDPPlusArguments,
+        front_end_arguments,
+    )
+
+    source = (ROOT / "lightning_ddp_plus" / "engine" / "arguments.py").read_text()
+    docs, origins = field_docs(source), imported_names(source)
+    annotations = {name: DDPPlusArguments.__annotations__[name] for name in ARGUMENT_FIELDS}
+    used = sorted({word for text in annotations.values() for word in re.findall(r"[A-Za-z_]\w*", text)})
+    imports: dict[str, list[str]] = {"typing": ["Any", "TypedDict"]}
+    for word in used:
+        if word in origins:
+            imports.setdefault(origins[word], []).append(word)
+    lines = [
+        '"""The keyword arguments of the front ends, generated from ``DDPPlusArguments`` (``engine/arguments.py``) by',
+        "``python docs/generated.py``: do not edit by hand (``tests/test_generated.py`` fails when it is stale).",
+        "",
+        "Type checkers and IDEs read each front end's arguments from these ``TypedDict``s (``**arguments:",
+        "Unpack[DDPPlusStrategyKeywords]``), so a misspelt or mistyped argument is flagged in the user's editor;",
+        "``ARGUMENT_DOCS`` gives ``help()`` and LightningCLI each argument's docstring without reading the source.",
+        '"""',
+        "",
+        "from __future__ import annotations",
+        "",
+    ]
+    standard = [m for m in sorted(imports) if not m.startswith("lightning_ddp_plus")]
+    own = [m for m in sorted(imports) if m.startswith("lightning_ddp_plus")]
+    for group in (standard, own):
+        lines += [f"from {module} import {', '.join(sorted(set(imports[module])))}" for module in group]
+        lines.append("")
+
+    def typed_dict(name: str, doc: str, arguments: list[str], further: bool) -> list[str]:
+        body = [f"class {name}(TypedDict, total=False):", f'    """{doc}"""', ""]
+        for argument in arguments:
+            body += [f"    {argument}: {annotations[argument]}", f'    """{docs[argument]}"""', ""]
+        if further:
+            body.append("    # further arguments of torch's DistributedDataParallel, checked against its signature")
+            body += [f"    {argument}: Any" for argument in DDP_FURTHER_ARGUMENTS]
+        return ["", *body, ""]
+
+    lines += typed_dict(
+        "DDPPlusStrategyKeywords",
+        "``DDPPlusStrategy(...)``'s arguments beyond Lightning's plumbing.",
+        front_end_arguments("DDPPlusStrategy"),
+        further=True,
+    )
+    lines += typed_dict(
+        "DDPPlusFabricStrategyKeywords",
+        "``DDPPlusFabricStrategy(...)``'s arguments beyond Fabric's plumbing.",
+        front_end_arguments("DDPPlusFabricStrategy"),
+        further=True,
+    )
+    lines += typed_dict(
+        "HFStyleKeywords",
+        "``HFStyleDDPPlusStrategy(...)``'s arguments beyond the Hugging Face names it ports.",
+        [name for name in front_end_arguments("DDPPlusStrategy") if name not in PORTED_ARGUMENTS],
+        further=False,
+    )
+    lines += ["", "#: Each argument's docstring, whitespace folded.", "ARGUMENT_DOCS: dict[str, str] = {"]
+    lines += [f"    {name!r}: {docs[name]!r}," for name in ARGUMENT_FIELDS]
+    lines.append("}")
+    return "\n".join(lines).replace("\n\n\n\n", "\n\n\n") + "\n"
+
+
 def generated_files() -> dict[Path, str]:
     """Every generated file's path and the text it must have."""
     files: dict[Path, str] = {}
     for name, (path, make) in MARKDOWN.items():
         files[path] = with_block(files.get(path, path.read_text()), name, make())
     files[CONFIG] = config_text(CONFIG.read_text())
+    files[KEYWORDS] = formatted(keywords_text())
     return files
 
 
+def formatted(text: str) -> str:
+    """``text`` as ``ruff format`` leaves it (the package's style), where ruff is installed."""
+    import shutil
+    import subprocess
+
+    ruff = shutil.which("ruff")
+    if ruff is None:
+        return text
+    done = subprocess.run(
+        [ruff, "format", "--stdin-filename", str(KEYWORDS), "-"],
+        input=text,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return done.stdout if done.returncode == 0 else text
+
+
 def stale_files() -> list[Path]:
-    return [path for path, text in generated_files().items() if path.read_text() != text]
+    return [path for path, text in generated_files().items() if not path.exists() or path.read_text() != text]
 
 
 def on_config(config: Any) -> Any:
@@ -177,7 +301,7 @@ def main(argv: list[str]) -> int:
             print(f"stale: {path.relative_to(ROOT)} (run `python docs/generated.py`)")
         return 1 if stale else 0
     for path, text in generated_files().items():
-        if path.read_text() != text:
+        if not path.exists() or path.read_text() != text:
             path.write_text(text)
             print(f"wrote {path.relative_to(ROOT)}")
     return 0

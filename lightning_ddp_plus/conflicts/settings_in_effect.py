@@ -109,10 +109,11 @@ class SettingsInEffect:
         ddp: DistributedDataParallel,
         fault: LateFault,
         accumulation_steps: int,
-        report: Callable[[str, bool], None],
+        warn: Callable[[str], None],
+        info: Callable[[str], None],
     ) -> None:
         """Rule R6 decides: raises its error, or changes the settings, keeps the finding in ``check`` and reports
-        it (``report(text, as_warning)``)."""
+        it (as a warning, or a line)."""
         facts = ModelFacts(
             observed=True, late_step=fault.step, late_unused_by_rank=fault.unused, late_graph_grew=fault.aborted
         )
@@ -124,4 +125,4 @@ class SettingsInEffect:
         self.change(ddp, decision.resolved, always=True)
         self.on_rebuilt(ddp)
         check.findings.append(decision.finding)
-        report(decision.report, decision.warn)
+        (warn if decision.warn else info)(decision.report)

@@ -8,16 +8,18 @@ the transport's error ("Connection closed by peer").
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator
+from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
+from lightning_ddp_plus.diagnostics.collective_ledger import CollectiveLedger
 from lightning_ddp_plus.processes.restart import restart_attempt, store_client
 from lightning_ddp_plus.sync.micro_batches import (
     PHASES,
     MicroBatchOutOfMemoryError,
     MicroBatchSize,
+    MicroBatchSizer,
     OutOfMemory,
     batch_rows,
     default_mode_message,
@@ -70,12 +72,12 @@ class OutOfMemoryReports:
 
     Args:
         setting: ``micro_batch_size`` as given.
-        phase: the phase this rank is in (the collective ledger's).
-        chunk_rows: the rows per chunk in effect (``None``: the whole batch).
+        ledger: the collective ledger (the phase this rank is in).
+        sizer: the rows per chunk in effect (``None``: the whole batch).
     """
 
-    def __init__(self, setting: MicroBatchSize, phase: Callable[[], str], chunk_rows: Callable[[], int | None]) -> None:
-        self.setting, self.phase, self.chunk_rows = setting, phase, chunk_rows
+    def __init__(self, setting: MicroBatchSize, ledger: CollectiveLedger, sizer: MicroBatchSizer) -> None:
+        self.setting, self.ledger, self.sizer = setting, ledger, sizer
 
     @contextmanager
     def explained(self, batch: Any, rank: int, world_size: int) -> Generator[None, None, None]:
@@ -87,9 +89,9 @@ class OutOfMemoryReports:
             raise
         except Exception as error:
             if is_out_of_memory(error):
-                phase = self.phase() if self.phase() in PHASES else "forward"
+                phase = self.ledger.phase if self.ledger.phase in PHASES else "forward"
                 rows = batch_rows(batch) or 0
-                failure = OutOfMemory(rank, phase, min(self.chunk_rows() or rows, rows), rows)
+                failure = OutOfMemory(rank, phase, min(self.sizer.size or rows, rows), rows)
                 message = default_mode_message(failure, self.setting)
                 publish(failure, message)
                 raise MicroBatchOutOfMemoryError(message) from error

@@ -56,8 +56,7 @@ class DDPPlusEngine:
     def __init__(self, arguments: DDPPlusArguments, warn: Callable[[str], None], info: Callable[[str], None]) -> None:
         self.arguments, self._warn, self._info = arguments, warn, info
         self.telemetry: SyncTelemetry | None = SyncTelemetry() if arguments.telemetry else None
-        rebuilt = lambda ddp: self.telemetry.reducer_rebuilt(ddp) if self.telemetry is not None else None
-        self.in_effect = SettingsInEffect(arguments.settings, on_rebuilt=rebuilt)
+        self.in_effect = SettingsInEffect(arguments.settings, on_rebuilt=self._reducer_rebuilt)
         self.window = AccumulationWindow(arguments.gradient_accumulation_steps, arguments.short_window)
         self.conflicts = ConflictCheck(arguments.checkpointing_conflict, warn=warn, info=info)
         self.hooks = HookAssembly(arguments.comm_hook, arguments.ddp_comm_state, arguments.ddp_comm_wrapper)
@@ -69,8 +68,7 @@ class DDPPlusEngine:
         threshold = arguments.stall_threshold
         self.stall_watchdog = StallWatchdog(self.ledger, threshold) if threshold is not None else None
         #: Whether fits start the watchdog: a front end sets it when it stops the engine at the end of every fit.
-        self.watch_stalls = False
-        self.failed = False
+        self.watch_stalls = self.failed = False
         self.timeouts = GroupTimeouts(arguments.collective_timeout, arguments.setup_collective_timeout)
         self.channel = SideChannel(record=self.ledger.collective)
         self.sync_guard = SyncGuard(arguments.sync_guard, self.channel, warn=warn)
@@ -86,13 +84,10 @@ class DDPPlusEngine:
             before_failure_agreement=self._decide_pending_conflicts,
             rebuild_reducer=self.in_effect.rebuild,
         )
-        must_sync = lambda: self.window.must_sync_first_backward(self.settings.static_graph)
-        self.micro_batch_runner = MicroBatchRunner(self.micro_batches, self.agreement, must_sync=must_sync)
-        phase = lambda: self.ledger.phase
-        chunk_rows = lambda: self.micro_batches.size
-        self.out_of_memory_reports = OutOfMemoryReports(arguments.micro_batch_size, phase, chunk_rows)
+        self.micro_batch_runner = MicroBatchRunner(self.micro_batches, self.agreement, must_sync=self._must_sync)
+        self.out_of_memory_reports = OutOfMemoryReports(arguments.micro_batch_size, self.ledger, self.micro_batches)
         auto_buckets = arguments.settings.bucket_cap_mb == "auto"
-        self.buckets = BucketTuner(on_rebuilt=rebuilt, info=info) if auto_buckets else None
+        self.buckets = BucketTuner(on_rebuilt=self._reducer_rebuilt, info=info) if auto_buckets else None
         self.buffer_broadcast = BufferBroadcastRecord(self.ledger)
         self.gradient_bytes = 0  # what a synced backward all-reduces (set when wrapping)
         #: Called at the start of every training forward, before its sync state is read (Fabric's window uses it).
@@ -204,14 +199,20 @@ class DDPPlusEngine:
             scale_gradients(self.ddp.module.parameters(), self.uneven.take_rescale())
         return agreed
 
+    def _must_sync(self) -> bool:  # the run's first backward of a static graph all-reduces (rule R3)
+        return self.window.must_sync_first_backward(self.settings.static_graph)
+
+    def _reducer_rebuilt(self, ddp: DistributedDataParallel) -> None:  # telemetry reads the buckets again
+        if self.telemetry is not None:
+            self.telemetry.reducer_rebuilt(ddp)
+
     def _decide_pending_conflicts(self, ddp: DistributedDataParallel) -> None:
         if self.conflicts.pending:  # the others' first backward decides the conflict check with a collective
             self.before_backward(ddp, None, post_forward=True)
 
     def _sync_fault(self, ddp: DistributedDataParallel, fault: SyncFault) -> None:
         """Some rank's reducer did not all-reduce every bucket (now completed on every rank): rule R6 decides."""
-        report = lambda text, warns: (self._warn if warns else self._info)(text)
-        self.in_effect.after_late_fault(self.conflicts, ddp, fault, self.window.steps, report)
+        self.in_effect.after_late_fault(self.conflicts, ddp, fault, self.window.steps, self._warn, self._info)
 
     def after_optimizer_step(self) -> int:
         step = self.window.record_optimizer_step()
@@ -242,8 +243,7 @@ class DDPPlusEngine:
             self.flight_recorder = turn_on_flight_recorder(environ)
             self._info(f"lightning-ddp-plus: {self.flight_recorder.describe()}")
 
-    def results(self) -> WorkerResults:
-        """What a worker process found and counted, for the process that launched it."""
+    def results(self) -> WorkerResults:  # what a worker found and counted, for the process that launched it
         return WorkerResults.of(self)
 
     def apply_results(self, results: WorkerResults) -> None:

@@ -5,14 +5,28 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from lightning_ddp_plus.config.settings import DDPSettings
-from lightning_ddp_plus.conflicts.check import FindingRecord, finding_records, findings_from_records
-from lightning_ddp_plus.sync.accumulation import SyncStats
+from lightning_ddp_plus.conflicts.check import ConflictCheck, FindingRecord, finding_records, findings_from_records
+from lightning_ddp_plus.conflicts.settings_in_effect import SettingsInEffect
+from lightning_ddp_plus.diagnostics.replicas import ReplicaGuard
+from lightning_ddp_plus.diagnostics.telemetry import SyncTelemetry
+from lightning_ddp_plus.sync.accumulation import AccumulationWindow, SyncStats
+from lightning_ddp_plus.sync.buckets import BucketTuner
+from lightning_ddp_plus.sync.comm_hooks import HookAssembly
 
-if TYPE_CHECKING:
-    from lightning_ddp_plus.engine.engine import DDPPlusEngine
+
+class Counted(Protocol):
+    """The components whose findings and counts a worker carries back (the engine has them)."""
+
+    conflicts: ConflictCheck
+    in_effect: SettingsInEffect
+    window: AccumulationWindow
+    telemetry: SyncTelemetry | None
+    replica_guard: ReplicaGuard
+    hooks: HookAssembly
+    buckets: BucketTuner | None
 
 
 @dataclass(frozen=True)
@@ -30,12 +44,12 @@ class WorkerResults:
     bucket_choice: Any
 
     @classmethod
-    def of(cls, engine: DDPPlusEngine) -> WorkerResults:
+    def of(cls, engine: Counted) -> WorkerResults:
         telemetry, buckets = engine.telemetry, engine.buckets
         return cls(
             findings=finding_records(engine.conflicts.findings),
             model_fixes=list(engine.conflicts.model_fixes),
-            settings=engine.settings,
+            settings=engine.in_effect.current,
             sync_stats=dataclasses.asdict(engine.window.stats),
             steps=engine.window.steps,
             telemetry_totals=dataclasses.asdict(telemetry.totals) if telemetry is not None else None,
@@ -44,7 +58,7 @@ class WorkerResults:
             bucket_choice=buckets.choice if buckets is not None else None,
         )
 
-    def apply_to(self, engine: DDPPlusEngine) -> None:
+    def apply_to(self, engine: Counted) -> None:
         engine.conflicts.findings = findings_from_records(self.findings)
         engine.conflicts.model_fixes = self.model_fixes
         engine.in_effect.current = self.settings

@@ -1,31 +1,15 @@
 """``DDPPlusFabricStrategy``: the same engine for Lightning Fabric, registered as ``Fabric(strategy="ddp_plus")``.
 
-The arguments and validation of ``DDPPlusStrategy`` (``engine/arguments.py``; the Trainer's only ones say why they
-are refused), hooks on every backend, the conflict check on the first training forward, the replica guard,
-telemetry, and accumulation: with ``gradient_accumulation_steps=k`` the forward of every micro-batch that does not
-close its window runs without gradient sync, each loss is scaled by 1/window length, and the strategy says when to
-step::
-
-    fabric = Fabric(strategy=DDPPlusFabricStrategy(gradient_accumulation_steps=4), accelerator="cpu", devices=2)
-    fabric.launch()
-    model, optimizer = fabric.setup(model, optimizer)
-    for batch in fabric.strategy.micro_batches(loader):  # knows the loader's last batch, which closes a window
-        loss = model(batch)  # or, with micro_batch_size: fabric.strategy.train_micro_batches(model, batch, loss_of)
-        fabric.backward(loss)
-        if fabric.strategy.sync_gradients:
-            optimizer.step()
-            optimizer.zero_grad()
-
-Fabric's own idiom, ``with fabric.no_backward_sync(model, enabled=...)``, works too (with ``static_graph`` the run's
-first backward is synced, as torch requires). The per-step guard (``sync_guard``) checks every synced backward.
-``uneven_inputs`` needs ``micro_batches``: there every rank says whether its item is its last; ``"stop"`` ends the
-iteration on every rank together, ``"join"`` repeats a finished rank's last item with weight 0.
+The arguments of ``DDPPlusStrategy`` but the Trainer's only (``engine/arguments.py``), and accumulation: with
+``gradient_accumulation_steps=k`` iterate ``fabric.strategy.micro_batches(loader)`` (it marks the last item, which
+closes a window, and carries ``uneven_inputs``), call ``fabric.backward(loss)`` (or, with ``micro_batch_size``,
+``fabric.strategy.train_micro_batches(model, batch, loss_of)``), and step when ``fabric.strategy.sync_gradients``
+says so (the Fabric guide shows the loop). ``fabric.no_backward_sync`` works too (``fabric_loop.py``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import AbstractContextManager, nullcontext
 from typing import Any, TypeVar
 
 import torch
@@ -37,35 +21,22 @@ from torch import Tensor
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
-from typing_extensions import override
+from typing_extensions import Unpack, override
 
 from lightning_ddp_plus.engine.arguments import takes_declared_arguments
-from lightning_ddp_plus.engine.engine import DDPPlusEngine
 from lightning_ddp_plus.engine.guarded_backward import guarded_backward
+from lightning_ddp_plus.engine.keywords import DDPPlusFabricStrategyKeywords
 from lightning_ddp_plus.frontends.common import DDPPlusFrontEnd
+from lightning_ddp_plus.frontends.fabric_loop import FirstStaticBackwardSynced
 from lightning_ddp_plus.persistence.io import AtomicCheckpoints
-from lightning_ddp_plus.private_apis.lightning import DDPBackwardSyncControl, fabric_backward
+from lightning_ddp_plus.private_apis.lightning import fabric_backward
 from lightning_ddp_plus.processes.launcher import ParentWatchedFabricLauncher, nodes_of_this_attempt, watch_parent
 from lightning_ddp_plus.sharding.optimizer import refuse_clipping
 from lightning_ddp_plus.sync.accumulation import WindowPosition, scale_gradients
 from lightning_ddp_plus.sync.step_agreement import StepAgreed
-from lightning_ddp_plus.sync.uneven import PaddedBatches, RankBatches
+from lightning_ddp_plus.sync.uneven import PaddedBatches, RankBatches, items_marked_last
 
 T = TypeVar("T")
-
-
-class _SyncControl(DDPBackwardSyncControl):
-    """Fabric's ``no_backward_sync``, except for the run's first backward with a static graph, which torch needs
-    synced (rule R3)."""
-
-    def __init__(self, engine: DDPPlusEngine) -> None:
-        self.engine = engine
-
-    @override
-    def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager[Any]:
-        if enabled and self.engine.window.must_sync_first_backward(self.engine.settings.static_graph):
-            return nullcontext()
-        return super().no_backward_sync(module, enabled)
 
 
 class DDPPlusFabricStrategy(DDPPlusFrontEnd, AtomicCheckpoints, DDPStrategy):
@@ -92,7 +63,7 @@ class DDPPlusFabricStrategy(DDPPlusFrontEnd, AtomicCheckpoints, DDPStrategy):
         cluster_environment: ClusterEnvironment | None = None,
         checkpoint_io: CheckpointIO | None = None,
         precision: Precision | None = None,
-        **arguments: Any,
+        **arguments: Unpack[DDPPlusFabricStrategyKeywords],
     ) -> None:
         """Fabric's plumbing, then every argument ``DDPPlusArguments`` declares but the Trainer's only.
 
@@ -116,7 +87,7 @@ class DDPPlusFabricStrategy(DDPPlusFrontEnd, AtomicCheckpoints, DDPStrategy):
         )
         self.engine.before_training_forward = self._window_before_forward
         self.engine.watch_stalls = True  # Fabric has no end of a fit: the process's exit stops the watchdog
-        self._backward_sync_control = _SyncControl(self.engine)
+        self._backward_sync_control = FirstStaticBackwardSynced(self.engine)
         self._ddp: DistributedDataParallel | None = None
         self._position: WindowPosition | None = None
         self._last_position: WindowPosition | None = None
@@ -195,26 +166,10 @@ class DDPPlusFabricStrategy(DDPPlusFrontEnd, AtomicCheckpoints, DDPStrategy):
         joined = self.options.uneven_inputs == "join" and self._ddp is not None
         batches = PaddedBatches(iterable, self.engine.uneven.padding_state) if joined else iterable
         length = len(iterable) if hasattr(iterable, "__len__") and not joined else None  # type: ignore[arg-type]
-        iterator = iter(batches)
         try:
-            item = next(iterator)
-        except StopIteration:
-            return
-        number = 0
-        try:
-            # One item ahead, as Lightning's loop fetches: the following item tells whether this one is the last.
-            for following in iterator:
-                number += 1
-                if self._ends_here(RankBatches(number, last=False, length=length)):
-                    break
-                self._next_is_last = False
+            for item, last in items_marked_last(batches, self._ends_here, length):
+                self._next_is_last = last
                 yield item
-                item = following
-            else:
-                number += 1
-                self._ends_here(RankBatches(number, last=True, length=length))
-            self._next_is_last = True
-            yield item
         finally:
             self._next_is_last = False
             self.engine.uneven.padding = False

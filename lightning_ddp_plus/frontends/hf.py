@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from typing_extensions import Unpack
+
 from lightning_ddp_plus.config.messages import ArgumentTypeError
 from lightning_ddp_plus.config.training_arguments import (
     HF_DEFAULTS,
@@ -29,6 +31,7 @@ from lightning_ddp_plus.config.training_arguments import (
     port_training_arguments,
 )
 from lightning_ddp_plus.engine.arguments import takes_declared_arguments
+from lightning_ddp_plus.engine.keywords import HFStyleKeywords
 from lightning_ddp_plus.frontends.strategy import DDPPlusStrategy
 
 __all__ = [
@@ -72,7 +75,7 @@ class HFStyleDDPPlusStrategy(DDPPlusStrategy):
         ddp_static_graph: bool | None = None,
         ddp_timeout: int = 1800,
         gradient_checkpointing: bool = False,
-        **arguments: Any,
+        **arguments: Unpack[HFStyleKeywords],
     ) -> None:
         """The Hugging Face names, then every other argument ``DDPPlusArguments`` declares.
 

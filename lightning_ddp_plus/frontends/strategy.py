@@ -1,15 +1,10 @@
-"""``DDPPlusStrategy``: Lightning's ``DDPStrategy`` with every DDP knob typed, validated and settable from YAML.
+"""``DDPPlusStrategy``: Lightning's ``DDPStrategy`` with every DDP knob typed, validated and settable from YAML. It
+translates Lightning's hooks into calls of the shared engine (``engine/engine.py``); the Trainer's loop is read in
+``trainer_loop.py``, chunks in ``trainer_chunks.py``, resume in ``persistence/resume.py``.
 
-The class translates Lightning's hooks into calls of the shared engine (``engine/engine.py``); the decisions live in
-the components the engine owns, resume in ``persistence/resume.py``, and what both front ends share in
-``common.py``. Its arguments are declared once, in ``engine/arguments.py``.
-
-What a callback may rely on: ``trainer.strategy.model`` is the ``DistributedDataParallel`` wrapper from
-``configure_ddp`` on (in ``setup`` of callbacks that run after the strategy's, ``on_fit_start``,
-``on_train_start``), as with stock ``DDPStrategy``, whatever ``checkpointing_conflict`` is. The wrapper object is
-never replaced during a fit: when ``checkpointing_conflict="resolve"`` changes ``find_unused_parameters`` or
-``static_graph``, it happens at the first training backward by rebuilding the wrapper's reducer in place, and
-communication hooks registered on the wrapper before that are registered again on the new reducer.
+``trainer.strategy.model`` is the ``DistributedDataParallel`` wrapper from ``configure_ddp`` on, as with stock
+``DDPStrategy``, and is never replaced during a fit: a change of ``find_unused_parameters`` or ``static_graph``
+(``checkpointing_conflict="resolve"``) rebuilds its reducer in place, with the communication hooks registered again.
 """
 
 from __future__ import annotations
@@ -30,18 +25,26 @@ from torch import Tensor
 from torch.nn import Module
 from torch.nn.parallel.distributed import DistributedDataParallel
 from torch.optim import Optimizer
-from typing_extensions import override
+from typing_extensions import Unpack, override
 
 from lightning_ddp_plus.config.training_arguments import port_training_arguments
 from lightning_ddp_plus.diagnostics.telemetry import DDPTelemetry
 from lightning_ddp_plus.engine.arguments import takes_declared_arguments
 from lightning_ddp_plus.engine.guarded_backward import guarded_backward
+from lightning_ddp_plus.engine.keywords import DDPPlusStrategyKeywords
 from lightning_ddp_plus.frontends.common import DDPPlusFrontEnd
 from lightning_ddp_plus.frontends.trainer_chunks import TrainerChunks
+from lightning_ddp_plus.frontends.trainer_loop import (
+    end_epoch_here,
+    flush_manual_static_graph,
+    log_sync_stats,
+    position_in_window,
+    rank_batches,
+    rescaling_closure,
+)
 from lightning_ddp_plus.persistence.io import AtomicCheckpoints
 from lightning_ddp_plus.persistence.resume import ResumeCoordinator
 from lightning_ddp_plus.private_apis.lightning import trainer_of, training_loaders
-from lightning_ddp_plus.private_apis.torch_ddp import flush_static_graph
 from lightning_ddp_plus.processes.launcher import (
     KillChildrenOnFailureLauncher,
     ResultsReturningLauncher,
@@ -51,9 +54,9 @@ from lightning_ddp_plus.processes.launcher import (
 )
 from lightning_ddp_plus.processes.restart import init_process_group, under_torchrun
 from lightning_ddp_plus.sharding.optimizer import refuse_clipping
-from lightning_ddp_plus.sync.accumulation import WindowPosition, scale_gradients, window_position
+from lightning_ddp_plus.sync.accumulation import WindowPosition
 from lightning_ddp_plus.sync.micro_batches import refuse_micro_batches
-from lightning_ddp_plus.sync.uneven import PaddedBatches, RankBatches, even_by_construction
+from lightning_ddp_plus.sync.uneven import PaddedBatches, even_by_construction
 from lightning_ddp_plus.sync.wrapper import ddp_kwargs
 
 
@@ -83,7 +86,7 @@ class DDPPlusStrategy(DDPPlusFrontEnd, AtomicCheckpoints, DDPStrategy):
         cluster_environment: ClusterEnvironment | None = None,
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
-        **arguments: Any,
+        **arguments: Unpack[DDPPlusStrategyKeywords],
     ) -> None:
         """Lightning's plumbing, then every argument ``DDPPlusArguments`` declares.
 
@@ -118,7 +121,7 @@ class DDPPlusStrategy(DDPPlusFrontEnd, AtomicCheckpoints, DDPStrategy):
 
     @classmethod
     def from_training_arguments(
-        cls, args: Any, model: Any | None = None, **overrides: Any
+        cls, args: Any, model: Any | None = None, **overrides: Unpack[DDPPlusStrategyKeywords]
     ) -> tuple[DDPPlusStrategy, dict[str, Any]]:
         """Port Hugging Face ``TrainingArguments`` (or an object / mapping with its ``ddp_*`` names): returns the
         strategy with the same meaning and the ``Trainer`` arguments it implies (see ``lightning_ddp_plus.frontends.hf``).
@@ -263,14 +266,8 @@ class DDPPlusStrategy(DDPPlusFrontEnd, AtomicCheckpoints, DDPStrategy):
     def _position(self) -> WindowPosition:
         assert self.lightning_module is not None
         trainer = self.lightning_module.trainer
-        progress = trainer.fit_loop.epoch_loop.batch_progress
         forced = self.engine.uneven.forced_length(trainer.current_epoch)
-        return window_position(
-            max(1, progress.current.ready),
-            self.gradient_accumulation_steps,
-            trainer.num_training_batches if forced is None else forced,
-            progress.is_last_batch,
-        )
+        return position_in_window(trainer, self.gradient_accumulation_steps, forced)
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -283,21 +280,9 @@ class DDPPlusStrategy(DDPPlusFrontEnd, AtomicCheckpoints, DDPStrategy):
         trainer = module.trainer
         if self.engine.uneven.even_by_construction(trainer.current_epoch, training_loaders(trainer)):
             return
-        progress = trainer.fit_loop.epoch_loop.batch_progress
-        length = trainer.num_training_batches
-        state = RankBatches(
-            number=progress.current.ready,
-            last=bool(progress.is_last_batch),
-            length=int(length) if length != float("inf") else None,
-        )
         one_synced_backward = module.automatic_optimization and self.gradient_accumulation_steps == 1
-        if self.engine.agreement.batch_starts(state, trainer.current_epoch, one_synced_backward):
-            self._end_epoch_here()
-
-    def _end_epoch_here(self) -> None:
-        assert self.lightning_module is not None
-        # the loop ends the epoch after this batch (and closes an accumulation window on it)
-        self.lightning_module.trainer.fit_loop.epoch_loop.batch_progress.is_last_batch = True
+        if self.engine.agreement.batch_starts(rank_batches(trainer), trainer.current_epoch, one_synced_backward):
+            end_epoch_here(trainer)
 
     @property
     def sync_gradients(self) -> bool:
@@ -323,19 +308,12 @@ class DDPPlusStrategy(DDPPlusFrontEnd, AtomicCheckpoints, DDPStrategy):
             ddp, module = self.model, self.lightning_module
             if not (self.engine.micro_batches.active and isinstance(ddp, DistributedDataParallel) and module):
                 return super().training_step(*args, **kwargs)
-            optimizers = module.trainer.optimizers
+            optimizer = module.trainer.optimizers[0] if module.trainer.optimizers else None
+            step = lambda chunk: DDPStrategy.training_step(self, chunk, *args[1:], **kwargs)
+            backward = lambda loss: DDPStrategy.backward(self, loss, optimizer)
+            # Lightning's step and backward, past this class's overrides, for each chunk
             return self._chunks.run_training_step(
-                ddp,
-                module,
-                args,
-                self._position(),
-                step=lambda chunk: super(DDPPlusStrategy, self).training_step(chunk, *args[1:], **kwargs),
-                backward=lambda loss: super(DDPPlusStrategy, self).backward(
-                    loss, optimizers[0] if optimizers else None
-                ),
-                divisor=module.trainer.accumulate_grad_batches,
-                rank=self.global_rank,
-                end_epoch=self._end_epoch_here,
+                ddp, module, args[0], self._position(), step, backward, self.global_rank
             )
 
     @override
@@ -375,28 +353,16 @@ class DDPPlusStrategy(DDPPlusFrontEnd, AtomicCheckpoints, DDPStrategy):
             restore=restore,
         )
         if done.ends_epoch:
-            self._end_epoch_here()
+            end_epoch_here(self.lightning_module.trainer)
         result: Tensor = done.result
         return result
 
     @override
     def post_backward(self, closure_loss: Tensor) -> None:
-        # Manual optimization with a static graph: the loss never passes through DDP's _DDPSink (the backward runs
-        # inside the wrapper's forward), so nothing queues the first synced backward's delayed all-reduce; without it
-        # torch never reduces a gradient. Lightning 2.6 does this in its post_backward, 2.5 does not: do it here, once
-        # per wrapper, after a backward that synced.
-        ddp = self.model
-        lightning_module = self.lightning_module
-        if (
-            self._backward_syncs
-            and not self._static_graph_flushed
-            and isinstance(ddp, DistributedDataParallel)
-            and ddp.static_graph
-            and lightning_module is not None
-            and not lightning_module.automatic_optimization
-        ):
-            flush_static_graph(ddp)
-            self._static_graph_flushed = True
+        if not self._static_graph_flushed:  # once per wrapper, after a backward that synced
+            self._static_graph_flushed = flush_manual_static_graph(
+                self.model, self.lightning_module, self._backward_syncs
+            )
 
     @override
     def optimizer_step(
@@ -410,7 +376,8 @@ class DDPPlusStrategy(DDPPlusFrontEnd, AtomicCheckpoints, DDPStrategy):
         if lightning_module is not None and self.gradient_accumulation_steps > 1:
             if not lightning_module.automatic_optimization and not self.sync_gradients:
                 rank_zero_warn(self.engine.window.step_mid_window_warning())
-            closure = self._rescaling_closure(closure, optimizer)
+            rescale = lambda: self.engine.window.gradient_rescale(self._position())
+            closure = rescaling_closure(closure, optimizer, rescale)
         explained = self.engine.out_of_memory_reports.explained(self._chunks.batch, self.global_rank, self.world_size)
         with explained:  # the closure runs the training step and the backward
             output = super().optimizer_step(optimizer, closure, model, **kwargs)
@@ -418,32 +385,16 @@ class DDPPlusStrategy(DDPPlusFrontEnd, AtomicCheckpoints, DDPStrategy):
         if lightning_module is not None:
             trainer = lightning_module.trainer
             if step % max(1, trainer.log_every_n_steps) == 0:  # type: ignore[attr-defined]
-                self._log_sync_stats(trainer)
+                log_sync_stats(trainer, self.sync_stats)
         return output
-
-    def _rescaling_closure(self, closure: Callable[[], Any], optimizer: Optimizer) -> Callable[[], Any]:
-        """A window that closed early on an epoch of unknown length: its gradients need k/length (``"mean"``)."""
-
-        def closure_then_rescale() -> Any:
-            result = closure()
-            scale_gradients(optimizer, self.engine.window.gradient_rescale(self._position()))
-            return result
-
-        return closure_then_rescale
-
-    def _log_sync_stats(self, trainer: pl.Trainer) -> None:
-        for logger in trainer.loggers:
-            logger.log_metrics(self.sync_stats.as_metrics(), step=trainer.global_step)
 
     @override
     def on_train_end(self) -> None:
         self.engine.end_of_training()
         super().on_train_end()
         if self.lightning_module is not None:
-            self._log_sync_stats(self.lightning_module.trainer)
+            log_sync_stats(self.lightning_module.trainer, self.sync_stats)
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        # Our own errors already name the rule and the fix. For torch's errors, keep torch's message (Lightning would
-        # replace it) and add which rule it is and the fix, or what a collective timeout means.
-        self.engine.explain(exception)
+        self.engine.explain(exception)  # torch's message kept (Lightning would replace it), the rule or timeout added

@@ -14,11 +14,11 @@ from collections.abc import Callable
 from typing import Any
 
 from torch import Tensor
-from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_ddp_plus.engine.engine import DDPPlusEngine
 from lightning_ddp_plus.engine.guarded_backward import guarded_backward
+from lightning_ddp_plus.frontends.trainer_loop import end_epoch_here
 from lightning_ddp_plus.sync.accumulation import WindowPosition
 from lightning_ddp_plus.sync.micro_batches import CHECKPOINT_KEY
 
@@ -50,20 +50,18 @@ class TrainerChunks:
     def run_training_step(
         self,
         ddp: DistributedDataParallel,
-        module: Module,
-        args: tuple[Any, ...],
+        module: Any,
+        batch: Any,
         position: WindowPosition,
         step: Callable[[Any], Any],
         backward: Callable[[Tensor], Any],
-        divisor: int,
         rank: int,
-        end_epoch: Callable[[], None],
     ) -> Any:
-        """The batch ``args[0]`` in chunks, each chunk's forward (``step``, Lightning's ``training_step``) and
-        backward (``backward``, Lightning's) here, the loss divided by ``divisor`` as Lightning's closure divides
-        it (``end_epoch``: a held uneven-inputs flag ends the epoch on this batch); returns what ``training_step``
-        returns, with the batch's loss (detached) as its loss."""
-        engine = self.engine
+        """``batch`` in chunks, each chunk's forward (``step``, Lightning's ``training_step``) and backward
+        (``backward``, Lightning's) here, the loss divided by k as Lightning's closure divides it; returns what
+        ``training_step`` returns, with the batch's loss (detached) as its loss."""
+        engine, trainer = self.engine, module.trainer
+        divisor = trainer.accumulate_grad_batches
         parameters = [p for p in module.parameters() if p.requires_grad]
         if position.index == 0:  # Lightning zeroes only after training_step: the chunks must start from nothing
             for parameter in parameters:
@@ -87,13 +85,13 @@ class TrainerChunks:
                 run=run,
                 restore=lambda: None,
             )
-            if done.ends_epoch:
-                end_epoch()
+            if done.ends_epoch:  # a held uneven-inputs flag ends the epoch on this batch
+                end_epoch_here(trainer)
             return done.agreed
 
         done = engine.micro_batch_runner.run(
             ddp,
-            args[0],
+            batch,
             step=chunk_step,
             backward=chunk_backward,
             synced=ddp.require_backward_grad_sync,  # Lightning's loop blocked it mid-window

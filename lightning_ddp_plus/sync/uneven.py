@@ -28,10 +28,12 @@ exchanged when every training loader has a ``DistributedSampler`` (``even_by_con
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 UnevenInputs = Literal["error", "stop", "join"]
+T = TypeVar("T")
 
 
 class UnevenInputsError(RuntimeError):
@@ -315,3 +317,26 @@ def even_by_construction(loaders: Any) -> bool:
         )
 
     return bool(loaders) and all(distributed(loader) for loader in loaders)
+
+
+def items_marked_last(
+    items: Iterable[T], ends_here: Callable[[RankBatches], bool], length: int | None
+) -> Iterator[tuple[T, bool]]:
+    """Each item with whether it is the last, read one item ahead as Lightning's loop fetches; before each item
+    ``ends_here(this rank at it)`` may end the iteration there (the ranks' uneven-inputs decision)."""
+    iterator = iter(items)
+    try:
+        item = next(iterator)
+    except StopIteration:
+        return
+    number = 0
+    for following in iterator:
+        number += 1
+        if ends_here(RankBatches(number, last=False, length=length)):
+            break
+        yield item, False
+        item = following
+    else:
+        number += 1
+        ends_here(RankBatches(number, last=True, length=length))
+    yield item, True
