@@ -6,7 +6,6 @@ import os
 import signal
 import sys
 import tempfile
-import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -176,53 +175,98 @@ def test_a_full_disk_names_the_path_keeps_the_previous_checkpoint_and_leaves_no_
         assert [p.name for p in directory.iterdir()] == ["last.ckpt"]
 
 
-def _killed_during_save(directory: Path, checkpoint: dict, delay: float, io: object) -> bool:
-    """Fork a process that saves ``checkpoint`` to ``directory/last.ckpt``; SIGKILL it ``delay`` seconds after it
-    started; return whether it had finished."""
-    read_end, write_end = os.pipe()
+class _PausingFile:
+    """The save's file, written a MiB at a time, pausing before each MiB (what ``_saved_with_events`` reports as
+    ``w``)."""
+
+    def __init__(self, handle: object, pause: object) -> None:
+        self.handle, self.pause = handle, pause
+
+    def write(self, data: bytes) -> int:
+        view = memoryview(data)
+        for start in range(0, len(view), 2**20):
+            self.pause(b"w")
+            self.handle.write(view[start : start + 2**20])
+        return len(view)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.handle, name)
+
+    def __enter__(self) -> object:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.handle.close()
+
+
+def _saved_with_events(directory: Path, checkpoint: dict, io: object, kill_at: int | None) -> tuple[bool, list[bytes]]:
+    """Fork a process that saves ``checkpoint`` to ``directory/last.ckpt`` and stops at each event of the save (a
+    MiB written to the temporary file ``w``, an fsync ``f``, the rename ``r``) until told to go on; SIGKILL it at the
+    ``kill_at``-th event (``None``: never). Returns whether the save finished, and the events reached."""
+    events_read, events_write = os.pipe()
+    go_read, go_write = os.pipe()
     pid = os.fork()
-    if pid == 0:  # the saving process: nothing but the save, then a byte that says it finished
+    if pid == 0:  # the saving process: the real save, paused at its events
         try:
-            os.close(read_end)
-            os.write(write_end, b"s")
+            os.close(events_read)
+            os.close(go_write)
+
+            def pause(event: bytes) -> None:
+                os.write(events_write, event)
+                os.read(go_read, 1)
+
+            fsync, replace, fdopen = os.fsync, os.replace, os.fdopen
+            os.fsync = lambda fd: (pause(b"f"), fsync(fd))[1]
+            os.replace = lambda a, b: (pause(b"r"), replace(a, b))[1]
+            os.fdopen = lambda fd, *a, **k: _PausingFile(fdopen(fd, *a, **k), pause)
             io.save_checkpoint(checkpoint, directory / "last.ckpt")
-            os.write(write_end, b"d")
+            os.write(events_write, b"d")
         finally:
             os._exit(0)
-    os.close(write_end)
+    os.close(events_write)
+    os.close(go_read)
+    events: list[bytes] = []
     try:
-        assert os.read(read_end, 1) == b"s"
-        time.sleep(delay)
-        os.kill(pid, signal.SIGKILL)
+        while (event := os.read(events_read, 1)) not in (b"", b"d"):
+            events.append(event)
+            if len(events) == kill_at:
+                os.kill(pid, signal.SIGKILL)
+                break
+            os.write(go_write, b"g")
         os.waitpid(pid, 0)
-        return os.read(read_end, 1) == b"d"
+        return event == b"d", events
     finally:
-        os.close(read_end)
+        os.close(events_read)
+        os.close(go_write)
 
 
 @needs_mount
-def test_sigkill_at_spread_moments_of_a_save_never_leaves_a_torn_checkpoint(tmp_path):
-    """20 tries; the checkpoint directory on a filesystem of its own (a tmpfs), each kill at a different moment."""
+def test_sigkill_at_every_stage_of_a_save_never_leaves_a_torn_checkpoint(tmp_path):
+    """The checkpoint directory on a filesystem of its own (a tmpfs); 20 kills spread over the events a save reaches
+    (each MiB written to the temporary file, its fsync, the rename, the directory's fsync), so each lands inside the
+    save however loaded the machine is."""
     with small_filesystem(tmp_path, "200m") as directory:
         io = AtomicCheckpointIO()
-        durations = []
-        for _ in range(3):
-            started = time.perf_counter()
-            io.save_checkpoint(checkpoint_of(16, step=0), directory / "last.ckpt")
-            durations.append(time.perf_counter() - started)
-        duration = min(durations)
+        io.save_checkpoint(checkpoint_of(16, step=0), directory / "last.ckpt")
+        finished, events = _saved_with_events(directory, checkpoint_of(16, step=0), io, kill_at=None)
+        assert finished and events.count(b"r") == 1 and events.count(b"w") >= 10, events
+        rename = events.index(b"r") + 1
+        stages = sorted(
+            {1 + (len(events) - 1) * attempt // 19 for attempt in range(20)} | {rename - 1, rename, rename + 1}
+        )
         outcomes = []
-        for attempt in range(1, 21):
-            finished = _killed_during_save(directory, checkpoint_of(16, step=attempt), duration * attempt / 20, io)
-            assert unreadable_reason(directory / "last.ckpt") is None, f"try {attempt}: torn"
+        for attempt, kill_at in enumerate(stages, start=1):
+            finished, reached = _saved_with_events(directory, checkpoint_of(16, step=attempt), io, kill_at)
+            assert not finished and len(reached) == kill_at, (kill_at, reached)
+            assert unreadable_reason(directory / "last.ckpt") is None, f"kill at event {kill_at}: torn"
             step = saved_step(directory / "last.ckpt")  # the previous file or the new one, never a part
-            assert step == attempt if finished else step in (attempt - 1, attempt), (attempt, finished, step)
-            outcomes.append((finished, step == attempt))
+            assert step == (attempt if kill_at > rename else attempt - 1), (kill_at, rename, step)
+            outcomes.append((reached[-1].decode(), step == attempt))
             if step != attempt:  # killed before the rename: the previous file, whole; make it this try's
                 io.save_checkpoint(checkpoint_of(16, step=attempt), directory / "last.ckpt")
             remove_stale_temporaries(directory)  # what the next run's first save does
-        print("kills (finished, renamed):", outcomes)
-        assert sum(not finished for finished, _ in outcomes) >= 8, outcomes  # most kills landed inside a save
+        print("kills (event, renamed):", outcomes)
+        assert len(outcomes) >= 20 and {event for event, _ in outcomes} == {"w", "f", "r"}
 
 
 # ---------------------------------------------------------------------------------------------- readability
