@@ -29,7 +29,7 @@ class Counted(Protocol):
     buckets: BucketTuner | None
 
 
-@dataclass(frozen=True)
+@dataclass  # not frozen: Lightning's launcher maps over the results it carries, and refuses frozen dataclasses
 class WorkerResults:
     """A worker's findings, resolved settings and counters, as plain data."""
 
