@@ -78,7 +78,7 @@ def test_matching_settings_are_settled_with_the_trainer():
         devices=2,
         logger=False,
     )
-    trainer.strategy._settle_with_trainer(trainer, trainer._fit_impl, (None,) * 6)
+    trainer.strategy._before_launch(trainer, trainer._fit_impl, (None,) * 6)
     assert trainer.strategy.gradient_accumulation_steps == 4 and trainer.accumulate_grad_batches == 4
 
 

@@ -42,7 +42,7 @@ def test_sharding_without_overlap_takes_every_other_setting():
     strategy = DDPPlusStrategy(
         optimizer_sharding=True, ddp_comm_hook="fp16", gradient_accumulation_steps=4, bucket_cap_mb="auto"
     )
-    assert strategy.options.optimizer_sharding is True
+    assert strategy.arguments.optimizer_sharding is True
 
 
 def test_overlap_on_gloo_is_refused_when_the_trainer_is_built():

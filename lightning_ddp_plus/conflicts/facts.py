@@ -1,7 +1,7 @@
 """Model facts that decide whether a DDP configuration works, observed during a real training forward.
 
-What torch's reducer cares about is where each trainable parameter's gradient is accumulated (measured on torch
-2.13, see the rule table in the docs' conflict checks guide):
+What torch's reducer cares about is where each trainable parameter's gradient is accumulated (the rule table in the
+docs' conflict checks guide gives the measurements):
 
 - the autograd graph of the loss (ordinary use, non-reentrant checkpointing included);
 - a reentrant checkpointed region, whose parameters are hidden from that graph and get their gradient in a separate
@@ -346,7 +346,7 @@ class ForwardProbe:
             probe._kinds.add(NON_REENTRANT)
             original_init(hook, *args, **kwargs)
 
-        hook_class.__init__ = init  # type: ignore[misc]
+        hook_class.__init__ = init  # type: ignore[misc]  # undone by _restore when the probe ends
         self._restore.append(lambda: setattr(hook_class, "__init__", original_init))
 
     def _open_region(self, args: tuple[Any, ...]) -> tuple[tuple[Any, ...], _Region]:

@@ -257,7 +257,7 @@ RULES: tuple[Rule, ...] = (
         title="broadcast_buffers=True with gradient checkpointing",
         applies=lambda v, f: v.broadcast_buffers and f.checkpointed and bool(f.mutable_buffers),
         problem=lambda v, f: (
-            "the HF DDP guide advises broadcast_buffers=False with checkpointing. Measured on torch 2.13 (CPU, gloo): it "
+            "the HF DDP guide advises broadcast_buffers=False with checkpointing. It "
             "changed no parameter outcome; BatchNorm inside a checkpointed block updates its running statistics twice per "
             "step (the recompute), whatever this flag."
         ),

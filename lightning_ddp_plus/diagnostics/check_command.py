@@ -167,7 +167,7 @@ def plan_arguments(args: list[str]) -> tuple[list[str], PlanArguments]:
 
 
 def memory_plan(
-    trainer: pl.Trainer, model: pl.LightningModule, batch: Any, options: PlanArguments
+    trainer: pl.Trainer, model: pl.LightningModule, batch: Any, requested: PlanArguments
 ) -> tuple[MemoryPlan | None, str]:
     """The plan for the configured run; ``None`` and why when the model's forward cannot run here."""
     strategy = trainer.strategy
@@ -177,12 +177,12 @@ def memory_plan(
     else:
         configured = (bool((getattr(strategy, "_ddp_kwargs", {}) or {}).get("gradient_as_bucket_view")), False)
     source = "the --device-memory figure"
-    device_memory = options.device_memory
+    device_memory = requested.device_memory
     if device_memory is None:
         device_memory = device_memory_of(strategy.root_device)
         source = f"the {strategy.root_device.type} device's memory"
     # the job's device, through Lightning's accelerator (the model itself stays where it was built, on the CPU)
-    device_type = options.device_type or strategy.root_device.type
+    device_type = requested.device_type or strategy.root_device.type
     try:
         if isinstance(batch, Exception):
             raise batch
@@ -193,7 +193,7 @@ def memory_plan(
         )
     except Exception as error:  # noqa: BLE001 - the plan needs one real forward; say why it could not run
         return None, f"memory plan: not made (one training forward could not run here: {type(error).__name__}: {error})"
-    size = options.world_size or trainer.num_devices * trainer.num_nodes
+    size = requested.world_size or trainer.num_devices * trainer.num_nodes
     plan = plan_layouts(figures, size, device_memory, configured=configured)
     memory = "" if device_memory is None else f" against {source}"
     return (
@@ -264,7 +264,7 @@ def run_check(args: list[str]) -> int:
     from lightning.pytorch.cli import LightningCLI
 
     try:
-        args, options = plan_arguments(args)
+        args, requested = plan_arguments(args)
     except ValueError as error:
         print(f"ERROR {error}", file=sys.stderr)
         return 1
@@ -291,7 +291,7 @@ def run_check(args: list[str]) -> int:
     facts, source = probe_facts(cli.model, batch)
     findings = evaluate(view, facts)
     print(report(view, facts, source, findings))
-    plan, text = memory_plan(cli.trainer, cli.model, batch, options)
+    plan, text = memory_plan(cli.trainer, cli.model, batch, requested)
     print(text)
     left = None if plan is None else leave_suggestion(plan, cli.trainer.default_root_dir, cli.model)
     if left is not None:

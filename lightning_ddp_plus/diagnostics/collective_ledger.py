@@ -87,7 +87,7 @@ class CollectiveLedger:
         #: Told of every phase and collective (straggler attribution), if any.
         self.clock = clock
         self.sequence = 0
-        self.phase: str = "setup"
+        self.phase: Phase = "setup"
         self.step = 0
         #: The collective the main thread is in, if any.
         self.current: CollectiveRecord | None = None
@@ -101,6 +101,16 @@ class CollectiveLedger:
         self.progressed = time.time()
         if self.clock is not None:
             self.clock.switch(_TIMED.get(phase))
+
+    @contextmanager
+    def in_phase(self, phase: Phase) -> Iterator[None]:
+        """``phase`` for the ``with`` block (a checkpoint save in the middle of another), then the phase before."""
+        before = self.phase
+        self.enter_phase(phase)
+        try:
+            yield
+        finally:
+            self.enter_phase(before)
 
     @contextmanager
     def collective(

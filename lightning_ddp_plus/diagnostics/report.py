@@ -215,10 +215,10 @@ def main(args: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="ddp-plus report", description=__doc__.splitlines()[0])
     parser.add_argument("logdir", type=Path, help="a CSVLogger save_dir, version_N folder or metrics.csv")
     parser.add_argument("--out", type=Path, default=None, help="PNG to write (default: ddp_report.png beside the CSV)")
-    options = parser.parse_args(list(args))
+    parsed = parser.parse_args(list(args))
     try:
-        log = read_telemetry(find_metrics(options.logdir))
-        out = draw(log, options.out or log.source.parent / "ddp_report.png")
+        log = read_telemetry(find_metrics(parsed.logdir))
+        out = draw(log, parsed.out or log.source.parent / "ddp_report.png")
     except ReportError as error:
         print(f"ERROR {error}", file=sys.stderr)
         return 1

@@ -9,7 +9,7 @@ main thread is, with its stack) and reads the others'. Every rank then takes the
 - out of step: rank 0 prints the report and ends its process, which ends the job at once instead of at the timeout
   (the popen launcher's child ranks exit when their parent is gone; under torchrun the agent stops the others). A
   gloo wait cannot be interrupted from another thread: ``ProcessGroup.abort`` returns at once, but the blocked wait
-  only returns when a peer's connection closes (measured on torch 2.13). A rank whose collective fails first ("Connection
+  only returns when a peer's connection closes. A rank whose collective fails first ("Connection
   closed by peer") ends through the strategy's ``on_exception`` with the same report;
 - not reached, or every rank waits: the report is printed by the first waiting rank; the collective timeout still
   ends the job, and its error carries the same report (``last_report``).

@@ -119,7 +119,7 @@ class SyncTelemetry:
 
     def attach(self, ddp: DistributedDataParallel, hooks: HookAssembly) -> None:
         """Start a new fit on a new wrapper."""
-        self.__init__(self.sample_rate)  # type: ignore[misc]
+        self.__init__(self.sample_rate)  # type: ignore[misc]  # every counter back to a new fit's
         self._ddp, self._hooks = weakref.ref(ddp), hooks
         self._calls, self._handed = hooks.counter.calls, hooks.counter.bucket_bytes
         set_timing_sample_rate(ddp, self.sample_rate)
@@ -194,7 +194,7 @@ class DDPTelemetry(pl.Callback):
         if telemetry is None or telemetry.last is None or telemetry.last.step == self._logged_step:
             return
         self._logged_step = telemetry.last.step
-        if telemetry.last.step % max(1, trainer.log_every_n_steps) == 0:  # type: ignore[attr-defined]
+        if telemetry.last.step % max(1, getattr(trainer, "log_every_n_steps", 1)) == 0:
             for logger in trainer.loggers:
                 logger.log_metrics(telemetry.last.as_metrics(), step=trainer.global_step)
         phase_times = getattr(trainer.strategy, "phase_times", None)

@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import cache, cached_property
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, cast
 
 from torch.nn.parallel import DistributedDataParallel
 
@@ -437,8 +437,7 @@ class DDPPlusArguments:
     @property
     def comm_hook(self) -> CommHook | HookFunction | None:
         """``ddp_comm_hook`` as its check parsed it: a named hook, a hook function, or ``None``."""
-        hook: CommHook | HookFunction | None = self.ddp_comm_hook  # type: ignore[assignment]
-        return hook
+        return cast("CommHook | HookFunction | None", self.ddp_comm_hook)
 
     @cached_property
     def settings(self) -> DDPSettings:
@@ -551,7 +550,7 @@ def takes_declared_arguments(
         own = [p for p in inspect.signature(init).parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
         further = [inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD, annotation=Any)] if ddp_kwargs else []
         declared = declared_parameters(front_end, without)
-        init.__signature__ = inspect.Signature([*own, *declared, *further])  # type: ignore[attr-defined]
+        init.__signature__ = inspect.Signature([*own, *declared, *further])  # type: ignore[attr-defined]  # what inspect reads
         docs = argument_docs()
         entries = [f"    {parameter.name}: {docs[parameter.name]}" for parameter in declared]
         if ddp_kwargs:

@@ -1,10 +1,10 @@
-"""What the Trainer strategy and the Fabric strategy share: the engine built from the declared arguments, read-only
-views of it, the backend's checks, the environment, wrapping and the registered names. A batch's backward runs
-through ``engine.guarded_backward``, a batch in chunks through the engine's ``MicroBatchRunner``.
+"""What the Trainer strategy and the Fabric strategy share, without taking part in Lightning's overrides: the engine
+built from the declared arguments, read-only views of it, the backend's checks, wrapping and the setup line.
 
-``DDPPlusFrontEnd`` comes first in each front end's bases, before Lightning's ``DDPStrategy`` of its framework; where
-it overrides a method both frameworks have (``setup_environment``, ``teardown``, ``_get_process_group_backend``,
-``register_strategies``), it adds what the package needs and calls Lightning's.
+``DDPPlusFrontEnd`` defines no method that Lightning's strategies define, and calls no ``super()``: each front end
+subclasses its framework's ``DDPStrategy`` and overrides Lightning's hooks itself, thinly, calling the engine (the
+collectives in the ledger, the atomic saves, the environment). A batch's backward runs through
+``engine.guarded_backward``, a batch in chunks through the engine's ``MicroBatchRunner``.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from lightning_ddp_plus.diagnostics.telemetry import SyncTelemetry
 from lightning_ddp_plus.engine.arguments import DDPPlusArguments, FrontEnd
 from lightning_ddp_plus.engine.engine import DDPPlusEngine
 from lightning_ddp_plus.engine.setup_line import describe_run
-from lightning_ddp_plus.frontends.registry import register_names
+from lightning_ddp_plus.persistence.io import AtomicSaves
 from lightning_ddp_plus.private_apis.torch_ddp import logging_data
 from lightning_ddp_plus.private_apis.torch_distributed import CAN_SET_GROUP_TIMEOUT, GROUP_TIMEOUT_BACKENDS
 from lightning_ddp_plus.processes import reachability
@@ -42,18 +42,20 @@ from lightning_ddp_plus.sync.comm_hooks import CommHook, HookCallCounter, HookFu
 from lightning_ddp_plus.sync.wrapper import wrapping_stream
 
 
-def _size(tensor: Any) -> int:
+def tensor_bytes(tensor: Any) -> int:
+    """What a collective on ``tensor`` moves, for the ledger (0 for what is not a tensor)."""
     return int(tensor.numel() * tensor.element_size()) if isinstance(tensor, Tensor) else 0
 
 
 class DDPPlusFrontEnd:
-    """The part of a front end that does not depend on its framework."""
+    """The part of a front end that does not depend on its framework (see the module's docstring)."""
 
     #: The class name the messages use, and which declared arguments the front end takes.
     front_end: ClassVar[FrontEnd]
     #: How the registered names describe the front end.
     registry_label: ClassVar[str]
     engine: DDPPlusEngine
+    atomic_saves: AtomicSaves
     _process_group_backend: str | None
 
     if TYPE_CHECKING:  # Lightning's DDPStrategy of either framework provides these
@@ -68,16 +70,18 @@ class DDPPlusFrontEnd:
         def global_rank(self) -> int: ...
 
     def _start_engine(self, keywords: Mapping[str, Any]) -> DDPPlusArguments:
-        """Validate the front end's keywords against the declaration and build the engine on them."""
+        """Validate the front end's keywords against the declaration and build the engine, and the atomic saves, on
+        them."""
         self.engine = DDPPlusEngine(
             DDPPlusArguments.for_front_end(self.front_end, keywords), warn=rank_zero_warn, info=rank_zero_info
         )
+        self.atomic_saves = AtomicSaves(self.engine.arguments.atomic_checkpoints)
         return self.engine.arguments
 
     # ------------------------------------------------------------------ read-only views of the engine
 
     @property
-    def options(self) -> DDPPlusArguments:
+    def arguments(self) -> DDPPlusArguments:
         """The validated arguments (each normalized by its check)."""
         return self.engine.arguments
 
@@ -85,6 +89,11 @@ class DDPPlusFrontEnd:
     def settings(self) -> DDPSettings:
         """The DDP settings in effect (``broadcast_buffers="auto"`` decided, ``"resolve"``'s changes applied)."""
         return self.engine.settings
+
+    @property
+    def start_method(self) -> str:
+        """How the processes are started (``start_method``)."""
+        return self.engine.arguments.start_method
 
     @property
     def timeout(self) -> timedelta:
@@ -161,79 +170,27 @@ class DDPPlusFrontEnd:
             setup_timeout = arguments.process_group_timeout
             check_setup_timeout(setup_timeout, backend, CAN_SET_GROUP_TIMEOUT, GROUP_TIMEOUT_BACKENDS)
 
-    def _get_process_group_backend(self) -> str:
+    def _backend_for_device(self) -> str:
+        """The backend the process group is created with (the framework's ``_get_process_group_backend``)."""
         return resolve_backend_for_device(self.engine.arguments.backend, self.root_device.type, check_available=False)
 
-    def setup_environment(self) -> None:
-        self.engine.prepare_process_group(self._get_process_group_backend(), os.environ)
-        super().setup_environment()  # type: ignore[misc]
+    def _prepare_environment(self) -> None:
+        """Before Lightning's ``setup_environment`` creates the process group."""
+        self.engine.prepare_process_group(self._backend_for_device(), os.environ)
+
+    @staticmethod
+    def _environment_ready() -> None:
+        """After the process group exists: it is destroyed at exit on the main thread, and this host is published
+        for the reachability report."""
         register_process_group_shutdown()
         reachability.publish_host()
 
-    def teardown(self) -> None:
-        self.engine.teardown()
-        super().teardown()  # type: ignore[misc]
-
-    @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        register_names(strategy_registry, cls, cls.registry_label)
-
-    # ------------------------------------------------------------------ collectives, in the ledger
-
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        with self.engine.ledger.collective("barrier"):
-            super().barrier(*args, **kwargs)  # type: ignore[misc]
-
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        with self.engine.ledger.collective(f"broadcast from rank {src}"):
-            return super().broadcast(obj, src)  # type: ignore[misc]
-
-    def all_gather(self, tensor: Tensor, *args: Any, **kwargs: Any) -> Any:
-        with self.engine.ledger.collective("all_gather", _size(tensor)):
-            return super().all_gather(tensor, *args, **kwargs)  # type: ignore[misc]
-
-    def reduce(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
-        """The Trainer's reduction (what ``self.log(..., sync_dist=True)`` calls), in the ledger."""
-        with self.engine.ledger.collective("all_reduce", _size(tensor)):
-            return super().reduce(tensor, *args, **kwargs)  # type: ignore[misc]
-
-    def all_reduce(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
-        """Fabric's reduction (``fabric.all_reduce``), in the ledger."""
-        with self.engine.ledger.collective("all_reduce", _size(tensor)):
-            return super().all_reduce(tensor, *args, **kwargs)  # type: ignore[misc]
-
-    def optimizer_state(self, optimizer: Any) -> Any:
-        """The Trainer's optimizer state at a save: a sharded optimizer's is consolidated on rank 0, a collective."""
-        with self._consolidation(optimizer):
-            return super().optimizer_state(optimizer)  # type: ignore[misc]
-
-    def get_optimizer_state(self, optimizer: Any) -> Any:
-        """Fabric's optimizer state at a save, as ``optimizer_state``."""
-        with self._consolidation(optimizer):
-            return super().get_optimizer_state(optimizer)  # type: ignore[misc]
-
     def _consolidation(self, optimizer: Any) -> AbstractContextManager[Any]:
+        """Around an optimizer's state at a save: a sharded optimizer's is consolidated on rank 0, a collective."""
         inner = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer wraps the Trainer's
         if not hasattr(inner, "consolidate_state_dict"):
             return nullcontext()
         return self.engine.ledger.collective("optimizer state consolidation", users_call=False)
-
-    def on_validation_start(self) -> None:
-        self.engine.ledger.enter_phase("validation")
-        super().on_validation_start()  # type: ignore[misc]
-
-    def on_validation_end(self) -> None:
-        self.engine.ledger.enter_phase("data fetch")
-        super().on_validation_end()  # type: ignore[misc]
-
-    def save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
-        ledger = self.engine.ledger
-        phase = ledger.phase
-        ledger.enter_phase("checkpoint save")
-        try:
-            super().save_checkpoint(*args, **kwargs)  # type: ignore[misc]
-        finally:
-            ledger.enter_phase(phase)  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------ the wrapper and the backward
 

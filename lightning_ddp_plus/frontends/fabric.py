@@ -16,6 +16,7 @@ import torch
 from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.strategies import DDPStrategy
+from lightning.fabric.strategies.strategy import TBroadcast
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.nn import Module
@@ -26,20 +27,19 @@ from typing_extensions import Unpack, override
 from lightning_ddp_plus.engine.arguments import takes_declared_arguments
 from lightning_ddp_plus.engine.guarded_backward import guarded_backward
 from lightning_ddp_plus.engine.keywords import DDPPlusFabricStrategyKeywords
-from lightning_ddp_plus.frontends.common import DDPPlusFrontEnd
-from lightning_ddp_plus.frontends.fabric_loop import FirstStaticBackwardSynced
-from lightning_ddp_plus.persistence.io import AtomicCheckpoints
+from lightning_ddp_plus.frontends.common import DDPPlusFrontEnd, tensor_bytes
+from lightning_ddp_plus.frontends.fabric_loop import FabricWindow, FirstStaticBackwardSynced
+from lightning_ddp_plus.frontends.registry import register_names
 from lightning_ddp_plus.private_apis.lightning import fabric_backward
 from lightning_ddp_plus.processes.launcher import ParentWatchedFabricLauncher, nodes_of_this_attempt, watch_parent
 from lightning_ddp_plus.sharding.optimizer import refuse_clipping
 from lightning_ddp_plus.sync.accumulation import WindowPosition, scale_gradients
 from lightning_ddp_plus.sync.step_agreement import StepAgreed
-from lightning_ddp_plus.sync.uneven import PaddedBatches, RankBatches, items_marked_last
 
 T = TypeVar("T")
 
 
-class DDPPlusFabricStrategy(DDPPlusFrontEnd, AtomicCheckpoints, DDPStrategy):
+class DDPPlusFabricStrategy(DDPPlusFrontEnd, DDPStrategy):
     """Fabric's ``DDPStrategy`` with every DDP knob typed and validated, on the engine ``DDPPlusStrategy`` uses.
 
     Arguments are those of ``DDPPlusStrategy`` but ``resume_from_last`` and ``model_averaging_period``;
@@ -74,34 +74,26 @@ class DDPPlusFabricStrategy(DDPPlusFrontEnd, AtomicCheckpoints, DDPStrategy):
             checkpoint_io: checkpoint plugin, as in Fabric's ``DDPStrategy``; kept as passed (see ``atomic_checkpoints``).
             precision: set by ``Fabric`` unless given (Fabric's name for the Trainer's ``precision_plugin``).
         """
-        options = self._start_engine(arguments)
+        declared = self._start_engine(arguments)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io,
             precision=precision,
-            process_group_backend=options.backend,
-            timeout=options.process_group_timeout,  # the engine sets `timeout` at the first training step
-            start_method=options.start_method,
+            process_group_backend=declared.backend,
+            timeout=declared.process_group_timeout,  # the engine sets `timeout` at the first training step
+            start_method=declared.start_method,
         )
-        self.engine.before_training_forward = self._window_before_forward
+        self.window = FabricWindow(self.engine)
+        self.engine.before_training_forward = self.window.before_forward
         self.engine.watch_stalls = True  # Fabric has no end of a fit: the process's exit stops the watchdog
         self._backward_sync_control = FirstStaticBackwardSynced(self.engine)
-        self._ddp: DistributedDataParallel | None = None
-        self._position: WindowPosition | None = None
-        self._last_position: WindowPosition | None = None
-        self._next_is_last = False
-        self._turned_sync_off = False
-        self._epoch = -1
 
     @property
     def sync_gradients(self) -> bool:
-        """After ``fabric.backward``: True when that micro-batch closed its accumulation window (its backward
-        all-reduced), i.e. when to call ``optimizer.step()``."""
-        return self._last_position is None or self._last_position.closes_window or self.gradient_accumulation_steps == 1
-
-    # ------------------------------------------------------------------ launching and process group
+        """After ``fabric.backward``: True when that micro-batch closed its window, i.e. when to step."""
+        return self.window.closes_window
 
     @override
     def _configure_launcher(self) -> None:
@@ -118,24 +110,83 @@ class DDPPlusFabricStrategy(DDPPlusFrontEnd, AtomicCheckpoints, DDPStrategy):
             self._launcher = ParentWatchedFabricLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     @override
+    def setup_environment(self) -> None:
+        self._prepare_environment()
+        super().setup_environment()
+        self._environment_ready()
+
+    @override
+    def _get_process_group_backend(self) -> str:
+        return self._backend_for_device()
+
+    @override
+    def teardown(self) -> None:
+        self.engine.teardown()
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        register_names(strategy_registry, cls, cls.registry_label)
+
+    @property
+    @override
+    def checkpoint_io(self) -> CheckpointIO:
+        """The checkpoint IO you passed, as passed, or an atomic default (``atomic_checkpoints``)."""
+        self._checkpoint_io = self.atomic_saves.default_io(self._checkpoint_io)
+        return self.atomic_saves.saving_view or super().checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: CheckpointIO) -> None:
+        self._checkpoint_io = io
+
+    @override
+    def save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
+        with self.engine.ledger.in_phase("checkpoint save"), self.atomic_saves.saving(self.checkpoint_io):
+            super().save_checkpoint(*args, **kwargs)
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        with self.engine.ledger.collective("barrier"):
+            super().barrier(*args, **kwargs)
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        with self.engine.ledger.collective(f"broadcast from rank {src}"):
+            return super().broadcast(obj, src)
+
+    @override
+    def all_gather(self, tensor: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        with self.engine.ledger.collective("all_gather", tensor_bytes(tensor)):
+            return super().all_gather(tensor, *args, **kwargs)
+
+    @override
+    def all_reduce(self, tensor: Tensor, *args: Any, **kwargs: Any) -> Tensor:  # `fabric.all_reduce`
+        with self.engine.ledger.collective("all_reduce", tensor_bytes(tensor)):
+            return super().all_reduce(tensor, *args, **kwargs)
+
+    @override
+    def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
+        with self._consolidation(optimizer):
+            return super().get_optimizer_state(optimizer)
+
+    @override
     def _setup_distributed(self) -> None:
         watch_parent()  # a child rank ends when rank 0's process is gone (a failure in the user's loop there)
         self._check_backend_present()
         super()._setup_distributed()
 
-    # ------------------------------------------------------------------ the wrapper
-
     @override
     def setup_module(self, module: Module) -> DistributedDataParallel:
-        if self._ddp is not None:
+        if self.window.ddp is not None:
             rank_zero_warn(
                 "DDPPlusFabricStrategy: a second module was set up; the conflict check, accumulation, replica guard and "
                 "telemetry now follow it (one module per strategy is supported)."
             )
-        self._ddp = self._wrap(module, self._determine_ddp_device_ids())
-        self._position = self._last_position = None
+        ddp = self._wrap(module, self._determine_ddp_device_ids())
+        self.window.follow(ddp)
         rank_zero_info(self.describe())
-        return self._ddp
+        return ddp
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
@@ -145,57 +196,29 @@ class DDPPlusFabricStrategy(DDPPlusFrontEnd, AtomicCheckpoints, DDPStrategy):
 
     @override
     def clip_gradients_norm(self, module: Module, optimizer: Optimizer, *args: Any, **kwargs: Any) -> Tensor:
-        refuse_clipping(self.options.optimizer_sharding, "`fabric.clip_gradients`", "it")
+        refuse_clipping(self.arguments.optimizer_sharding, "`fabric.clip_gradients`", "it")
         return super().clip_gradients_norm(module, optimizer, *args, **kwargs)
 
     @override
     def clip_gradients_value(self, module: Module, optimizer: Optimizer, *args: Any, **kwargs: Any) -> None:
-        refuse_clipping(self.options.optimizer_sharding, "`fabric.clip_gradients`", "it")
+        refuse_clipping(self.arguments.optimizer_sharding, "`fabric.clip_gradients`", "it")
         return super().clip_gradients_value(module, optimizer, *args, **kwargs)
 
-    # ------------------------------------------------------------------ accumulation and backward
-
     def micro_batches(self, iterable: Iterable[T]) -> Iterator[T]:
-        """Yield the items of ``iterable`` (e.g. the epoch's loader), marking the last one, so that it closes its
-        accumulation window even when the epoch's length is not a multiple of k (or not known). Each call is one
-        epoch for ``uneven_inputs``: before each item every rank says whether it is its last; ``"error"`` raises
-        ``UnevenInputsError`` on every rank, ``"stop"`` makes that item the last on every rank, and with ``"join"``
-        a rank whose items ran out yields its last one again (its loss then counts 0 in ``fabric.backward``) until
-        every rank's have."""
-        self._epoch += 1
-        joined = self.options.uneven_inputs == "join" and self._ddp is not None
-        batches = PaddedBatches(iterable, self.engine.uneven.padding_state) if joined else iterable
-        length = len(iterable) if hasattr(iterable, "__len__") and not joined else None  # type: ignore[arg-type]
-        try:
-            for item, last in items_marked_last(batches, self._ends_here, length):
-                self._next_is_last = last
-                yield item
-        finally:
-            self._next_is_last = False
-            self.engine.uneven.padding = False
-
-    def _ends_here(self, state: RankBatches) -> bool:
-        return self._ddp is not None and self.engine.agreement.batch_starts(
-            state, self._epoch, one_synced_backward=False
-        )
-
-    def _window_before_forward(self, ddp: DistributedDataParallel) -> None:
-        window = self.engine.window
-        if window.steps == 1:
-            return
-        self._position = window.peek(is_last=self._next_is_last)
-        if ddp.require_backward_grad_sync and not window.syncs(self._position, self.settings.static_graph):
-            ddp.require_backward_grad_sync = False
-            self._turned_sync_off = True
+        """The items of ``iterable`` (the epoch's loader), the last one marked so that it closes its window. One call
+        is one epoch for ``uneven_inputs``: ``"error"`` raises ``UnevenInputsError`` on every rank, ``"stop"`` ends
+        every rank at the first rank's last item, ``"join"`` repeats a finished rank's last item (its loss counts 0)
+        until every rank's have."""
+        return self.window.items(iterable)
 
     def train_micro_batches(self, module: Module, batch: T, loss_of: Callable[[Module, T], Tensor]) -> Tensor | None:
         """One micro-batch of the loop in chunks of ``micro_batch_size`` rows (``"auto"``: halved on every rank after
         an out-of-memory error on any): ``loss_of(module, chunk)`` returns a chunk's loss, a mean over its rows; only
         the last chunk's backward all-reduces. Returns the batch's loss (detached); step as after ``fabric.backward``."""
-        ddp = self._ddp
+        ddp = self.window.ddp
         if ddp is None:
             raise RuntimeError("train_micro_batches needs the module set up first: `fabric.setup(model, optimizer)`.")
-        position = self.engine.window.peek(is_last=self._next_is_last)
+        position = self.engine.window.peek(is_last=self.window.next_is_last)
         synced = self.engine.window.syncs(position, self.settings.static_graph)
         with self.engine.out_of_memory_reports.explained(batch, self.global_rank, self.world_size):
             done = self.engine.micro_batch_runner.run(
@@ -208,17 +231,17 @@ class DDPPlusFabricStrategy(DDPPlusFrontEnd, AtomicCheckpoints, DDPStrategy):
                 synced=synced,
                 rank=self.global_rank,
             )
-        self._window_moves_on(position)
+        self.window.moves_on(position)
         return done.loss
 
     @override
     def backward(self, tensor: Tensor, module: Module | None, *args: Any, **kwargs: Any) -> None:
-        ddp = self._ddp
+        ddp = self.window.ddp
         if ddp is None:
             return super().backward(tensor, module, *args, **kwargs)
-        position = self._position or self.engine.window.peek(is_last=self._next_is_last)
+        position = self.window.backward_position()
         self._backward_at(ddp, tensor, module, position, self.engine.forward_synced, *args, **kwargs)
-        self._window_moves_on(position)
+        self.window.moves_on(position)
         return None
 
     def _backward_at(
@@ -232,11 +255,6 @@ class DDPPlusFabricStrategy(DDPPlusFrontEnd, AtomicCheckpoints, DDPStrategy):
         as_fabric_backward: bool = False,
         **kwargs: Any,
     ) -> StepAgreed:
-        def sync_back_on() -> None:
-            if self._turned_sync_off:
-                ddp.require_backward_grad_sync = True
-                self._turned_sync_off = False
-
         def run(loss: Tensor) -> None:  # marked as `fabric.backward` marks it: Fabric's module refuses others
             with fabric_backward(as_fabric_backward):
                 super(DDPPlusFabricStrategy, self).backward(loss, module, *args, **kwargs)
@@ -250,19 +268,13 @@ class DDPPlusFabricStrategy(DDPPlusFrontEnd, AtomicCheckpoints, DDPStrategy):
             divided_by_steps=False,
             post_forward=True,
             run=run,
-            restore=sync_back_on,
+            restore=lambda: self.window.sync_back_on(ddp),
         )
         return done.agreed
 
-    def _window_moves_on(self, position: WindowPosition) -> None:
-        if self.engine.window.steps > 1:
-            self.engine.window.advance(position)
-        self._last_position, self._position = position, None
-
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        if self._last_position is not None:
-            scale_gradients(optimizer, self.engine.window.gradient_rescale(self._last_position))
+        scale_gradients(optimizer, self.window.gradient_rescale())
         output = super().optimizer_step(optimizer, **kwargs)
         self.engine.after_optimizer_step()
         return output

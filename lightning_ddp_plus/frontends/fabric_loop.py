@@ -1,16 +1,23 @@
-"""Fabric's backward-sync control for ``DDPPlusFabricStrategy``: ``fabric.no_backward_sync(model, enabled=...)``
-as Fabric's, except for the run's first backward with a static graph, which torch needs synced (rule R3)."""
+"""What ``DDPPlusFabricStrategy`` keeps of the user's loop: where it stands in the accumulation window
+(``FabricWindow``: Fabric has no loop of its own to read), and Fabric's backward-sync control, which keeps the run's
+first backward with a static graph synced (rule R3)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator, Sized
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any
+from typing import Any, TypeVar
 
 from torch.nn import Module
+from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_ddp_plus.engine.engine import DDPPlusEngine
 from lightning_ddp_plus.private_apis.lightning import DDPBackwardSyncControl
+from lightning_ddp_plus.sync.accumulation import WindowPosition
+from lightning_ddp_plus.sync.uneven import PaddedBatches, RankBatches, items_marked_last
+
+T = TypeVar("T")
 
 
 class FirstStaticBackwardSynced(DDPBackwardSyncControl):
@@ -24,3 +31,79 @@ class FirstStaticBackwardSynced(DDPBackwardSyncControl):
         if enabled and self.engine.window.must_sync_first_backward(self.engine.settings.static_graph):
             return nullcontext()
         return super().no_backward_sync(module, enabled)
+
+
+class FabricWindow:
+    """The user's loop in the accumulation window: which item is the epoch's last (``items``), the position of the
+    running micro-batch, whether its forward turned gradient sync off, and the last backward's position, which says
+    when to step.
+
+    Args:
+        engine: the strategy's engine (its window, the uneven-inputs agreement).
+    """
+
+    def __init__(self, engine: DDPPlusEngine) -> None:
+        self.engine = engine
+        self.position: WindowPosition | None = None
+        self.last_position: WindowPosition | None = None
+        self.next_is_last = False
+        self.turned_sync_off = False
+        self.epoch = -1
+        self.ddp: DistributedDataParallel | None = None
+
+    def follow(self, ddp: DistributedDataParallel) -> None:
+        """A module was set up: the window follows its wrapper from its start."""
+        self.ddp, self.position, self.last_position = ddp, None, None
+
+    def items(self, iterable: Iterable[T]) -> Iterator[T]:
+        """The items of one epoch, each rank saying before each whether it is its last (see the strategy's
+        ``micro_batches``)."""
+        self.epoch += 1
+        uneven = self.engine.uneven
+        joined = uneven.mode == "join" and self.ddp is not None
+        batches = PaddedBatches(iterable, uneven.padding_state) if joined else iterable
+        length = len(iterable) if isinstance(iterable, Sized) and not joined else None
+        try:
+            for item, last in items_marked_last(batches, self._ends_here, length):
+                self.next_is_last = last
+                yield item
+        finally:
+            self.next_is_last = False
+            uneven.padding = False
+
+    def _ends_here(self, state: RankBatches) -> bool:
+        return self.ddp is not None and self.engine.agreement.batch_starts(state, self.epoch, one_synced_backward=False)
+
+    def before_forward(self, ddp: DistributedDataParallel) -> None:
+        """At a training forward (the engine's ``before_training_forward``): a micro-batch that does not close its
+        window runs without gradient sync."""
+        window = self.engine.window
+        if window.steps == 1:
+            return
+        self.position = window.peek(is_last=self.next_is_last)
+        if ddp.require_backward_grad_sync and not window.syncs(self.position, self.engine.settings.static_graph):
+            ddp.require_backward_grad_sync = False
+            self.turned_sync_off = True
+
+    def backward_position(self) -> WindowPosition:
+        return self.position or self.engine.window.peek(is_last=self.next_is_last)
+
+    def sync_back_on(self, ddp: DistributedDataParallel) -> None:
+        if self.turned_sync_off:
+            ddp.require_backward_grad_sync = True
+            self.turned_sync_off = False
+
+    def moves_on(self, position: WindowPosition) -> None:
+        if self.engine.window.steps > 1:
+            self.engine.window.advance(position)
+        self.last_position, self.position = position, None
+
+    @property
+    def closes_window(self) -> bool:
+        """The last backward closed its window (or there is no window): time to step."""
+        last = self.last_position
+        return last is None or last.closes_window or self.engine.window.steps == 1
+
+    def gradient_rescale(self) -> float:
+        """A window that closed early: its gradients need k/length (``"mean"``)."""
+        return 1.0 if self.last_position is None else self.engine.window.gradient_rescale(self.last_position)

@@ -6,7 +6,7 @@ which imports only this subpackage.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 #: Registered names and their launchers, mirroring Lightning's ``ddp``, ``ddp_spawn``, ``ddp_fork``, ``ddp_notebook``.
 REGISTERED_NAMES: tuple[tuple[str, Literal["popen", "spawn", "fork"]], ...] = (
@@ -29,11 +29,18 @@ def register_names(registry: Any, strategy_class: type, label: str) -> None:
         )
 
 
-def register_front_ends(trainer_strategy: type, fabric_strategy: type) -> None:
+class Registered(Protocol):
+    """A strategy class that registers its names (both front ends)."""
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None: ...
+
+
+def register_front_ends(trainer_strategy: type[Registered], fabric_strategy: type[Registered]) -> None:
     """``Trainer(strategy="ddp_plus")`` builds ``trainer_strategy``, ``Fabric(strategy="ddp_plus")`` builds
     ``fabric_strategy``."""
     from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
     from lightning.pytorch.strategies import StrategyRegistry
 
-    trainer_strategy.register_strategies(StrategyRegistry)  # type: ignore[attr-defined]
-    fabric_strategy.register_strategies(FABRIC_STRATEGY_REGISTRY)  # type: ignore[attr-defined]
+    trainer_strategy.register_strategies(StrategyRegistry)
+    fabric_strategy.register_strategies(FABRIC_STRATEGY_REGISTRY)

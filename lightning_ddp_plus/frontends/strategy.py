@@ -19,7 +19,7 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.nn import Module
@@ -30,21 +30,24 @@ from typing_extensions import Unpack, override
 from lightning_ddp_plus.config.training_arguments import port_training_arguments
 from lightning_ddp_plus.diagnostics.telemetry import DDPTelemetry
 from lightning_ddp_plus.engine.arguments import takes_declared_arguments
-from lightning_ddp_plus.engine.guarded_backward import guarded_backward
 from lightning_ddp_plus.engine.keywords import DDPPlusStrategyKeywords
-from lightning_ddp_plus.frontends.common import DDPPlusFrontEnd
+from lightning_ddp_plus.frontends.common import DDPPlusFrontEnd, tensor_bytes
+from lightning_ddp_plus.frontends.registry import register_names
 from lightning_ddp_plus.frontends.trainer_chunks import TrainerChunks
 from lightning_ddp_plus.frontends.trainer_loop import (
+    backward_in_window,
     end_epoch_here,
     flush_manual_static_graph,
     log_sync_stats,
+    log_sync_stats_every_n_steps,
     position_in_window,
     rank_batches,
     rescaling_closure,
+    settle_accumulation,
+    training_dataloader,
 )
-from lightning_ddp_plus.persistence.io import AtomicCheckpoints
 from lightning_ddp_plus.persistence.resume import ResumeCoordinator
-from lightning_ddp_plus.private_apis.lightning import trainer_of, training_loaders
+from lightning_ddp_plus.private_apis.lightning import training_loaders
 from lightning_ddp_plus.processes.launcher import (
     KillChildrenOnFailureLauncher,
     ResultsReturningLauncher,
@@ -55,23 +58,18 @@ from lightning_ddp_plus.processes.launcher import (
 from lightning_ddp_plus.processes.restart import init_process_group, under_torchrun
 from lightning_ddp_plus.sharding.optimizer import refuse_clipping
 from lightning_ddp_plus.sync.accumulation import WindowPosition
-from lightning_ddp_plus.sync.micro_batches import refuse_micro_batches
-from lightning_ddp_plus.sync.uneven import PaddedBatches, even_by_construction
 from lightning_ddp_plus.sync.wrapper import ddp_kwargs
 
 
-class DDPPlusStrategy(DDPPlusFrontEnd, AtomicCheckpoints, DDPStrategy):
+class DDPPlusStrategy(DDPPlusFrontEnd, DDPStrategy):
     """Multi-process data-parallel training with every DDP knob as an explicit, typed, validated argument.
 
-    Bad values fail here, at construction, or (where the device matters) when the ``Trainer`` is built, always before
-    any process is started. The arguments beyond Lightning's plumbing are declared in
-    ``lightning_ddp_plus.engine.arguments.DDPPlusArguments``; ``help(DDPPlusStrategy.__init__)`` lists them all.
+    Bad values fail here, or (where the device matters) when the ``Trainer`` is built, before any process starts;
+    ``help(DDPPlusStrategy.__init__)`` lists every argument (declared once, in ``engine/arguments.py``).
 
-    Example:
-        >>> import lightning_ddp_plus
-        >>> strategy = lightning_ddp_plus.DDPPlusStrategy(process_group_backend="gloo", timeout="1h30m")
-        >>> strategy.timeout
-        datetime.timedelta(seconds=5400)
+    >>> import lightning_ddp_plus
+    >>> lightning_ddp_plus.DDPPlusStrategy(process_group_backend="gloo", timeout="1h30m").timeout
+    datetime.timedelta(seconds=5400)
     """
 
     strategy_name = "ddp_plus"
@@ -97,23 +95,23 @@ class DDPPlusStrategy(DDPPlusFrontEnd, AtomicCheckpoints, DDPStrategy):
             checkpoint_io: checkpoint plugin, as in ``DDPStrategy``; kept as passed (see ``atomic_checkpoints``).
             precision_plugin: set by the ``Trainer`` unless given.
         """
-        options = self._start_engine(arguments)
+        declared = self._start_engine(arguments)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
-            ddp_comm_state=options.ddp_comm_state,
+            ddp_comm_state=declared.ddp_comm_state,
             ddp_comm_hook=None,  # the engine registers hooks on every backend
-            ddp_comm_wrapper=options.ddp_comm_wrapper,
-            model_averaging_period=options.model_averaging_period,
-            process_group_backend=options.backend,
-            timeout=options.process_group_timeout,  # the engine sets `timeout` at the first training step
-            start_method=options.start_method,
+            ddp_comm_wrapper=declared.ddp_comm_wrapper,
+            model_averaging_period=declared.model_averaging_period,
+            process_group_backend=declared.backend,
+            timeout=declared.process_group_timeout,  # the engine sets `timeout` at the first training step
+            start_method=declared.start_method,
             **ddp_kwargs(self.engine.settings),
         )
-        self.resume = ResumeCoordinator(options, self, rank_zero_warn, rank_zero_info, self.engine.window.set_steps)
+        self.resume = ResumeCoordinator(declared, self, rank_zero_warn, rank_zero_info, self.engine.window.set_steps)
         self.engine.watch_stalls = True  # every fit ends with teardown, which stops the watchdog
         self._backward_syncs = True
         self._static_graph_flushed = False
@@ -133,12 +131,6 @@ class DDPPlusStrategy(DDPPlusFrontEnd, AtomicCheckpoints, DDPStrategy):
         port = port_training_arguments(args, model)
         return cls(**{**port.strategy_kwargs, **overrides}), dict(port.trainer_kwargs)
 
-    @property
-    def start_method(self) -> str:
-        return self._start_method
-
-    # ------------------------------------------------------------------ launching, process group, resume
-
     @override
     def _configure_launcher(self) -> None:
         # The Trainer calls this once it has chosen the accelerator and devices, before anything is launched: the
@@ -150,24 +142,17 @@ class DDPPlusStrategy(DDPPlusFrontEnd, AtomicCheckpoints, DDPStrategy):
             rank_zero_info(changed)
         if self._start_method == "popen":
             self._launcher = KillChildrenOnFailureLauncher(
-                self.cluster_environment, self.num_processes, self.num_nodes, before_launch=self._settle_with_trainer
+                self.cluster_environment, self.num_processes, self.num_nodes, before_launch=self._before_launch
             )
         else:
             self._launcher = ResultsReturningLauncher(
-                self, start_method=self._start_method, before_launch=self._settle_with_trainer
+                self, start_method=self._start_method, before_launch=self._before_launch
             )
 
-    def _settle_with_trainer(
+    def _before_launch(
         self, trainer: pl.Trainer, function: Callable[..., Any], args: tuple[Any, ...]
-    ) -> tuple[Any, ...]:
-        """In every process, before anything starts: k settled once with the Trainer's ``accumulate_grad_batches``,
-        which then says what Lightning's loop must do (k in automatic optimization, where the loop accumulates; 1 in
-        manual, where Lightning refuses it and the engine accumulates); and the resume request."""
-        steps = self.engine.window.reconcile(trainer.accumulate_grad_batches)
-        module = self._lightning_module
-        manual = module is not None and not module.automatic_optimization
-        refuse_micro_batches(self.options.micro_batch_size, manual, steps, module)
-        trainer.accumulate_grad_batches = 1 if manual else steps
+    ) -> tuple[Any, ...]:  # in every process, before anything starts: k, micro-batches, the resume request
+        settle_accumulation(self.engine, self._lightning_module, trainer)
         return self.resume.before_launch(trainer, function, args)
 
     @override
@@ -180,12 +165,35 @@ class DDPPlusStrategy(DDPPlusFrontEnd, AtomicCheckpoints, DDPStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], *args: Any, **kwargs: Any) -> None:
         sizes = self.gradient_accumulation_steps, self.engine.micro_batches.size
         self.resume.saving(checkpoint, self.lightning_module, *sizes)
-        super().save_checkpoint(self._chunks.saving(checkpoint), *args, **kwargs)
+        with self.engine.ledger.in_phase("checkpoint save"), self.atomic_saves.saving(self.checkpoint_io):
+            super().save_checkpoint(self._chunks.saving(checkpoint), *args, **kwargs)
+
+    @property
+    @override
+    def checkpoint_io(self) -> CheckpointIO:
+        """The checkpoint IO you passed, as passed, or an atomic default (``atomic_checkpoints``)."""
+        self._checkpoint_io = self.atomic_saves.default_io(self._checkpoint_io)
+        return self.atomic_saves.saving_view or super().checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: CheckpointIO) -> None:
+        self._checkpoint_io = io
 
     @override
     def setup_environment(self) -> None:
         watch_parent()
+        self._prepare_environment()
         super().setup_environment()
+        self._environment_ready()
+
+    @override
+    def _get_process_group_backend(self) -> str:
+        return self._backend_for_device()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        register_names(strategy_registry, cls, cls.registry_label)
 
     @override
     def setup_distributed(self) -> None:
@@ -203,25 +211,14 @@ class DDPPlusStrategy(DDPPlusFrontEnd, AtomicCheckpoints, DDPStrategy):
 
     @override
     def process_dataloader(self, dataloader: Any) -> Any:
-        module = self.lightning_module
-        if (
-            module is not None
-            and trainer_of(module) is not None
-            and module.trainer.state.stage == RunningStage.TRAINING
-        ):
-            dataloader = self.resume.dataloader(dataloader, module.trainer)
-            if self.options.uneven_inputs == "join" and not even_by_construction([dataloader]):
-                dataloader = PaddedBatches(dataloader, self.engine.uneven.padding_state)
-        return dataloader
-
-    # ------------------------------------------------------------------ the wrapper
+        return training_dataloader(dataloader, self.lightning_module, self.engine, self.resume)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
         if trainer.training and self.lightning_module is not None:
             self.engine.micro_batches_from_plan(trainer.default_root_dir, self.lightning_module, trainer.world_size)
-        callbacks = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's callback connector
+        callbacks: list[Any] = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's callback connector
         if self.telemetry is not None and not any(isinstance(c, DDPTelemetry) for c in callbacks):
             callbacks.append(DDPTelemetry())
 
@@ -230,7 +227,7 @@ class DDPPlusStrategy(DDPPlusFrontEnd, AtomicCheckpoints, DDPStrategy):
         super().setup_optimizers(trainer)
         if trainer.gradient_clip_val:
             clipping = f"`Trainer(gradient_clip_val={trainer.gradient_clip_val})`"
-            refuse_clipping(self.options.optimizer_sharding, clipping, "Lightning")
+            refuse_clipping(self.arguments.optimizer_sharding, clipping, "Lightning")
         sharded = self.engine.shard_optimizers(self.optimizers)
         if sharded is not self.optimizers:
             self.optimizers = sharded
@@ -259,9 +256,43 @@ class DDPPlusStrategy(DDPPlusFrontEnd, AtomicCheckpoints, DDPStrategy):
     @override
     def teardown(self) -> None:
         remove_leftover_forward_redirection(self.lightning_module)
+        self.engine.teardown()
         super().teardown()
 
-    # ------------------------------------------------------------------ accumulation and backward
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        with self.engine.ledger.collective("barrier"):
+            super().barrier(*args, **kwargs)
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        with self.engine.ledger.collective(f"broadcast from rank {src}"):
+            return super().broadcast(obj, src)
+
+    @override
+    def all_gather(self, tensor: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        with self.engine.ledger.collective("all_gather", tensor_bytes(tensor)):
+            return super().all_gather(tensor, *args, **kwargs)
+
+    @override
+    def reduce(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:  # what self.log(..., sync_dist=True) calls
+        with self.engine.ledger.collective("all_reduce", tensor_bytes(tensor)):
+            return super().reduce(tensor, *args, **kwargs)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
+        with self._consolidation(optimizer):
+            return super().optimizer_state(optimizer)
+
+    @override
+    def on_validation_start(self) -> None:
+        self.engine.ledger.enter_phase("validation")
+        super().on_validation_start()
+
+    @override
+    def on_validation_end(self) -> None:
+        self.engine.ledger.enter_phase("data fetch")
+        super().on_validation_end()
 
     def _position(self) -> WindowPosition:
         assert self.lightning_module is not None
@@ -320,42 +351,13 @@ class DDPPlusStrategy(DDPPlusFrontEnd, AtomicCheckpoints, DDPStrategy):
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         if self._chunks.restore_gradients():  # the chunks ran their backwards in training_step
             return closure_loss
-        ddp = self.model
-        if not isinstance(ddp, DistributedDataParallel):
+        ddp, module = self.model, self.lightning_module
+        if not isinstance(ddp, DistributedDataParallel) or module is None:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
-        assert self.lightning_module is not None
-        automatic = self.lightning_module.automatic_optimization
-        position = self._position()
-        # Automatic: the loop decided (block_backward_sync) before the forward; manual: decided now, before
-        # Lightning's pre_backward prepares the reducer.
-        syncs = (
-            ddp.require_backward_grad_sync
-            if automatic
-            else self.engine.window.syncs(position, self.settings.static_graph)
-        )
-        self._backward_syncs = syncs
-        if not syncs:
-            ddp.require_backward_grad_sync = False
-
-        def restore() -> None:
-            if not automatic:
-                ddp.require_backward_grad_sync = True
-
-        done = guarded_backward(
-            self.engine,
-            ddp,
-            closure_loss,
-            position,
-            syncs,
-            divided_by_steps=automatic,
-            post_forward=automatic,
-            run=lambda loss: super(DDPPlusStrategy, self).backward(loss, optimizer, *args, **kwargs),
-            restore=restore,
-        )
-        if done.ends_epoch:
-            end_epoch_here(self.lightning_module.trainer)
-        result: Tensor = done.result
-        return result
+        run = lambda loss: super(DDPPlusStrategy, self).backward(loss, optimizer, *args, **kwargs)
+        done: tuple[Tensor, bool] = backward_in_window(self.engine, ddp, module, self._position(), closure_loss, run)
+        self._backward_syncs = done[1]
+        return done[0]
 
     @override
     def post_backward(self, closure_loss: Tensor) -> None:
@@ -383,9 +385,7 @@ class DDPPlusStrategy(DDPPlusFrontEnd, AtomicCheckpoints, DDPStrategy):
             output = super().optimizer_step(optimizer, closure, model, **kwargs)
         step = self.engine.after_optimizer_step()
         if lightning_module is not None:
-            trainer = lightning_module.trainer
-            if step % max(1, trainer.log_every_n_steps) == 0:  # type: ignore[attr-defined]
-                log_sync_stats(trainer, self.sync_stats)
+            log_sync_stats_every_n_steps(lightning_module.trainer, step, self.sync_stats)
         return output
 
     @override

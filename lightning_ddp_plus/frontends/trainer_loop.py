@@ -1,18 +1,26 @@
-"""What the Trainer strategy reads of, and tells, Lightning's fit loop: where a batch sits in its accumulation window,
-whether it is its epoch's last, ending the epoch on it, the rescale of a window that closed early, the sync figures
-for the loggers, and a manual static graph's first all-reduce."""
+"""What the Trainer strategy reads of, and tells, Lightning's fit loop: k settled with the Trainer before launch, the
+loader a fit trains on, where a batch sits in its accumulation window, whether it is its epoch's last, ending the
+epoch on it, a backward in its window, the rescale of a window that closed early, the sync figures for the loggers,
+and a manual static graph's first all-reduce."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
 
+from lightning.pytorch.trainer.states import RunningStage
+from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
+from lightning_ddp_plus.engine.engine import DDPPlusEngine
+from lightning_ddp_plus.engine.guarded_backward import guarded_backward
+from lightning_ddp_plus.persistence.resume import ResumeCoordinator
+from lightning_ddp_plus.private_apis.lightning import trainer_of
 from lightning_ddp_plus.private_apis.torch_ddp import flush_static_graph
 from lightning_ddp_plus.sync.accumulation import SyncStats, WindowPosition, scale_gradients, window_position
-from lightning_ddp_plus.sync.uneven import RankBatches
+from lightning_ddp_plus.sync.micro_batches import refuse_micro_batches
+from lightning_ddp_plus.sync.uneven import PaddedBatches, RankBatches, even_by_construction
 
 
 def position_in_window(trainer: Any, steps: int, forced_length: int | None) -> WindowPosition:
@@ -66,3 +74,59 @@ def flush_manual_static_graph(ddp: Any, module: Any, backward_synced: bool) -> b
         flush_static_graph(ddp)
         return True
     return False
+
+
+def backward_in_window(
+    engine: DDPPlusEngine,
+    ddp: DistributedDataParallel,
+    module: Any,
+    position: WindowPosition,
+    loss: Tensor,
+    run: Callable[[Tensor], Any],
+) -> tuple[Any, bool]:
+    """The Trainer's backward of ``loss`` at ``position`` of its window, through the engine; returns what ``run``
+    returned and whether the backward all-reduced. In automatic optimization the loop decided the sync before the
+    forward (``block_backward_sync``); in manual optimization it is decided here, before Lightning's
+    ``pre_backward`` prepares the reducer, and switched back on afterwards."""
+    automatic = module.automatic_optimization
+    syncs = ddp.require_backward_grad_sync if automatic else engine.window.syncs(position, engine.settings.static_graph)
+    if not syncs:
+        ddp.require_backward_grad_sync = False
+
+    def restore() -> None:
+        if not automatic:
+            ddp.require_backward_grad_sync = True
+
+    done = guarded_backward(
+        engine, ddp, loss, position, syncs, divided_by_steps=automatic, post_forward=automatic, run=run, restore=restore
+    )
+    if done.ends_epoch:
+        end_epoch_here(module.trainer)
+    return done.result, syncs
+
+
+def settle_accumulation(engine: DDPPlusEngine, module: Any, trainer: Any) -> None:
+    """In every process, before anything starts: k settled once with the Trainer's ``accumulate_grad_batches``,
+    which then says what Lightning's loop must do (k in automatic optimization, where the loop accumulates; 1 in
+    manual, where Lightning refuses it and the engine accumulates), and what ``micro_batch_size`` refuses."""
+    steps = engine.window.reconcile(trainer.accumulate_grad_batches)
+    manual = module is not None and not module.automatic_optimization
+    refuse_micro_batches(engine.arguments.micro_batch_size, manual, steps, module)
+    trainer.accumulate_grad_batches = 1 if manual else steps
+
+
+def training_dataloader(dataloader: Any, module: Any, engine: DDPPlusEngine, resume: ResumeCoordinator) -> Any:
+    """The loader a fit trains on: continued where a checkpoint's epoch stopped, and padded for
+    ``uneven_inputs="join"`` where its shards are not even by construction."""
+    trainer = trainer_of(module) if module is not None else None
+    if trainer is None or trainer.state.stage != RunningStage.TRAINING:
+        return dataloader
+    dataloader = resume.dataloader(dataloader, trainer)
+    if engine.arguments.uneven_inputs == "join" and not even_by_construction([dataloader]):
+        dataloader = PaddedBatches(dataloader, engine.uneven.padding_state)
+    return dataloader
+
+
+def log_sync_stats_every_n_steps(trainer: Any, step: int, stats: SyncStats) -> None:
+    if step % max(1, getattr(trainer, "log_every_n_steps", 1)) == 0:
+        log_sync_stats(trainer, stats)

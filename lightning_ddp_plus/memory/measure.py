@@ -166,7 +166,7 @@ class LiveTensorBytes(TorchDispatchMode):
     same on a CPU as on a GPU (the allocator's caching aside)."""
 
     def __init__(self, existing: Any = None, granularity: int = 1) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
+        super().__init__()  # type: ignore[no-untyped-call]  # torch's TorchDispatchMode is untyped
         self.granularity = granularity
         self.live = 0
         self.peak = 0
@@ -305,7 +305,7 @@ def checkpointing_toggle(module: Module) -> tuple[Callable[[], None], Callable[[
     """(enable, disable) activation checkpointing, for models that switch it (Hugging Face ``PreTrainedModel``);
     ``None`` when the model has no such switch. Reentrant checkpointing is used for the count: it saves the inputs
     of each region through ``save_for_backward``, which the hooks see; the non-reentrant form keeps the same tensors
-    (measured within 6 % of each other on a tiny Llama)."""
+    (within a few per cent of each other)."""
     found = _switch(module)
     if found is None:
         return None

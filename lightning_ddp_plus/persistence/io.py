@@ -17,7 +17,7 @@ What each kind of path gets:
 - any other fsspec filesystem: the wrapped checkpoint IO, with whatever that filesystem promises.
 
 A checkpoint IO that you pass (``DDPPlusStrategy(checkpoint_io=...)`` or ``Trainer(plugins=[...])``) stays yours:
-``strategy.checkpoint_io`` is that object, with its own methods and attributes (``AtomicCheckpoints``). Saves are
+``strategy.checkpoint_io`` is that object, with its own methods and attributes (``AtomicSaves``). Saves are
 made atomic where what the IO writes is known:
 
 - no IO passed: the strategy's default is ``AtomicCheckpointIO()`` (Lightning's format, saved atomically);
@@ -39,8 +39,8 @@ import os
 import secrets
 import shutil
 import time
-from collections.abc import Callable
-from contextlib import suppress
+from collections.abc import Callable, Generator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -279,44 +279,44 @@ class AtomicCheckpointIO(CheckpointIO):
                 log.info(f"Removed {path}, the temporary file of a save that was killed before this run.")
 
 
-class AtomicCheckpoints:
-    """The front ends' ``checkpoint_io``: the IO you passed, untouched, or an atomic default; and their
-    ``save_checkpoint``, atomic where that is sound (see the module's docstring). ``atomic_checkpoints=False`` keeps
-    Lightning's behaviour."""
+class AtomicSaves:
+    """What a front end owns for ``atomic_checkpoints``: the checkpoint IO you passed, untouched, or an atomic
+    default, and saves made atomic where that is sound (see the module's docstring). ``atomic_checkpoints=False``
+    keeps Lightning's behaviour.
 
-    _checkpoint_io: CheckpointIO | None
-    _atomic_save_view: CheckpointIO | None = None
-    _said_not_atomic = False
+    A front end reads its ``checkpoint_io`` through ``io_in_effect`` and runs its ``save_checkpoint`` inside
+    ``saving``.
 
-    @property
-    def checkpoint_io(self) -> CheckpointIO:
-        if self._atomic_save_view is not None:  # only while the strategy itself saves
-            return self._atomic_save_view
-        if self.options.atomic_checkpoints:  # type: ignore[attr-defined]
-            self._give_atomic_default()
-        io: CheckpointIO = super().checkpoint_io  # type: ignore[misc]
-        return io
+    Args:
+        enabled: ``atomic_checkpoints``.
+    """
 
-    @checkpoint_io.setter
-    def checkpoint_io(self, io: CheckpointIO) -> None:
-        self._checkpoint_io = io
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        #: While the strategy itself saves through Lightning's ``TorchCheckpointIO``: the same format, atomically.
+        self.saving_view: CheckpointIO | None = None
+        self._said_not_atomic = False
 
-    def _give_atomic_default(self) -> None:
-        """Where Lightning would create a ``TorchCheckpointIO`` (none passed, or an async IO without an IO of its
-        own), create the atomic one instead."""
+    def default_io(self, passed: CheckpointIO | None) -> CheckpointIO | None:
+        """The strategy's IO, where Lightning would create a ``TorchCheckpointIO`` (none passed, or an async IO
+        without an IO of its own) the atomic one instead; an IO you passed is returned as it is."""
+        if not self.enabled:
+            return passed
+        if passed is None:
+            return AtomicCheckpointIO()
         wrapping = wrapping_checkpoint_io()
-        if self._checkpoint_io is None:
-            self._checkpoint_io = AtomicCheckpointIO()
-        elif wrapping is not None and isinstance(self._checkpoint_io, wrapping):
-            async_io: Any = self._checkpoint_io
-            if not has_own_checkpoint_io(async_io):
-                async_io.checkpoint_io = AtomicCheckpointIO()
+        if wrapping is not None and isinstance(passed, wrapping) and not has_own_checkpoint_io(passed):
+            async_io: Any = passed
+            async_io.checkpoint_io = AtomicCheckpointIO()
+        return passed
 
-    def save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
-        io = self.checkpoint_io
-        if self.options.atomic_checkpoints and type(io) is TorchCheckpointIO:  # type: ignore[attr-defined]
-            self._atomic_save_view = AtomicCheckpointIO(io)  # the same format, written through a temporary file
-        elif self.options.atomic_checkpoints and not self._said_not_atomic and not _saves_atomically(io):  # type: ignore[attr-defined]
+    @contextmanager
+    def saving(self, io: CheckpointIO) -> Generator[None, None, None]:
+        """Around the strategy's save through ``io``: Lightning's own IO saves through a temporary file; another IO
+        that does not save atomically saves as it saves, said once."""
+        if self.enabled and type(io) is TorchCheckpointIO:
+            self.saving_view = AtomicCheckpointIO(io)
+        elif self.enabled and not self._said_not_atomic and not _saves_atomically(io):
             self._said_not_atomic = True
             rank_zero_warn(
                 f"atomic_checkpoints: {type(io).__name__} is your checkpoint IO, kept as you passed it, and saves as "
@@ -325,9 +325,9 @@ class AtomicCheckpoints:
                 "`atomic_checkpoints=False` to silence this."
             )
         try:
-            super().save_checkpoint(*args, **kwargs)  # type: ignore[misc]
+            yield
         finally:
-            self._atomic_save_view = None
+            self.saving_view = None
 
 
 def _saves_atomically(io: CheckpointIO) -> bool:

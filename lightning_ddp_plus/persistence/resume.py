@@ -237,7 +237,7 @@ class ResumingStrategy(Protocol):
     def broadcast(self, obj: Any, src: int = 0) -> Any: ...
 
 
-class ResumeOptions(Protocol):
+class ResumeArguments(Protocol):
     """The strategy arguments resuming follows."""
 
     @property
@@ -255,7 +255,7 @@ class ResumeCoordinator:
     weights-only load of the chosen file, and the rest of an interrupted epoch's data.
 
     Args:
-        options: ``resume_from_last``; ``process_group_timeout``, how long a rank waits for rank 0 to start a
+        arguments: ``resume_from_last``; ``process_group_timeout``, how long a rank waits for rank 0 to start a
             torchrun attempt; ``on_world_size_change``.
         strategy: the strategy whose process group, checkpoint IO and rank are used.
         warn: how warnings reach the user (rank 0 only).
@@ -264,15 +264,15 @@ class ResumeCoordinator:
 
     def __init__(
         self,
-        options: ResumeOptions,
+        arguments: ResumeArguments,
         strategy: ResumingStrategy,
         warn: Callable[[str], None],
         info: Callable[[str], None],
         set_accumulation: Callable[[int], None],
     ) -> None:
-        self.mode, self.timeout, self.strategy = options.resume_from_last, options.process_group_timeout, strategy
+        self.mode, self.timeout, self.strategy = arguments.resume_from_last, arguments.process_group_timeout, strategy
         self._warn, self._info = warn, info
-        self.on_world_size_change = options.on_world_size_change
+        self.on_world_size_change = arguments.on_world_size_change
         self._set_accumulation = set_accumulation
         #: The layout of the checkpoint this fit loaded (``None``: none loaded, or one without a layout).
         self.saved_layout: DataLayout | None = None
@@ -374,7 +374,7 @@ class ResumeCoordinator:
             accumulation=accumulation,
             epoch=trainer.current_epoch,
             batches_consumed=int(trainer.fit_loop.epoch_loop.batch_progress.current.ready),
-            dataset_length=len(sampler.dataset) if sampler is not None else None,  # type: ignore[arg-type]
+            dataset_length=len(sampler.dataset) if sampler is not None else None,  # type: ignore[arg-type]  # a sampler's dataset is sized
             shuffle=bool(sampler.shuffle) if sampler is not None else False,
             seed=int(sampler.seed) if sampler is not None else 0,
             micro_batch_size=micro_batch_size,
@@ -395,7 +395,8 @@ class ResumeCoordinator:
             # the loop's counters are in the checkpoint's batches, the epoch's end included: Lightning starts the
             # next epoch only when they reach the epoch's batches of this run
             counted = int(progress.current.ready) if at_epoch_end else consumed
-            return self._resume_on_another_world_size(dataloader, trainer, layout, plan, counted)  # type: ignore[arg-type]
+            assert layout is not None  # a plan comes from a layout
+            return self._resume_on_another_world_size(dataloader, trainer, layout, plan, counted)
         if consumed == 0 or not isinstance(dataloader, DataLoader) or dataloader.batch_size is None:
             return dataloader
         self._info(

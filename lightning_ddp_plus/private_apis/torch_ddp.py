@@ -63,7 +63,7 @@ def set_bucket_cap(ddp: DistributedDataParallel, cap_mb: float | None) -> None:
     if hasattr(ddp, "_bucket_config"):  # torch >= 2.13 keeps the sizes in one config object
         from torch.nn.parallel.distributed import _BucketCapacityConfig
 
-        config = _BucketCapacityConfig.create(cap_mb, None, ddp._use_python_reducer)  # type: ignore[arg-type]
+        config = _BucketCapacityConfig.create(cap_mb, None, ddp._use_python_reducer)  # type: ignore[arg-type]  # torch annotates cap_mb as float only
         ddp._bucket_config = config
         ddp.bucket_bytes_cap = config.bucket_bytes_cap
         ddp.bucket_bytes_cap_default = config.first_bucket_bytes_cap < config.bucket_bytes_cap
@@ -99,7 +99,7 @@ def replay_forward(ddp: DistributedDataParallel, loss: Tensor, forward_synced: b
 def flush_static_graph(ddp: DistributedDataParallel) -> None:
     """Queue a static graph's first delayed all-reduce, which DDP's forward queues when the loss passes through its
     output (not so in Lightning's manual optimization, whose backward runs inside the forward)."""
-    ddp.reducer._delay_all_reduce()  # type: ignore[attr-defined]
+    ddp.reducer._delay_all_reduce()  # type: ignore[attr-defined]  # torch's stubs omit it
 
 
 def can_complete_reductions(ddp: DistributedDataParallel) -> bool:

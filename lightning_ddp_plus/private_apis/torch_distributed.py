@@ -102,7 +102,7 @@ def zero_overlaps_with_ddp(optimizer: Any) -> bool:
 def mark_stepped(optimizer: torch.optim.Optimizer) -> None:
     """What ``Optimizer.step`` records, so that a learning-rate scheduler on ``optimizer`` does not warn that it
     stepped before the optimizer did."""
-    optimizer._opt_called = True  # type: ignore[attr-defined]
+    optimizer._opt_called = True  # type: ignore[attr-defined]  # set by torch's step wrapper, not declared
 
 
 class RoundRecordingHandler(DynamicRendezvousHandler):

@@ -1,6 +1,6 @@
 """torchrun's ``c10d`` rendezvous, made to take a node that joins a running elastic job (``--rdzv-backend ddp-plus``).
 
-Why stock ``c10d`` cannot grow a job (measured on torch 2.13; 2.14.1's code is the same): every agent caches the
+Why stock ``c10d`` cannot grow a job: every agent caches the
 address of the workers' store (``MASTER_ADDR``/``MASTER_PORT``) from its first round. In a later round, rank 0's
 agent, still holding its cache, does not publish the address again under that round's keys, and a node that joins
 then waits for it until its 60 s store timeout ends its agent. (Stock ``c10d`` shrinks: nobody new needs the address.)

@@ -1,7 +1,7 @@
 """Elastic restarts (``torchrun --max-restarts N``): a restarted attempt forms its process group every time, resumes
 from the last checkpoint by itself, and continues mid-epoch at the batch where the checkpoint was taken.
 
-Why restarts failed (measured here: 2 of 3 tries hung, with stock Lightning too): torchrun's agent hosts one TCPStore
+Why restarts fail without this (stock Lightning too): torchrun's agent hosts one TCPStore
 for the whole job and every attempt's workers connect to it on the same ``MASTER_PORT`` with no per-attempt prefix
 (``torch.distributed.rendezvous._create_c10d_store``). Gloo publishes each rank's listening address under fixed keys,
 so a restarted rank may read the previous attempt's address of its peer: "Connection refused" when that process is
@@ -11,8 +11,8 @@ group is therefore created here on a ``PrefixStore`` named after the job's attem
 The attempt is not ``TORCHELASTIC_RESTART_COUNT``: that counts one agent's restarts after a failure of its own
 workers, and an agent whose workers were still ending when the other node's agent came back restarts them as a
 membership change, which torch does not count. Its workers then say attempt 0 while the other node's say 1: they
-formed their groups under different prefixes and did not resume alike, and the job was lost (measured on two
-agents: a rank that took 4 s to end was enough). The ranks therefore agree on the attempt through torchrun's store
+formed their groups under different prefixes and do not resume alike, and the job is lost (a rank that takes a
+few seconds to end is enough). The ranks therefore agree on the attempt through torchrun's store
 (``agree_on_attempt``); without torchrun's shared store (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, where torch makes
 a new store per attempt) the restart count is used. Under ``--rdzv-backend ddp-plus`` (``processes.rendezvous``) the
 rendezvous itself numbers the attempts by its round and gives every worker the number: that holds when a node joins.

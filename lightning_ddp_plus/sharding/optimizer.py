@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -52,7 +52,7 @@ def check_optimizer_sharding(value: Any) -> OptimizerSharding:
     lightning_ddp_plus.config.messages.ArgumentValueError: `optimizer_sharding='zero1'` is not valid: allowed: False, True, 'overlap'. Fix: ...
     """
     if value is True or value is False or value == "overlap":
-        return value  # type: ignore[no-any-return]
+        return cast(OptimizerSharding, value)
     raise ArgumentValueError(
         describe_bad_value(
             "optimizer_sharding",
@@ -138,7 +138,7 @@ class ShardedOptimizer(ZeroRedundancyOptimizer):
     replaced: Optimizer | None = None
 
     @override
-    def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:  # type: ignore[override]
+    def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:  # type: ignore[override]  # ZeroRedundancyOptimizer's own step is narrower
         if self.replaced is not None:
             mark_stepped(self.replaced)  # a scheduler on it checks this
         if zero_overlaps_with_ddp(self):

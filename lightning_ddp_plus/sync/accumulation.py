@@ -125,7 +125,7 @@ def merge_accumulation_settings(strategy_steps: int | None, trainer_steps: objec
                 "use one integer.",
             )
         )
-    trainer_k = int(trainer_steps) if trainer_steps is not None else 1  # type: ignore[call-overload]
+    trainer_k = int(trainer_steps) if isinstance(trainer_steps, (int, float, str)) else 1
     if strategy_steps is None or trainer_k == 1:
         return strategy_steps or trainer_k
     if strategy_steps != trainer_k:

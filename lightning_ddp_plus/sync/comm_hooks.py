@@ -189,8 +189,7 @@ def bucket_ordered_hook(hook: HookFunction) -> HookFunction:
     A process group matches collectives by the order in which each rank issues them. A callback issues its collective
     whenever the previous one completes, while the autograd thread issues the next bucket's first collective whenever
     that bucket's gradients are ready; with two or more buckets the two orders interleave differently on different
-    ranks (measured: gloo fails with "Received data size doesn't match expected size" on two nodes over a 1 Gbit/s
-    link). Waiting for the previous bucket fixes the order; the wait falls at the end of the backward for all but the
+    ranks (gloo then fails with "Received data size doesn't match expected size" between nodes). Waiting for the previous bucket fixes the order; the wait falls at the end of the backward for all but the
     smallest buckets, so little overlap is lost.
     """
     previous: list[torch.futures.Future[torch.Tensor]] = []

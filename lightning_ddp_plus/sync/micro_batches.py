@@ -51,7 +51,7 @@ def check_micro_batch_size(argument: str, value: Any) -> MicroBatchSize:
     """
     fix = f"write e.g. `{argument}=8`, `{argument}='auto'` (halve on out-of-memory), or None (the whole batch)."
     if value is None or value == "auto":
-        return value  # type: ignore[no-any-return]
+        return cast(MicroBatchSize, value)
     if isinstance(value, bool) or not isinstance(value, int):
         raise ArgumentTypeError(
             describe_bad_value(
