@@ -220,32 +220,47 @@ def keywords_text() -> str:
         lines += [f"from {module} import {', '.join(sorted(set(imports[module])))}" for module in group]
         lines.append("")
 
-    def typed_dict(name: str, doc: str, arguments: list[str], further: bool) -> list[str]:
-        body = [f"class {name}(TypedDict, total=False):", f'    """{doc}"""', ""]
+    def typed_dict(name: str, bases: list[str], doc: str, arguments: list[str]) -> list[str]:
+        body = [f"class {name}({', '.join(bases)}, total=False):", f'    """{doc}"""', ""]
         for argument in arguments:
             body += [f"    {argument}: {annotations[argument]}", f'    """{docs[argument]}"""', ""]
-        if further:
-            body.append("    # further arguments of torch's DistributedDataParallel, checked against its signature")
-            body += [f"    {argument}: Any" for argument in DDP_FURTHER_ARGUMENTS]
         return ["", *body, ""]
 
+    # each argument is declared once, in the part of the front ends that takes it
+    every = front_end_arguments("DDPPlusStrategy")
+    fabric = set(front_end_arguments("DDPPlusFabricStrategy"))
+    shared = [name for name in every if name in fabric and name not in PORTED_ARGUMENTS]
+    lines += typed_dict("_Shared", ["TypedDict"], "The arguments every front end takes.", shared)
     lines += typed_dict(
-        "DDPPlusStrategyKeywords",
-        "``DDPPlusStrategy(...)``'s arguments beyond Lightning's plumbing.",
-        front_end_arguments("DDPPlusStrategy"),
-        further=True,
+        "_Ported",
+        ["TypedDict"],
+        "The arguments ``HFStyleDDPPlusStrategy`` takes by their Hugging Face names.",
+        [name for name in every if name in PORTED_ARGUMENTS],
     )
     lines += typed_dict(
+        "_TrainerOnly", ["TypedDict"], "The arguments of the Trainer strategy only.", [n for n in every if n not in fabric]
+    )
+    further = ["", "class _FurtherDDPArguments(TypedDict, total=False):"]
+    further.append("    \"\"\"Further arguments of torch's ``DistributedDataParallel``, checked against its signature.\"\"\"")
+    further += ["", *(f"    {argument}: Any" for argument in DDP_FURTHER_ARGUMENTS), ""]
+    lines += further
+    lines += typed_dict(
         "DDPPlusFabricStrategyKeywords",
+        ["_Shared", "_Ported", "_FurtherDDPArguments"],
         "``DDPPlusFabricStrategy(...)``'s arguments beyond Fabric's plumbing.",
-        front_end_arguments("DDPPlusFabricStrategy"),
-        further=True,
+        [],
+    )
+    lines += typed_dict(
+        "DDPPlusStrategyKeywords",
+        ["DDPPlusFabricStrategyKeywords", "_TrainerOnly"],
+        "``DDPPlusStrategy(...)``'s arguments beyond Lightning's plumbing.",
+        [],
     )
     lines += typed_dict(
         "HFStyleKeywords",
+        ["_Shared", "_TrainerOnly"],
         "``HFStyleDDPPlusStrategy(...)``'s arguments beyond the Hugging Face names it ports.",
-        [name for name in front_end_arguments("DDPPlusStrategy") if name not in PORTED_ARGUMENTS],
-        further=False,
+        [],
     )
     lines += ["", "#: Each argument's docstring, whitespace folded.", "ARGUMENT_DOCS: dict[str, str] = {"]
     lines += [f"    {name!r}: {docs[name]!r}," for name in ARGUMENT_FIELDS]

@@ -431,10 +431,12 @@ class ResumeCoordinator:
         trainer.accumulate_grad_batches = plan.accumulation if trainer.lightning_module.automatic_optimization else 1
         samples = consumed * layout.rows_per_rank * layout.world_size
         shift = samples // (layout.rows_per_rank * plan.world_size) - consumed
+        # the loop's batch counters in the new layout's batches, through the progress' own state_dict
         progress = trainer.fit_loop.epoch_loop.batch_progress
-        for tracker in (progress.current, progress.total):
-            for name in ("ready", "started", "processed", "completed"):
-                setattr(tracker, name, getattr(tracker, name) + shift)
+        state = progress.state_dict()
+        for tracker in ("current", "total"):
+            state[tracker] = {name: count + shift for name, count in state[tracker].items()}
+        progress.load_state_dict(state)
         self._info(f"DDPPlusStrategy: {plan.message}.")
         if layout.batches_consumed == 0:  # an epoch's start: the sampler's own order, from its first sample
             return dataloader

@@ -67,6 +67,17 @@ class SavedBuffer:
     version: int
 
 
+@dataclass(frozen=True)
+class _BatchCalls:
+    """What ``run`` was given for a batch, for each of its attempts."""
+
+    step: ChunkStep
+    backward: ChunkBackward
+    synced: bool
+    rank: int
+    split_hook: Any
+
+
 class OutOfMemoryRecovery(Protocol):
     """What the runner needs of the rest of the run after an out-of-memory error (the engine provides it)."""
 
@@ -154,7 +165,7 @@ class MicroBatchRunner:
         broadcasts_buffers = ddp.require_forward_param_sync
         while True:
             started = time.perf_counter()
-            attempt = self._attempt(ddp, batch, step, backward, synced, rank, split_hook)
+            attempt = self._attempt(ddp, batch, _BatchCalls(step, backward, synced, rank, split_hook))
             if attempt.done is not None:
                 self.buffers.learn(ddp.module, saved)
                 return attempt.done
@@ -165,17 +176,9 @@ class MicroBatchRunner:
             self.recovery.reset_reducer()
             self.sizer.shrink(attempt.out_of_memory, time.perf_counter() - started)
 
-    def _attempt(
-        self,
-        ddp: DistributedDataParallel,
-        batch: Any,
-        step: ChunkStep,
-        backward: ChunkBackward,
-        synced: bool,
-        rank: int,
-        split_hook: Any,
-    ) -> Attempt:
-        chunks = self.sizer.chunks(batch, split_hook)
+    def _attempt(self, ddp: DistributedDataParallel, batch: Any, calls: _BatchCalls) -> Attempt:
+        step, backward, synced, rank = calls.step, calls.backward, calls.synced, calls.rank
+        chunks = self.sizer.chunks(batch, calls.split_hook)
         total = sum(chunk.rows for chunk in chunks)
         losses: list[Tensor] = []
         output: Any = None
