@@ -238,10 +238,15 @@ def keywords_text() -> str:
         [name for name in every if name in PORTED_ARGUMENTS],
     )
     lines += typed_dict(
-        "_TrainerOnly", ["TypedDict"], "The arguments of the Trainer strategy only.", [n for n in every if n not in fabric]
+        "_TrainerOnly",
+        ["TypedDict"],
+        "The arguments of the Trainer strategy only.",
+        [n for n in every if n not in fabric],
     )
     further = ["", "class _FurtherDDPArguments(TypedDict, total=False):"]
-    further.append("    \"\"\"Further arguments of torch's ``DistributedDataParallel``, checked against its signature.\"\"\"")
+    further.append(
+        '    """Further arguments of torch\'s ``DistributedDataParallel``, checked against its signature."""'
+    )
     further += ["", *(f"    {argument}: Any" for argument in DDP_FURTHER_ARGUMENTS), ""]
     lines += further
     lines += typed_dict(
