@@ -77,6 +77,10 @@ STRAGGLER_CASES = [
         "buffers": True,
     },
 ]
+# a run shorter than the cadence: no comparison during the fit, one at its end
+STRAGGLER_CASES.append(
+    {"name": "slow data on rank 1, 32 steps", "slow": "data", "rank": 1, "delay_s": DELAY_S, "steps": 32, "every": 50}
+)
 CASES += [{"straggler": case, "name": case["name"]} for case in STRAGGLER_CASES]
 
 
@@ -110,6 +114,15 @@ def test_the_slow_rank_is_named_once_with_its_phase_and_figures(stragglers, name
     key = phase.replace(" ", "_") + "_ms"
     assert slow[key] - other[key] > 0.8 * DELAY_S * 1000  # the delay lands in the phase it was put in
     assert other["collective_wait_ms"] - slow["collective_wait_ms"] > 0.8 * DELAY_S * 1000  # and the other waits
+
+
+@pytest.mark.multiprocess
+def test_a_run_shorter_than_the_cadence_names_its_straggler_at_the_end_of_the_fit(stragglers):
+    outcome = stragglers["slow data on rank 1, 32 steps"]
+    assert outcome["comparisons"] == []  # 32 steps, a comparison every 50: none during the fit
+    [warning] = outcome["warnings"]
+    assert "rank 1 is the straggler: data fetch " in warning
+    assert "median of the last 32 steps" in warning and "every rank waits for it" in warning
 
 
 @pytest.mark.multiprocess

@@ -36,7 +36,8 @@ _TIMED: dict[str, TimedPhase | None] = {
 
 @dataclass
 class CollectiveRecord:
-    """One collective on this rank: started at ``started``, still running while ``ended`` is ``None``."""
+    """One collective on this rank: started at ``started``, still running while ``ended`` is ``None`` (both on this
+    process's monotonic clock: only durations are read from them)."""
 
     sequence: int
     op: str
@@ -91,14 +92,14 @@ class CollectiveLedger:
         self.step = 0
         #: The collective the main thread is in, if any.
         self.current: CollectiveRecord | None = None
-        #: ``time.time()`` of the last progress: a collective entered or left, a phase changed.
-        self.progressed = time.time()
+        #: ``time.monotonic()`` of the last progress: a collective entered or left, a phase changed.
+        self.progressed = time.monotonic()
 
     def enter_phase(self, phase: Phase, step: int | None = None) -> None:
         self.phase = phase
         if step is not None:
             self.step = step
-        self.progressed = time.time()
+        self.progressed = time.monotonic()
         if self.clock is not None:
             self.clock.switch(_TIMED.get(phase))
 
@@ -127,7 +128,9 @@ class CollectiveLedger:
         record = None
         if self.records.maxlen:
             site = caller_site() if users_call else None
-            record = CollectiveRecord(self.sequence, op, size_bytes, self.phase, self.step, site, started=time.time())
+            record = CollectiveRecord(
+                self.sequence, op, size_bytes, self.phase, self.step, site, started=time.monotonic()
+            )
             self.records.append(record)
             self.current = record
             self.progressed = record.started
@@ -135,7 +138,7 @@ class CollectiveLedger:
             yield record
         finally:
             if record is not None:
-                record.ended = self.progressed = time.time()
+                record.ended = self.progressed = time.monotonic()
                 self.current = None
             if clock is not None:
                 clock.switch(resumed)

@@ -188,11 +188,19 @@ class PhaseClock:
         self.steps.append([seconds * 1000 for seconds in self._current])
         self._current = [0.0] * len(TIMED_PHASES)
 
-    def medians(self, rank: int) -> PhaseTimes:
-        """This rank's median per phase over the steps in the window."""
+    def medians(self, rank: int, last: int | None = None) -> PhaseTimes:
+        """This rank's median per phase over the steps in the window (``last``: over its last ones only)."""
+        if last is not None and 0 < last < len(self.steps):
+            return PhaseTimes(
+                rank, *(statistics.median(column) for column in zip(*list(self.steps)[-last:], strict=True))
+            )
         if not self.steps:
             return PhaseTimes(rank, *[0.0] * len(TIMED_PHASES))
         return PhaseTimes(rank, *(statistics.median(column) for column in zip(*self.steps, strict=True)))
+
+
+#: The fewest steps a comparison at the end of a fit reads (fewer say too little about a rank's usual step).
+MIN_STEPS_COMPARED = 8
 
 
 class StragglerWatch:
@@ -216,6 +224,7 @@ class StragglerWatch:
         #: Every rank's medians at the last comparison (for telemetry and the report).
         self.last_times: list[PhaseTimes] = []
         self.last_finding: StragglerFinding | None = None
+        self._compared_at = 0
 
     def backward_starts(self, loss: Any) -> None:
         """Before a synced backward: once its graph is computed, the rest of it is waiting for the gradient
@@ -230,6 +239,7 @@ class StragglerWatch:
         """A new fit: no steps timed yet (the clock object stays: the ledger holds it)."""
         self.clock.reset()
         self.last_times, self.last_finding = [], None
+        self._compared_at = 0
 
     def step_done(self, step: int, rank: int, gather: Callable[[Sequence[int]], list[list[int]]]) -> None:
         """Close the step; on every ``every_n_steps``-th, compare the ranks (a collective: every rank calls it at the
@@ -237,9 +247,21 @@ class StragglerWatch:
         self.clock.end_step()
         if step % self.every_n_steps != 0 or len(self.clock.steps) < self.every_n_steps:
             return
-        gathered = gather(self.clock.medians(rank).as_microseconds())
+        self._compare(step, rank, gather, self.every_n_steps)
+
+    def fit_ends(self, step: int, rank: int, gather: Callable[[Sequence[int]], list[list[int]]]) -> None:
+        """At the end of a fit, on every rank (a collective): the steps since the last comparison are compared too,
+        when there are at least ``MIN_STEPS_COMPARED``, so that a run shorter than ``every_n_steps``, or the tail of
+        a longer one, names its straggler."""
+        since = min(step - self._compared_at, len(self.clock.steps))
+        if since >= MIN_STEPS_COMPARED:
+            self._compare(step, rank, gather, since)
+
+    def _compare(self, step: int, rank: int, gather: Callable[[Sequence[int]], list[list[int]]], steps: int) -> None:
+        self._compared_at = step
+        gathered = gather(self.clock.medians(rank, last=steps).as_microseconds())
         self.last_times = [PhaseTimes.from_microseconds(other, values) for other, values in enumerate(gathered)]
-        self.last_finding = finding = find_straggler(self.last_times, self.every_n_steps)
+        self.last_finding = finding = find_straggler(self.last_times, steps)
         if finding is None:
             return
         now = time.monotonic()

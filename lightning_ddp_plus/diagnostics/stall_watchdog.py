@@ -27,7 +27,6 @@ import atexit
 import contextlib
 import itertools
 import json
-import os
 import sys
 import threading
 import time
@@ -41,6 +40,7 @@ from lightning_ddp_plus.diagnostics.call_sites import collective_in_progress, st
 from lightning_ddp_plus.diagnostics.collective_ledger import CollectiveLedger
 from lightning_ddp_plus.diagnostics.stalls import RankState, StallReport, explain_stall, state_of
 from lightning_ddp_plus.private_apis.torch_distributed import default_store
+from lightning_ddp_plus.processes.launcher import end_process_now
 from lightning_ddp_plus.processes.restart import restart_attempt, store_client
 
 #: How often the thread looks at the ledger and at the store.
@@ -50,7 +50,11 @@ EXCHANGE_SECONDS = 5.0
 #: How long rank 0's thread waits, when stopping, for the other ranks' threads to stop first.
 STOP_WAIT_SECONDS = 2.0
 
+#: Consecutive store errors after which a watchdog says so and stops (one transient timeout is not the end).
+STORE_ERRORS_TOLERATED = 5
+
 _running: list[StallWatchdog] = []
+_stop_at_exit = False
 
 
 def main_thread_frame() -> Any:
@@ -72,7 +76,7 @@ class StallWatchdog:
         self,
         ledger: CollectiveLedger,
         threshold: timedelta,
-        end_process: Callable[[int], None] = os._exit,
+        end_process: Callable[[int], None] = end_process_now,
         say: Callable[[str], None] | None = None,
     ) -> None:
         self.ledger, self.threshold = ledger, threshold.total_seconds()
@@ -101,17 +105,23 @@ class StallWatchdog:
         """Watch this rank; ``store``: a client of the job's store for this thread alone. ``server``: on rank 0, the
         job's own store object, held until the orderly stop: a script that destroys the process group itself
         (common with Fabric) would otherwise take the store's server down while the other ranks' threads ask it."""
+        global _stop_at_exit
         self.stop()
-        self._stop.clear()
+        # each thread has its own event: a thread an earlier stop left behind (stuck in a store call) stays stopped
+        self._stop = threading.Event()
         self._handled = int(store.add(f"{prefix}/episodes", 0))  # episodes before this fit are not its
         self._requested_for = None
         self._store, self._rank, self._world_size, self._prefix = store, rank, world_size, prefix
         self._server = server
         self._thread = threading.Thread(
-            target=self._run, args=(store, rank, world_size, prefix), name="ddp-plus-stall-watchdog", daemon=True
+            target=self._run,
+            args=(store, rank, world_size, prefix, self._stop),
+            name="ddp-plus-stall-watchdog",
+            daemon=True,
         )
         self._thread.start()
-        if not _running:
+        if not _stop_at_exit:
+            _stop_at_exit = True
             atexit.register(_stop_every_watchdog)  # Fabric has no end of fit: the process's exit is its end
         _running.append(self)
 
@@ -142,31 +152,44 @@ class StallWatchdog:
             signal.start()
             signal.join(timeout=STOP_WAIT_SECONDS)
             return
-        deadline = time.time() + STOP_WAIT_SECONDS
+        deadline = time.monotonic() + STOP_WAIT_SECONDS
         with contextlib.suppress(Exception):
-            while int(store.add(stopped, 0)) < self._world_size - 1 and time.time() < deadline:
+            while int(store.add(stopped, 0)) < self._world_size - 1 and time.monotonic() < deadline:
                 time.sleep(0.02)
 
-    def _run(self, store: Any, rank: int, world_size: int, prefix: str) -> None:
+    def _run(self, store: Any, rank: int, world_size: int, prefix: str, stop: threading.Event) -> None:
         episodes = f"{prefix}/episodes"
-        while not self._stop.wait(POLL_SECONDS):
+        store_errors = 0
+        while not stop.wait(POLL_SECONDS):
             if not dist.is_initialized():
                 return  # this rank destroyed its process group: nothing of it can stall any more
             try:
                 current = self.ledger.current
-                waited = time.time() - current.started if current is not None else 0.0
+                waited = time.monotonic() - current.started if current is not None else 0.0
                 if current is not None and waited > self.threshold and self._requested_for != current.sequence:
                     self._requested_for = current.sequence  # once per collective
                     store.add(episodes, 1)
                 latest = int(store.add(episodes, 0))  # read the counter without waiting
                 if latest > self._handled:
-                    self._exchange(store, rank, world_size, prefix, latest)
+                    self._exchange(store, rank, world_size, prefix, latest, stop)
+                store_errors = 0
+            except (dist.DistNetworkError, dist.DistStoreError) as error:
+                # a store call that timed out once is asked again; a store that stays away ended with the job
+                store_errors += 1
+                if store_errors >= STORE_ERRORS_TOLERATED:
+                    if not stop.is_set():
+                        self._say(
+                            f"lightning-ddp-plus: rank {rank}'s stall watchdog stopped: the store is gone ({error})"
+                        )
+                    return
             except Exception as error:  # noqa: BLE001 - the watchdog must never take the job down by itself
-                if not self._stop.is_set() and not isinstance(error, (dist.DistNetworkError, dist.DistStoreError)):
+                if not stop.is_set():
                     self._say(f"lightning-ddp-plus: rank {rank}'s stall watchdog stopped: {error}")
-                return  # a store that is gone: rank 0's process ended, and with it the job
+                return
 
-    def _exchange(self, store: Any, rank: int, world_size: int, prefix: str, latest: int) -> None:
+    def _exchange(
+        self, store: Any, rank: int, world_size: int, prefix: str, latest: int, stop: threading.Event
+    ) -> None:
         """Write this rank's state under every episode it has not answered (two ranks may ask at once), then decide
         on the latest one with every rank's state."""
         frame = main_thread_frame()
@@ -178,10 +201,11 @@ class StallWatchdog:
         self._handled = latest
         key = f"{prefix}/{latest}"
         states = [mine]
-        deadline = time.time() + EXCHANGE_SECONDS
+        deadline = time.monotonic() + EXCHANGE_SECONDS
         for other in (r for r in range(world_size) if r != rank):
-            while not store.check([f"{key}/{other}"]) and time.time() < deadline:
-                time.sleep(0.05)
+            while not store.check([f"{key}/{other}"]) and time.monotonic() < deadline:
+                if stop.wait(0.05):
+                    return  # stopped: the fit is over, and a new thread may already be watching
             if store.check([f"{key}/{other}"]):
                 states.append(RankState.from_data(json.loads(store.get(f"{key}/{other}"))))
         states.sort(key=lambda state: state.rank)
@@ -214,7 +238,7 @@ class StallWatchdog:
 
 
 def _stop_every_watchdog() -> None:
-    for watchdog in _running:  # stop() removes it from the list
+    for watchdog in _running[:]:  # a copy: stop() removes each from the list
         watchdog.stop()
 
 

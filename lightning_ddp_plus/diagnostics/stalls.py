@@ -248,7 +248,7 @@ def state_of(
 ) -> RankState:
     """This rank's state, from its ledger and its main thread's innermost user frame, stack, and the collective
     outside the ledger it waits in, if any."""
-    now = time.time() if now is None else now
+    now = time.monotonic() if now is None else now
     current = ledger.current
     since = current.started if current is not None else ledger.progressed
     return RankState(

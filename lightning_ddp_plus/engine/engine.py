@@ -89,12 +89,11 @@ class DDPPlusEngine:
         auto_buckets = arguments.settings.bucket_cap_mb == "auto"
         self.buckets = BucketTuner(on_rebuilt=self._reducer_rebuilt, info=info) if auto_buckets else None
         self.buffer_broadcast = BufferBroadcastRecord(self.ledger)
-        self.gradient_bytes = 0  # what a synced backward all-reduces (set when wrapping)
         #: Called at the start of every training forward, before its sync state is read (Fabric's window uses it).
         self.before_training_forward: Callable[[DistributedDataParallel], None] | None = None
         self.flight_recorder: FlightRecorder | None = None  # NCCL's, where prepare_process_group turned it on
         self.ddp: DistributedDataParallel | None = None
-        self.forward_synced = True  # the last training forward ran with gradient sync on
+        self.forward_synced, self.gradient_bytes = True, 0  # the last training forward synced; what a backward sends
         self._handles: list[Any] = []
 
     @property
@@ -228,6 +227,8 @@ class DDPPlusEngine:
 
     def end_of_training(self) -> None:  # no forward follows: parameters only (buffers are not broadcast yet)
         self.replica_guard.check_due(with_buffers=False)
+        if self.stragglers is not None:  # the steps since the last comparison, on every rank
+            self.stragglers.fit_ends(self.window.stats.optimizer_steps, self.channel.rank, self.channel.gather)
 
     def explain(self, exception: BaseException) -> None:
         """Append to a torch error which rule it is and the fix, or what a collective timeout means."""
@@ -237,8 +238,7 @@ class DDPPlusEngine:
         explain_error(exception, TimeoutContext(*self.timeouts.in_effect(), report, recorder))
 
     def prepare_process_group(self, backend: str, environ: MutableMapping[str, str]) -> None:
-        """Before the process group is created, in each process: on NCCL, with the stall report on, NCCL's flight
-        recorder (the variables the user has not set); rank 0 says where its dumps go."""
+        """Before the process group exists: on NCCL, with the stall report on, NCCL's flight recorder."""
         if backend == "nccl" and self.stall_watchdog is not None:
             self.flight_recorder = turn_on_flight_recorder(environ)
             self._info(f"lightning-ddp-plus: {self.flight_recorder.describe()}")
@@ -246,5 +246,5 @@ class DDPPlusEngine:
     def results(self) -> WorkerResults:  # what a worker found and counted, for the process that launched it
         return WorkerResults.of(self)
 
-    def apply_results(self, results: WorkerResults) -> None:
+    def apply_results(self, results: WorkerResults) -> None:  # in the process that launched the workers
         results.apply_to(self)

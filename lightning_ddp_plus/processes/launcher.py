@@ -13,9 +13,12 @@ and before any process is started, in every process of the job: that is where ``
 from __future__ import annotations
 
 import atexit
+import contextlib
 import gc
+import logging
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -136,6 +139,18 @@ class ResultsReturningLauncher(_SettlesBeforeLaunch, MultiProcessingLauncher):
             trainer.strategy.engine.apply_results(extra["ddp_plus"])
 
 
+def end_process_now(code: int) -> None:
+    """End this process from a thread other than the main one, whose collective may never return: Python's logging
+    handlers and the standard streams are flushed first (what a logger has not written yet would be lost), then the
+    process exits at once with ``code`` (``atexit`` handlers would wait for the main thread)."""
+    with contextlib.suppress(Exception):
+        logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
 def watch_parent(poll_seconds: float = 1.0) -> threading.Thread | None:
     """In a child rank started by ``KillChildrenOnFailureLauncher``: exit as soon as the launching process is gone."""
     expected = os.environ.get(PARENT_PID_VARIABLE)
@@ -145,7 +160,7 @@ def watch_parent(poll_seconds: float = 1.0) -> threading.Thread | None:
     def run() -> None:
         while os.getppid() == int(expected):
             time.sleep(poll_seconds)
-        os._exit(1)  # the launcher died: nobody will complete this rank's collectives
+        end_process_now(1)  # the launcher died: nobody will complete this rank's collectives
 
     thread = threading.Thread(target=run, name="ddp-plus-parent-watch", daemon=True)
     thread.start()
