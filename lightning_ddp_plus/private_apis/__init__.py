@@ -9,7 +9,8 @@ the tables say what breaks with it.
 
 - ``torch_ddp``: ``DistributedDataParallel`` and its reducer (rebuilding it, completing a backward, timings);
 - ``torch_distributed``: the job's store and default group, group timeouts, the autograd engine's callbacks,
-  pytrees, dispatch modes, foreach kernels, ``ZeroRedundancyOptimizer`` and torchrun's rendezvous handler;
+  pytrees, dispatch modes, foreach kernels, ``ZeroRedundancyOptimizer``;
+- ``torch_rendezvous``: torchrun's rendezvous handler (imported by torchrun's agent only);
 - ``lightning``: Lightning's launchers, checkpoint loading and connector, the async checkpoint IO's wrapper,
   Fabric's backward-sync control and backward flag, and the fit loop's loaders.
 

@@ -11,7 +11,6 @@
 | the devices with foreach kernels (``foreach_devices``) | ``torch.utils._foreach_utils._get_foreach_kernels_supported_devices`` | the same | ``{"cuda"}`` where it is missing |
 | ZeRO's overlap flag and a scheduler's step check (``zero_overlaps_with_ddp``, ``mark_stepped``) | ``ZeroRedundancyOptimizer._overlap_with_ddp``, ``Optimizer._opt_called`` | the same | ``getattr`` with the default torch sets |
 | whether a tensor was changed in place (``tensor_version``) | ``Tensor._version`` | the same | none |
-| torchrun's rendezvous state (``RoundRecordingHandler``) | ``DynamicRendezvousHandler._get_store``, ``_state_holder``, ``_store``, ``_settings``, ``_bootstrap_store_info`` | the same | none: ``--rdzv-backend ddp-plus`` needs them |
 """
 
 from __future__ import annotations
@@ -23,9 +22,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.autograd import Variable
-from torch.distributed import Store
-from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 from torch.utils._python_dispatch import TorchDispatchMode
 
 try:  # public from torch 2.? on; the private module is the same code
@@ -36,7 +32,6 @@ except ImportError:
 __all__ = [
     "CAN_SET_GROUP_TIMEOUT",
     "GROUP_TIMEOUT_BACKENDS",
-    "RoundRecordingHandler",
     "TorchDispatchMode",
     "default_group",
     "default_store",
@@ -103,29 +98,3 @@ def mark_stepped(optimizer: torch.optim.Optimizer) -> None:
     """What ``Optimizer.step`` records, so that a learning-rate scheduler on ``optimizer`` does not warn that it
     stepped before the optimizer did."""
     optimizer._opt_called = True  # type: ignore[attr-defined]  # set by torch's step wrapper, not declared
-
-
-class RoundRecordingHandler(DynamicRendezvousHandler):
-    """torch's dynamic rendezvous handler, with the round its store was made for kept, and its state read through
-    named properties (``processes.rendezvous`` builds on them)."""
-
-    store_round = 0
-
-    def _get_store(self) -> Store:
-        # read once, when torch makes the round's store: the heartbeat thread may sync a newer state later
-        self.store_round = self._state_holder.state.round
-        return super()._get_store()
-
-    @property
-    def rendezvous_store(self) -> Store:
-        """The rendezvous' own store (shared by every agent of the job)."""
-        store: Store = self._store
-        return store
-
-    @property
-    def run_id(self) -> str:
-        return str(self._settings.run_id)
-
-    def use_workers_store(self, address: RendezvousStoreInfo) -> None:
-        """Make ``address`` the workers' store this agent hands to its workers (torch caches one from round one)."""
-        self._bootstrap_store_info = address

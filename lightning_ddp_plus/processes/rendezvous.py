@@ -16,7 +16,7 @@ This handler is ``c10d``'s, with two changes, both made after torch's own rendez
   a membership change is an attempt like a restart, so the joined attempt resumes from the last checkpoint.
 
 The rendezvous settings (``--rdzv-conf``) are ``c10d``'s, read as torch's ``create_handler`` reads them. What it reads
-of torch's handler state is reached through ``private_apis.torch_distributed.RoundRecordingHandler``. torch finds the backend through the ``torchrun.handlers``
+of torch's handler state is reached through ``private_apis.torch_rendezvous.RoundRecordingHandler``. torch finds the backend through the ``torchrun.handlers``
 entry point, which names the small ``lightning_ddp_plus_rendezvous`` module, so that a torchrun agent that does not
 use this backend does not import Lightning.
 """
@@ -31,7 +31,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousTimeout
 
-from lightning_ddp_plus.private_apis.torch_distributed import RoundRecordingHandler
+from lightning_ddp_plus.private_apis.torch_rendezvous import RoundRecordingHandler
 from lightning_ddp_plus.processes.restart import RENDEZVOUS_ATTEMPT_ENV
 
 #: ``torchrun --rdzv-backend ddp-plus`` (the ``torchrun.handlers`` entry point in pyproject.toml)
