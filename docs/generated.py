@@ -112,8 +112,8 @@ def with_block(text: str, name: str, content: str) -> str:
 def yaml_value(value: Any) -> str:
     """A default as the config writes it.
 
-    >>> yaml_value(None), yaml_value(True), yaml_value("mean"), yaml_value(timedelta(minutes=30))
-    ('null', 'true', 'mean', '30m')
+    >>> yaml_value(None), yaml_value(True), yaml_value("mean"), yaml_value(timedelta(minutes=30)), yaml_value(("A",))
+    ('null', 'true', 'mean', '30m', '[A]')
     """
     from lightning_ddp_plus.config.timeout import format_timeout
 
@@ -123,6 +123,8 @@ def yaml_value(value: Any) -> str:
         return str(value).lower()
     if isinstance(value, timedelta):
         return format_timeout(value)
+    if isinstance(value, (list, tuple)):
+        return f"[{', '.join(yaml_value(item) for item in value)}]"
     return str(value)
 
 

@@ -3,8 +3,8 @@
 The public names are importable from here; the subpackages are the architecture: ``frontends`` (the Trainer and
 Fabric strategies, the Hugging Face port, the command line) adapt their framework and delegate to ``engine``, which
 declares every argument once (``DDPPlusArguments``) and owns one component per concern, living in ``sync``,
-``sharding``, ``conflicts``, ``diagnostics``, ``processes`` and ``persistence``, all built on ``config``; ``memory``
-plans a run's per-rank bytes (``ddp-plus check``).
+``sharding``, ``conflicts``, ``diagnostics``, ``processes``, ``persistence`` and ``preemption``, all built on
+``config``; ``memory`` plans a run's per-rank bytes (``ddp-plus check``).
 
 Importing the package registers the strategy names ``ddp_plus``, ``ddp_plus_spawn``, ``ddp_plus_fork`` and
 ``ddp_plus_notebook`` with Lightning's strategy registry (``Trainer(strategy="ddp_plus")``) and with Fabric's
@@ -25,6 +25,7 @@ from lightning_ddp_plus.frontends.registry import REGISTERED_NAMES, register_fro
 from lightning_ddp_plus.frontends.strategy import DDPPlusStrategy
 from lightning_ddp_plus.persistence.files import CheckpointResumeError
 from lightning_ddp_plus.persistence.io import AtomicCheckpointIO, CheckpointSaveError
+from lightning_ddp_plus.preemption.report import Preempted, PreemptionReport
 from lightning_ddp_plus.sync.comm_hooks import CommHook
 from lightning_ddp_plus.sync.micro_batches import MicroBatch, MicroBatchOutOfMemoryError, UnsplittableBatchError
 from lightning_ddp_plus.sync.uneven import UnevenInputsError
@@ -52,6 +53,8 @@ __all__ = [
     "HFStyleDDPPlusStrategy",
     "MicroBatch",
     "MicroBatchOutOfMemoryError",
+    "Preempted",
+    "PreemptionReport",
     "ReplicaDriftError",
     "UnevenInputsError",
     "UnsplittableBatchError",

@@ -38,6 +38,9 @@ CASES = [
     # 16, 17: train_micro_batches; rank 1 runs out of memory above 1 row (auto: 4 -> 2 -> 1), and fixed chunks of 3
     {"oom_above": 1, "strategy": {"micro_batch_size": "auto"}},
     {"oom_above": 4, "strategy": {"micro_batch_size": 3, "gradient_accumulation_steps": 2}},
+    {
+        "preempt_at": 3
+    },  # 18: rank 1 gets SIGTERM after step 3; every rank saves step 4 and ends; the resume loses nothing
 ]
 
 
@@ -243,3 +246,10 @@ def test_train_micro_batches_in_a_fabric_loop(results, index, k, size):
     assert result["optimizer_steps"] == 5 // k + (5 % k > 0)
     # one all-reduce per optimizer step, and one for each of the two failed attempts of 'auto'
     assert result["hook_calls"] == result["optimizer_steps"] + (2 if index == 16 else 0)
+
+
+def test_a_fabric_loop_stops_every_rank_after_the_agreed_step_saves_it_and_resumes_exactly(results):
+    preempted, whole = results[18], results[0]  # the same model, data and optimizer without a notice
+    assert preempted["code"] == 143 and preempted["saved_steps"] == 4, preempted["message"]
+    assert "received SIGTERM on rank 1 at step 3; every rank stopped after optimizer step 4" in preempted["preempted"]
+    assert torch.allclose(torch.tensor(preempted["params"][0]), torch.tensor(whole["params"][0]), atol=1e-6)

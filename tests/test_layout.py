@@ -20,6 +20,7 @@ ALLOWED = {
     "conflicts": {"config", "private_apis"},
     "processes": {"config", "private_apis"},
     "persistence": {"config", "processes", "private_apis"},
+    "preemption": {"config", "sync", "private_apis"},
     "diagnostics": {"config", "sync", "conflicts", "memory", "processes", "private_apis"},
     "engine": {
         "config",
@@ -30,6 +31,7 @@ ALLOWED = {
         "diagnostics",
         "processes",
         "persistence",
+        "preemption",
         "private_apis",
     },
     "frontends": {
@@ -41,6 +43,7 @@ ALLOWED = {
         "processes",
         "persistence",
         "engine",
+        "preemption",
         "demo",
         "private_apis",
     },

@@ -11,7 +11,7 @@ recorder off.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 
 #: torch's names for the ring buffer's length (entries), newer first.
@@ -95,4 +95,15 @@ def turn_on_flight_recorder(environ: MutableMapping[str, str]) -> FlightRecorder
     group exists)."""
     to_set, recorder = plan_flight_recorder(environ)
     environ.update(to_set)
+    return recorder
+
+
+def flight_recorder_for(
+    backend: str, stall_report: bool, environ: MutableMapping[str, str], info: Callable[[str], None]
+) -> FlightRecorder | None:
+    """Before the process group exists: on NCCL, with the stall report on, NCCL's flight recorder, said once."""
+    if backend != "nccl" or not stall_report:
+        return None
+    recorder = turn_on_flight_recorder(environ)
+    info(f"lightning-ddp-plus: {recorder.describe()}")
     return recorder

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import cache, cached_property
@@ -51,6 +51,7 @@ from lightning_ddp_plus.diagnostics.replicas import check_every_n_steps
 from lightning_ddp_plus.engine.keywords import ARGUMENT_DOCS
 from lightning_ddp_plus.persistence.resume import ResumeMode
 from lightning_ddp_plus.persistence.world_size import WorldSizeChange
+from lightning_ddp_plus.preemption.notice import check_preemption_signals
 from lightning_ddp_plus.private_apis.torch_distributed import CAN_SET_GROUP_TIMEOUT, GROUP_TIMEOUT_BACKENDS
 from lightning_ddp_plus.processes.launcher import StartMethod
 from lightning_ddp_plus.sharding.optimizer import OptimizerSharding, check_optimizer_sharding, refusals
@@ -250,6 +251,16 @@ class DDPPlusArguments:
     rows as before (refused, naming the sizes that fit, when no accumulation can), ``"keep_per_rank_batch"`` keeps
     accumulation and says how the global batch changes, ``"error"`` refuses. Either way the epoch resumes at the same
     sample of its permutation (Lightning's ``DistributedSampler``), and one line says what changed (Trainer only)."""
+
+    preemption_signals: Sequence[str] = argument(("SIGTERM",), check_preemption_signals)
+    """The signals that mean "save and stop" (a termination notice): SIGTERM (default: Kubernetes, torchrun's agent,
+    SLURM at the time limit), SIGUSR1/SIGUSR2 for SLURM's ``--signal=SIGUSR1@90``; ``[]``: off (Lightning's own
+    handling, as stock). The handler only records the notice; every rank stops after the same optimizer step (at most
+    one step after the notice, a window of accumulation finished), the Trainer saves it atomically where
+    ``ckpt_path="last"`` finds it, and ``fit`` raises ``Preempted`` (a ``SIGTERMException``; exit code 128 + the
+    signal's number). The agreement rides on ``sync_guard``'s, so a run without a notice pays nothing; with
+    ``sync_guard=False``, one all-reduce of one integer per step. With Fabric, ask ``strategy.preemption_agreed``
+    after ``fabric.backward`` (the preemption guide)."""
 
     sync_guard: bool = argument(True, _flag)
     """After every backward that should synchronize, check on every rank that torch's reducer all-reduced every
@@ -522,7 +533,7 @@ def argument_types() -> dict[str, Any]:
 def argument_docs() -> dict[str, str]:
     """Each declared argument's docstring (the string literal under its field), whitespace folded: generated into
     ``engine/keywords.py``, so that no source is read at run time."""
-    return {name: ARGUMENT_DOCS[name] for name in ARGUMENT_FIELDS}
+    return {name: ARGUMENT_DOCS.get(name, "") for name in ARGUMENT_FIELDS}  # "": until `python docs/generated.py`
 
 
 def declared_parameters(front_end: FrontEnd, without: tuple[str, ...] = ()) -> list[inspect.Parameter]:

@@ -20,7 +20,7 @@ from lightning_ddp_plus.config.timeout import GroupTimeouts
 from lightning_ddp_plus.conflicts.check import ConflictCheck
 from lightning_ddp_plus.conflicts.settings_in_effect import SettingsInEffect
 from lightning_ddp_plus.diagnostics.collective_ledger import BufferBroadcastRecord, CollectiveLedger
-from lightning_ddp_plus.diagnostics.flight_recorder import FlightRecorder, turn_on_flight_recorder
+from lightning_ddp_plus.diagnostics.flight_recorder import FlightRecorder, flight_recorder_for
 from lightning_ddp_plus.diagnostics.out_of_memory_reports import OutOfMemoryReports
 from lightning_ddp_plus.diagnostics.phase_timings import StragglerWatch
 from lightning_ddp_plus.diagnostics.replicas import ReplicaGuard
@@ -31,6 +31,8 @@ from lightning_ddp_plus.diagnostics.torch_errors import explain as explain_error
 from lightning_ddp_plus.engine.arguments import DDPPlusArguments
 from lightning_ddp_plus.engine.results import WorkerResults
 from lightning_ddp_plus.memory.suggestion import starting_size_in_folder
+from lightning_ddp_plus.preemption.report import Preempted
+from lightning_ddp_plus.preemption.stop import PreemptionStop
 from lightning_ddp_plus.sharding.optimizer import shard_optimizers
 from lightning_ddp_plus.sync.accumulation import AccumulationWindow, scale_gradients
 from lightning_ddp_plus.sync.buckets import BucketTuner
@@ -62,11 +64,11 @@ class DDPPlusEngine:
         self.hooks = HookAssembly(arguments.comm_hook, arguments.ddp_comm_state, arguments.ddp_comm_wrapper)
         self.replica_guard = ReplicaGuard(arguments.verify_replicas_every_n_steps)
         every = arguments.find_stragglers_every_n_steps
-        self.stragglers = StragglerWatch(every, warn) if every is not None else None
+        self.stragglers = None if every is None else StragglerWatch(every, warn)
         clock = self.stragglers.clock if self.stragglers is not None else None
         self.ledger = CollectiveLedger(arguments.ledger_length, clock=clock)
         threshold = arguments.stall_threshold
-        self.stall_watchdog = StallWatchdog(self.ledger, threshold) if threshold is not None else None
+        self.stall_watchdog = None if threshold is None else StallWatchdog(self.ledger, threshold)
         #: Whether fits start the watchdog: a front end sets it when it stops the engine at the end of every fit.
         self.watch_stalls = self.failed = False
         self.timeouts = GroupTimeouts(arguments.collective_timeout, arguments.setup_collective_timeout)
@@ -74,6 +76,7 @@ class DDPPlusEngine:
         self.sync_guard = SyncGuard(arguments.sync_guard, self.channel, warn=warn)
         self.uneven = UnevenInputsCheck(arguments.uneven_inputs, info=info)
         self.micro_batches = MicroBatchSizer(arguments.micro_batch_size, info=info)
+        self.preemption = PreemptionStop(arguments.preemption_signals, self.sync_guard, self.channel)
         self.agreement = StepAgreement(
             self.sync_guard,
             self.uneven,
@@ -83,6 +86,7 @@ class DDPPlusEngine:
             on_fault=self._sync_fault,
             before_failure_agreement=self._decide_pending_conflicts,
             rebuild_reducer=self.in_effect.rebuild,
+            stop_requested=self.preemption.requested,
         )
         self.micro_batch_runner = MicroBatchRunner(self.micro_batches, self.agreement, must_sync=self._must_sync)
         self.out_of_memory_reports = OutOfMemoryReports(arguments.micro_batch_size, self.ledger, self.micro_batches)
@@ -112,11 +116,7 @@ class DDPPlusEngine:
     def micro_batches_from_plan(self, folder: str, module: Module, world_size: int) -> None:
         """``micro_batch_size="auto"``: start from the suggestion ``ddp-plus check`` left in ``folder`` (the run's
         ``default_root_dir``) where it was made for this model and world size; say which, on rank 0."""
-        if self.micro_batches.auto and self.micro_batches.size is None:
-            size, message = starting_size_in_folder(folder, module, world_size)
-            self.micro_batches.start_from(size)
-            if message is not None:
-                self._info(message)
+        self.micro_batches.start_from(*starting_size_in_folder(folder, module, world_size))
 
     def start_fit(self, ddp: DistributedDataParallel, module: Module) -> None:
         """Attach every component to a new wrapper; counters and cadences restart."""
@@ -160,8 +160,8 @@ class DDPPlusEngine:
 
     def shard_optimizers(self, optimizers: list[Optimizer]) -> list[Optimizer]:
         """With ``optimizer_sharding``: each optimizer sharded (ZeRO-1); else the optimizers unchanged."""
-        mode = self.arguments.optimizer_sharding
-        return shard_optimizers(optimizers, mode, self.ddp, self.settings.static_graph, self._info)
+        sharding, static_graph = self.arguments.optimizer_sharding, self.settings.static_graph
+        return shard_optimizers(optimizers, sharding, self.ddp, static_graph, self._info)
 
     def _forward_starts(self, ddp: DistributedDataParallel, args: Any) -> None:
         if ddp.training and torch.is_grad_enabled():
@@ -193,9 +193,11 @@ class DDPPlusEngine:
             self.telemetry.after_backward(synced)
         if not synced or self.ddp is None:
             return StepAgreed()
-        agreed = self.agreement.after_synced_backward(self.ddp, failed) if self.sync_guard.active else StepAgreed()
+        agreed = self.agreement.after_synced_backward(self.ddp, failed)
         if self.uneven.mode == "join" and not agreed.out_of_memory:
             scale_gradients(self.ddp.module.parameters(), self.uneven.take_rescale())
+        if agreed.stop:  # a termination notice: every rank stops after this step (the front end saves it)
+            self.preemption.agreed(stop_after=self.window.stats.optimizer_steps + 1)
         return agreed
 
     def _must_sync(self) -> bool:  # the run's first backward of a static graph all-reduces (rule R3)
@@ -216,6 +218,7 @@ class DDPPlusEngine:
     def after_optimizer_step(self) -> int:
         step = self.window.record_optimizer_step()
         self.ledger.enter_phase("data fetch", step=step)
+        self.preemption.step_done(step)
         if self.stragglers is not None:
             self.stragglers.step_done(step, self.channel.rank, self.channel.gather)
         if self.telemetry is not None:
@@ -232,6 +235,8 @@ class DDPPlusEngine:
 
     def explain(self, exception: BaseException) -> None:
         """Append to a torch error which rule it is and the fix, or what a collective timeout means."""
+        if isinstance(exception, Preempted):  # an orderly end: the agreed step was saved
+            return
         self.failed = True
         report = self.stall_watchdog.last_report if self.stall_watchdog is not None else None
         recorder = self.flight_recorder.describe() if self.flight_recorder is not None else None
@@ -239,12 +244,7 @@ class DDPPlusEngine:
 
     def prepare_process_group(self, backend: str, environ: MutableMapping[str, str]) -> None:
         """Before the process group exists: on NCCL, with the stall report on, NCCL's flight recorder."""
-        if backend == "nccl" and self.stall_watchdog is not None:
-            self.flight_recorder = turn_on_flight_recorder(environ)
-            self._info(f"lightning-ddp-plus: {self.flight_recorder.describe()}")
+        self.flight_recorder = flight_recorder_for(backend, self.stall_watchdog is not None, environ, self._info)
 
     def results(self) -> WorkerResults:  # what a worker found and counted, for the process that launched it
         return WorkerResults.of(self)
-
-    def apply_results(self, results: WorkerResults) -> None:  # in the process that launched the workers
-        results.apply_to(self)

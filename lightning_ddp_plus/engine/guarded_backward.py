@@ -58,6 +58,8 @@ def guarded_backward(
     """The backward of ``loss`` at ``position`` of the window: ``run(scaled loss)`` runs it, ``restore`` runs
     whatever happens (``divided_by_steps``: Lightning already divided the loss by k; ``post_forward``: DDP's forward
     had finished, not so in Lightning's manual optimization)."""
+    if synced:  # a notice received so far travels in this backward's agreement (announced before its buckets)
+        engine.preemption.announce()
     decided = engine.before_backward(ddp, loss, post_forward=post_forward)
     assert decided is not None
     padding = engine.uneven.padding  # a rank that ran out repeats its last batch with weight 0 ("join")

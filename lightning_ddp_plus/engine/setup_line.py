@@ -24,11 +24,13 @@ _LEADING = ("process_group_backend", "timeout")
 def shown(value: Any) -> str:
     """A value as the line shows it: plain values as they are, functions by name, other objects by class.
 
-    >>> shown(None), shown("mean"), shown(shown), shown(object())
-    ('None', 'mean', 'shown', 'object')
+    >>> shown(None), shown("mean"), shown(shown), shown(object()), shown(("SIGTERM", "SIGUSR1"))
+    ('None', 'mean', 'shown', 'object', '[SIGTERM, SIGUSR1]')
     """
     if value is None or isinstance(value, (bool, int, float, str)):
         return str(value)
+    if isinstance(value, (list, tuple)) and all(isinstance(item, (bool, int, float, str)) for item in value):
+        return f"[{', '.join(map(str, value))}]"
     if callable(value):
         return str(getattr(value, "__qualname__", type(value).__name__))
     return type(value).__name__

@@ -10,10 +10,11 @@ collectives in the ledger, the atomic saves, the environment). A batch's backwar
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
 
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -31,6 +32,8 @@ from lightning_ddp_plus.engine.arguments import DDPPlusArguments, FrontEnd
 from lightning_ddp_plus.engine.engine import DDPPlusEngine
 from lightning_ddp_plus.engine.setup_line import describe_run
 from lightning_ddp_plus.persistence.io import AtomicSaves
+from lightning_ddp_plus.preemption.report import Preempted, PreemptionReport
+from lightning_ddp_plus.preemption.stop import StopDecision
 from lightning_ddp_plus.private_apis.torch_ddp import logging_data
 from lightning_ddp_plus.private_apis.torch_distributed import CAN_SET_GROUP_TIMEOUT, GROUP_TIMEOUT_BACKENDS
 from lightning_ddp_plus.processes import reachability
@@ -191,6 +194,26 @@ class DDPPlusFrontEnd:
         if not hasattr(inner, "consolidate_state_dict"):
             return nullcontext()
         return self.engine.ledger.collective("optimizer state consolidation", users_call=False)
+
+    # ------------------------------------------------------------------ preemption
+
+    @property
+    def preemption_agreed(self) -> StopDecision | None:
+        """Set when every rank agreed to stop for a termination notice (``preemption_signals``), at the synced
+        backward of the step to stop after. The Trainer saves and ends by itself; a Fabric loop checks it after
+        its optimizer step, saves, and calls ``end_preempted`` (the preemption guide shows the loop)."""
+        return self.engine.preemption.decision
+
+    def end_preempted(self, saved: str | None = None, save_seconds: float = 0.0) -> NoReturn:
+        """On every rank, after the agreed step was saved at ``saved``: rank 0 prints the one line, and
+        ``Preempted`` (exit code 128 + the signal's number) ends the loop."""
+        decision = self.engine.preemption.decision
+        if decision is None:
+            raise RuntimeError("end_preempted: no preemption was agreed; check `strategy.preemption_agreed` first.")
+        report = PreemptionReport(decision, saved, save_seconds, "load it and continue from its step")
+        if self.global_rank == 0:
+            print(report.line(), file=sys.stderr, flush=True)
+        raise Preempted(report)
 
     # ------------------------------------------------------------------ the wrapper and the backward
 

@@ -4,7 +4,8 @@ The arguments of ``DDPPlusStrategy`` but the Trainer's only (``engine/arguments.
 ``gradient_accumulation_steps=k`` iterate ``fabric.strategy.micro_batches(loader)`` (it marks the last item, which
 closes a window, and carries ``uneven_inputs``), call ``fabric.backward(loss)`` (or, with ``micro_batch_size``,
 ``fabric.strategy.train_micro_batches(model, batch, loss_of)``), and step when ``fabric.strategy.sync_gradients``
-says so (the Fabric guide shows the loop). ``fabric.no_backward_sync`` works too (``fabric_loop.py``).
+says so (the Fabric guide shows the loop). ``fabric.no_backward_sync`` works too (``fabric_loop.py``). After a step
+for which ``fabric.strategy.preemption_agreed`` is set, save and call ``fabric.strategy.end_preempted(path)``.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.strategies import DDPStrategy
 from lightning.fabric.strategies.strategy import TBroadcast
-from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
@@ -42,9 +43,8 @@ T = TypeVar("T")
 class DDPPlusFabricStrategy(DDPPlusFrontEnd, DDPStrategy):
     """Fabric's ``DDPStrategy`` with every DDP knob typed and validated, on the engine ``DDPPlusStrategy`` uses.
 
-    Arguments are those of ``DDPPlusStrategy`` but ``resume_from_last`` and ``model_averaging_period``;
-    ``help(DDPPlusFabricStrategy.__init__)`` lists them, and ``gradient_accumulation_steps`` works as described in
-    this module's docstring.
+    The arguments of ``DDPPlusStrategy`` but the Trainer's only (``help(DDPPlusFabricStrategy.__init__)``);
+    accumulation and preemption as the module's docstring says.
 
     Example:
         >>> from lightning_ddp_plus.frontends.fabric import DDPPlusFabricStrategy
@@ -111,6 +111,7 @@ class DDPPlusFabricStrategy(DDPPlusFrontEnd, DDPStrategy):
 
     @override
     def setup_environment(self) -> None:
+        self.engine.preemption.start()  # the notice handlers, until `teardown`
         self._prepare_environment()
         super().setup_environment()
         self._environment_ready()
@@ -121,6 +122,7 @@ class DDPPlusFabricStrategy(DDPPlusFrontEnd, DDPStrategy):
 
     @override
     def teardown(self) -> None:
+        self.engine.preemption.end(pass_on=not self.engine.failed)
         self.engine.teardown()
         super().teardown()
 
@@ -178,11 +180,6 @@ class DDPPlusFabricStrategy(DDPPlusFrontEnd, DDPStrategy):
 
     @override
     def setup_module(self, module: Module) -> DistributedDataParallel:
-        if self.window.ddp is not None:
-            rank_zero_warn(
-                "DDPPlusFabricStrategy: a second module was set up; the conflict check, accumulation, replica guard and "
-                "telemetry now follow it (one module per strategy is supported)."
-            )
         ddp = self._wrap(module, self._determine_ddp_device_ids())
         self.window.follow(ddp)
         rank_zero_info(self.describe())
@@ -202,7 +199,7 @@ class DDPPlusFabricStrategy(DDPPlusFrontEnd, DDPStrategy):
     @override
     def clip_gradients_value(self, module: Module, optimizer: Optimizer, *args: Any, **kwargs: Any) -> None:
         refuse_clipping(self.arguments.optimizer_sharding, "`fabric.clip_gradients`", "it")
-        return super().clip_gradients_value(module, optimizer, *args, **kwargs)
+        super().clip_gradients_value(module, optimizer, *args, **kwargs)
 
     def micro_batches(self, iterable: Iterable[T]) -> Iterator[T]:
         """The items of ``iterable`` (the epoch's loader), the last one marked so that it closes its window. One call

@@ -8,6 +8,7 @@ from collections.abc import Iterable, Iterator, Sized
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, TypeVar
 
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
@@ -53,6 +54,11 @@ class FabricWindow:
 
     def follow(self, ddp: DistributedDataParallel) -> None:
         """A module was set up: the window follows its wrapper from its start."""
+        if self.ddp is not None:
+            rank_zero_warn(
+                "DDPPlusFabricStrategy: a second module was set up; the conflict check, accumulation, replica guard and "
+                "telemetry now follow it (one module per strategy is supported)."
+            )
         self.ddp, self.position, self.last_position = ddp, None, None
 
     def items(self, iterable: Iterable[T]) -> Iterator[T]:

@@ -28,7 +28,6 @@ from torch.optim import Optimizer
 from typing_extensions import Unpack, override
 
 from lightning_ddp_plus.config.training_arguments import port_training_arguments
-from lightning_ddp_plus.diagnostics.telemetry import DDPTelemetry
 from lightning_ddp_plus.engine.arguments import takes_declared_arguments
 from lightning_ddp_plus.engine.keywords import DDPPlusStrategyKeywords
 from lightning_ddp_plus.frontends.common import DDPPlusFrontEnd, tensor_bytes
@@ -46,8 +45,9 @@ from lightning_ddp_plus.frontends.trainer_loop import (
     settle_accumulation,
     training_dataloader,
 )
+from lightning_ddp_plus.frontends.trainer_preemption import add_strategy_callbacks, watch_for_notices
 from lightning_ddp_plus.persistence.resume import ResumeCoordinator
-from lightning_ddp_plus.private_apis.lightning import training_loaders
+from lightning_ddp_plus.private_apis.lightning import trainer_of, training_loaders
 from lightning_ddp_plus.processes.launcher import (
     KillChildrenOnFailureLauncher,
     ResultsReturningLauncher,
@@ -182,6 +182,7 @@ class DDPPlusStrategy(DDPPlusFrontEnd, DDPStrategy):
     @override
     def setup_environment(self) -> None:
         watch_parent()
+        watch_for_notices(self.engine.preemption, trainer_of(self.lightning_module))
         self._prepare_environment()
         super().setup_environment()
         self._environment_ready()
@@ -218,9 +219,7 @@ class DDPPlusStrategy(DDPPlusFrontEnd, DDPStrategy):
         super().setup(trainer)
         if trainer.training and self.lightning_module is not None:
             self.engine.micro_batches_from_plan(trainer.default_root_dir, self.lightning_module, trainer.world_size)
-        callbacks: list[Any] = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's callback connector
-        if self.telemetry is not None and not any(isinstance(c, DDPTelemetry) for c in callbacks):
-            callbacks.append(DDPTelemetry())
+        add_strategy_callbacks(trainer, self.engine)
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
@@ -256,6 +255,7 @@ class DDPPlusStrategy(DDPPlusFrontEnd, DDPStrategy):
     @override
     def teardown(self) -> None:
         remove_leftover_forward_redirection(self.lightning_module)
+        self.engine.preemption.end(pass_on=not self.engine.failed)
         self.engine.teardown()
         super().teardown()
 

@@ -83,9 +83,14 @@ def should_resume(mode: str, timeout: timedelta = timedelta(minutes=5)) -> bool:
 ResumeRequest = str
 
 
+#: Where a preemption saves when the Trainer has no ``ModelCheckpoint`` (under ``default_root_dir``); a resume looks
+#: there too.
+NO_CHECKPOINT_CALLBACK_PATH = os.path.join("checkpoints", "last.ckpt")
+
+
 def checkpoint_directories(trainer: Any) -> tuple[list[str], list[str]]:
     """The directories of the run's ``ModelCheckpoint`` callbacks (resolved by their ``setup``) and the files of its
-    ``OnExceptionCheckpoint`` callbacks."""
+    ``OnExceptionCheckpoint`` callbacks; without a ``ModelCheckpoint``, the preemption save's file."""
     from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 
     directories = [
@@ -94,6 +99,8 @@ def checkpoint_directories(trainer: Any) -> tuple[list[str], list[str]]:
         if isinstance(callback, ModelCheckpoint) and callback.dirpath
     ]
     files = [str(callback.ckpt_path) for callback in trainer.callbacks if isinstance(callback, OnExceptionCheckpoint)]
+    if not directories:
+        files.append(os.path.join(str(trainer.default_root_dir), NO_CHECKPOINT_CALLBACK_PATH))
     return directories, files
 
 

@@ -10,6 +10,8 @@
 | choosing the checkpoint to resume (``route_resume_start``, ``user_chose_checkpoint``, ``lightning_last_checkpoint``) | ``Trainer._checkpoint_connector``, its ``resume_start``, ``_user_managed``, ``_parse_ckpt_path`` | the same | none: Lightning resolves ``ckpt_path`` there, before any public hook runs |
 | a loader with another sampler (``update_dataloader``) | ``lightning.pytorch.utilities.data._update_dataloader`` | the same | none: it re-instantiates a user's loader subclass as Lightning does |
 | the training loaders of the running fit (``training_loaders``) and a module's Trainer (``trainer_of``) | ``FitLoop._combined_loader``, ``LightningModule._trainer`` | the same | ``[]`` / ``None`` before the fit has them |
+| keeping Lightning's termination handling off the preemption signals (``leave_signals_to``) | ``Trainer._signal_connector``, its ``register_signal_handlers`` and ``_original_handlers``, ``_TrainingEpochLoop._broadcast_sigterm_tensor`` | the same | each part skipped where missing: Lightning's handler would then run beside the strategy's |
+| SLURM's requeue checkpoint (``slurm_requeue_checkpoint_path``) | ``Trainer._checkpoint_connector.hpc_save_path`` | the same | none |
 """
 
 from __future__ import annotations
@@ -38,9 +40,11 @@ __all__ = [
     "destroy_dist_connection",
     "fabric_backward",
     "has_own_checkpoint_io",
+    "leave_signals_to",
     "lightning_last_checkpoint",
     "load_file",
     "route_resume_start",
+    "slurm_requeue_checkpoint_path",
     "trainer_of",
     "training_loaders",
     "update_dataloader",
@@ -118,3 +122,32 @@ def training_loaders(trainer: Any) -> list[Any]:
 def trainer_of(module: Any) -> Any:
     """The Trainer a LightningModule is attached to, or ``None`` (its ``trainer`` property raises then)."""
     return getattr(module, "_trainer", None)
+
+
+def leave_signals_to(trainer: Any, reinstall: Callable[[], None], previous: dict[int, Any], sigterm: bool) -> None:
+    """Keep Lightning's own termination handling off the signals the strategy watches: its connector registers,
+    at the start of every fit, a SIGTERM handler that broadcasts inside the handler (and SLURM's in-handler save);
+    after it, ``reinstall`` puts the strategy's handlers back, and the handlers the connector restores at the end are
+    those from before the strategy's (``previous``). With ``sigterm``, the flag broadcast Lightning's epoch loop runs
+    before every training batch (a collective per step, for a flag only its handler sets) is skipped."""
+    connector = getattr(trainer, "_signal_connector", None)
+    if connector is None or not hasattr(type(connector), "register_signal_handlers"):
+        return
+
+    def register_then_reinstall() -> None:
+        type(connector).register_signal_handlers(connector)
+        originals = getattr(connector, "_original_handlers", None)
+        if isinstance(originals, dict):
+            originals.update(previous)
+        reinstall()
+
+    connector.register_signal_handlers = register_then_reinstall
+    epoch_loop = trainer.fit_loop.epoch_loop
+    if sigterm and hasattr(epoch_loop, "_broadcast_sigterm_tensor"):
+        epoch_loop._broadcast_sigterm_tensor = lambda: None
+
+
+def slurm_requeue_checkpoint_path(trainer: Any) -> str:
+    """Where Lightning's SLURM ``auto_requeue`` saves, and where a requeued job's ``fit`` resumes from by itself
+    (``hpc_ckpt_N.ckpt`` in ``default_root_dir``)."""
+    return str(trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir))

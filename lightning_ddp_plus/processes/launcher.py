@@ -18,6 +18,7 @@ import gc
 import logging
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -26,6 +27,7 @@ from typing import Any, Literal
 
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import TorchElasticEnvironment
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
 from lightning_ddp_plus.private_apis.lightning import (
@@ -108,9 +110,26 @@ class KillChildrenOnFailureLauncher(_SettlesBeforeLaunch, SubprocessScriptLaunch
             os.environ[PARENT_PID_VARIABLE] = str(os.getpid())  # inherited by the children it starts
         try:
             return super().launch(function, *args, trainer=trainer, **kwargs)
+        except SIGTERMException:  # a preemption: every rank saved the same step and ends on its own
+            wait_for_children(getattr(self, "procs", []), CHILDREN_END_GRACE_S)
+            self.kill(signal.SIGKILL)
+            raise
         except BaseException:
             self.kill(signal.SIGKILL)
             raise
+
+
+#: How long rank 0 waits for the ranks it started to end by themselves after a preemption, before killing them.
+CHILDREN_END_GRACE_S = 20.0
+
+
+def wait_for_children(processes: list[Any], seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    for process in processes:
+        try:
+            process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            return
 
 
 class ResultsReturningLauncher(_SettlesBeforeLaunch, MultiProcessingLauncher):
@@ -136,7 +155,7 @@ class ResultsReturningLauncher(_SettlesBeforeLaunch, MultiProcessingLauncher):
     def update_main_process_results(self, trainer: Any, extra: dict[str, Any]) -> None:
         super().update_main_process_results(trainer, extra)
         if "ddp_plus" in extra:
-            trainer.strategy.engine.apply_results(extra["ddp_plus"])
+            extra["ddp_plus"].apply_to(trainer.strategy.engine)  # a WorkerResults, in the launching process
 
 
 def end_process_now(code: int) -> None:

@@ -389,10 +389,15 @@ class MicroBatchSizer:
         self._info(shrink_message(failures, old, new))
         return new
 
-    def start_from(self, size: int | None) -> None:
-        """``"auto"`` before its first out-of-memory error: the size to start from (a memory plan's suggestion)."""
-        if self.auto and self.size is None and size is not None:
+    def start_from(self, size: int | None, message: str | None = None) -> None:
+        """``"auto"`` before its first out-of-memory error: the size to start from (a memory plan's suggestion), and
+        the line that says where it came from."""
+        if not self.auto or self.size is not None:
+            return
+        if size is not None:
             self.size = size
+        if message is not None:
+            self._info(message)
 
     def state_dict(self) -> dict[str, Any]:
         return {"micro_batch_size": self.size}

@@ -6,7 +6,8 @@ others ride on, so they cost no collective of their own:
 - an uneven-inputs flag that a rank held back for it (``uneven_inputs``, automatic optimization with k=1): whether
   this batch is some rank's last;
 - with ``micro_batch_size="auto"``, whether some rank ran out of memory in this batch's attempt, and then, in one
-  gather, which ranks, in which phase, at how many rows.
+  gather, which ranks, in which phase, at how many rows;
+- whether some rank got a termination notice (``preemption_signals``), so that every rank stops after this step.
 
 ``StepAgreement.after_synced_backward`` returns what was agreed as a ``StepAgreed`` record; a fault of the guard (a
 bucket some rank never all-reduced) goes to ``on_fault``, which the conflict rules decide (rule R6).
@@ -29,10 +30,12 @@ from lightning_ddp_plus.sync.uneven import RankBatches, UnevenInputsCheck, uneve
 @dataclass(frozen=True)
 class StepAgreed:
     """What the ranks agreed after a synced backward: whether this batch ends the epoch on every rank (a held
-    uneven-inputs flag), and every rank's out-of-memory error in this batch's attempt (empty: none)."""
+    uneven-inputs flag), every rank's out-of-memory error in this batch's attempt (empty: none), and whether some
+    rank got a termination notice (every rank stops after this step)."""
 
     ends_epoch: bool = False
     out_of_memory: tuple[OutOfMemory, ...] = ()
+    stop: bool = False
 
 
 class StepAgreement:
@@ -49,6 +52,8 @@ class StepAgreement:
         before_failure_agreement: what a rank that failed must still do before it agrees (the others' first
             backward may decide the conflict check with a collective).
         rebuild_reducer: a new reducer for the wrapper, after an attempt that failed.
+        stop_requested: this rank's termination-notice flag (announced before the backward, see
+            ``preemption.stop``), ``None`` when notices are off.
     """
 
     def __init__(
@@ -61,11 +66,12 @@ class StepAgreement:
         on_fault: Callable[[DistributedDataParallel, SyncFault], None],
         before_failure_agreement: Callable[[DistributedDataParallel], None],
         rebuild_reducer: Callable[[DistributedDataParallel], None],
+        stop_requested: Callable[[], bool | None] = lambda: None,
     ) -> None:
         self.guard, self.uneven, self.channel, self.window = guard, uneven, channel, window
         self.carries_out_of_memory = carries_out_of_memory
         self.on_fault, self.before_failure_agreement = on_fault, before_failure_agreement
-        self.rebuild_reducer = rebuild_reducer
+        self.rebuild_reducer, self.stop_requested = rebuild_reducer, stop_requested
         #: The wrapper of the running fit (set by the engine's ``start_fit``).
         self.ddp: DistributedDataParallel | None = None
         self.epoch = 0
@@ -102,10 +108,14 @@ class StepAgreement:
         """The guard's check with the flags that ride on it (``failed``: this rank's backward raised what the guard
         takes over; ``out_of_memory``: this rank's attempt failed, ``started`` saying whether its synced backward
         had begun)."""
+        if not self.guard.active:  # no check to ride on: one flag all-reduce per step, only with notices on
+            mine = self.stop_requested()
+            return StepAgreed(stop=mine is not None and bool(self.channel.maximum([int(mine)])[0]))
         deferred = self.uneven.take_deferred()
         flags = uneven_flags(deferred.last) if deferred else [0, 0]
         if self.carries_out_of_memory:
             flags.append(int(out_of_memory is not None))
+        flags.append(int(bool(self.stop_requested())))
         outcome = self.guard.check(
             ddp,
             self.window.stats.optimizer_steps + 1,
@@ -113,7 +123,8 @@ class StepAgreement:
             aborted=failed or out_of_memory is not None,
             never_started=out_of_memory is not None and not started,
         )
-        if self.carries_out_of_memory and outcome.flag_maximums[-1]:
+        stop = bool(outcome.flag_maximums[-1])
+        if self.carries_out_of_memory and outcome.flag_maximums[-2]:
             if deferred is not None:  # the batch runs again, and its uneven-inputs flag with it
                 self.uneven.defer_to_step_check(deferred)
                 if deferred.last:
@@ -122,10 +133,9 @@ class StepAgreement:
         if outcome.fault is not None:
             self.on_fault(ddp, outcome.fault)
         if deferred is None:
-            return StepAgreed()
-        return StepAgreed(
-            ends_epoch=self.uneven.decide(deferred, outcome.flag_maximums, self.channel.gather, self.epoch)
-        )
+            return StepAgreed(stop=stop)
+        ends_epoch = self.uneven.decide(deferred, outcome.flag_maximums, self.channel.gather, self.epoch)
+        return StepAgreed(ends_epoch=ends_epoch, stop=stop)
 
     def agree_on_failure(self, failure: OutOfMemory, synced_backward_started: bool) -> StepAgreed:
         """On a rank whose attempt at a batch ran out of memory (``micro_batch_size="auto"``), in place of its synced

@@ -5,6 +5,10 @@ regression data set and records the outcome, the counts, and every rank's final 
 """
 
 import dataclasses
+import os
+import shutil
+import signal
+import tempfile
 import time
 
 import lightning as L
@@ -13,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from lightning_ddp_plus import DDPPlusFabricStrategy
+from lightning_ddp_plus import DDPPlusFabricStrategy, Preempted
 from tests.helpers import CheckpointNet, flat_parameters, job_main, regression_data
 
 COUNT = {"calls": 0}
@@ -43,6 +47,37 @@ def make_model(case: dict) -> nn.Module:
     if "warmup" in case:
         return WarmupNet()
     return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+
+
+def preempted_with(fabric, model, optimizer, batches, at_step: int) -> dict:
+    """Rank 1 gets SIGTERM before the backward after step ``at_step``; the loop saves the agreed step and ends as
+    the preemption guide shows; then it loads that file and trains the remaining batches."""
+    folder = fabric.broadcast(tempfile.mkdtemp() if fabric.global_rank == 0 else None)
+    path, steps = os.path.join(folder, "last.ckpt"), 0
+    try:
+        for xb, yb in batches[steps:]:
+            if steps == at_step and fabric.global_rank == 1:
+                os.kill(os.getpid(), signal.SIGTERM)
+            fabric.backward(nn.functional.mse_loss(model(xb), yb))
+            optimizer.step()
+            optimizer.zero_grad()
+            steps += 1
+            if fabric.strategy.preemption_agreed:
+                started = time.monotonic()
+                fabric.save(path, {"model": model, "optimizer": optimizer, "steps": steps})
+                fabric.strategy.end_preempted(path, time.monotonic() - started)
+        return {"preempted": None}
+    except Preempted as preempted:
+        state = {"model": model, "optimizer": optimizer, "steps": 0}
+        fabric.load(path, state)
+        for xb, yb in batches[state["steps"] :]:
+            fabric.backward(nn.functional.mse_loss(model(xb), yb))
+            optimizer.step()
+            optimizer.zero_grad()
+        fabric.barrier()
+        if fabric.global_rank == 0:
+            shutil.rmtree(folder)
+        return {"preempted": str(preempted), "code": preempted.code, "saved_steps": state["steps"]}
 
 
 def run_case(case: dict) -> dict:
@@ -89,6 +124,8 @@ def run_case(case: dict) -> dict:
                     optimizer.zero_grad()
                     outcome["steps"] += 1
             outcome["micro_batch_size"] = fabric.strategy.engine.micro_batches.size
+        elif "preempt_at" in case:
+            outcome.update(preempted_with(fabric, model, optimizer, batches, case["preempt_at"]))
         else:
             for xb, yb in fabric.strategy.micro_batches(batches):
                 if case.get("slow_rank") == rank:  # its batch arrives late: a slow loader on this rank only

@@ -1,0 +1,108 @@
+"""The Trainer's side of preemption (``preemption_signals``): the notice handlers for the fit, Lightning's own
+termination handling kept off them, and, once the ranks agreed to stop, the save and the end.
+
+Where the save goes, so that the next run finds it:
+
+- with SLURM's ``auto_requeue`` (Lightning's ``SLURMEnvironment``), Lightning's requeue checkpoint
+  (``hpc_ckpt_N.ckpt`` in ``default_root_dir``), from which the requeued job's ``fit`` resumes by itself; rank 0
+  then requeues the job (``scontrol requeue``), as Lightning's handler would have;
+- else the first ``ModelCheckpoint``'s ``last.ckpt``, which ``ckpt_path="last"`` and ``resume_from_last`` find;
+- else (no ``ModelCheckpoint``) ``default_root_dir/checkpoints/last.ckpt``, which they find too.
+
+The save is made at the agreed step's ``on_train_batch_end``, where ``ModelCheckpoint`` saves mid-epoch, so the
+resume continues at the next batch of the epoch.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.fabric.plugins.environments import SLURMEnvironment
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+from lightning_ddp_plus.diagnostics.telemetry import DDPTelemetry
+from lightning_ddp_plus.engine.engine import DDPPlusEngine
+from lightning_ddp_plus.persistence.resume import NO_CHECKPOINT_CALLBACK_PATH
+from lightning_ddp_plus.preemption.report import Preempted, PreemptionReport
+from lightning_ddp_plus.preemption.slurm import requeue
+from lightning_ddp_plus.preemption.stop import PreemptionStop, StopDecision
+from lightning_ddp_plus.private_apis.lightning import leave_signals_to, slurm_requeue_checkpoint_path
+
+
+def slurm_requeues(trainer: pl.Trainer) -> SLURMEnvironment | None:
+    environment = getattr(trainer.strategy, "cluster_environment", None)
+    return environment if isinstance(environment, SLURMEnvironment) and environment.auto_requeue else None
+
+
+def watch_for_notices(preemption: PreemptionStop, trainer: pl.Trainer | None) -> None:
+    """In each process, before the fit starts: the notice handlers on (SLURM's requeue signal added with
+    ``auto_requeue``), and Lightning's own handling kept off them."""
+    if trainer is None:
+        return
+    slurm = slurm_requeues(trainer)
+    if preemption.on and slurm is not None and slurm.requeue_signal is not None:
+        preemption.add_signal(slurm.requeue_signal.name)
+    preemption.start()
+    if preemption.watch.installed:
+        watch = preemption.watch
+        leave_signals_to(trainer, watch.reinstall, watch.previous_handlers(), "SIGTERM" in watch.signals)
+
+
+def preemption_checkpoint_path(trainer: pl.Trainer) -> str:
+    """Where the agreed step is saved (see the module's docstring)."""
+    if slurm_requeues(trainer) is not None:
+        return slurm_requeue_checkpoint_path(trainer)
+    for callback in trainer.checkpoint_callbacks:
+        if isinstance(callback, ModelCheckpoint) and callback.dirpath:
+            return os.path.join(str(callback.dirpath), callback.CHECKPOINT_NAME_LAST + callback.FILE_EXTENSION)
+    return os.path.join(str(trainer.default_root_dir), NO_CHECKPOINT_CALLBACK_PATH)
+
+
+def end_preempted(trainer: pl.Trainer, decision: StopDecision) -> None:
+    """Every rank: save the agreed step (rank 0 writes, every rank waits), rank 0 says so in one line (and
+    requeues on SLURM), then ``Preempted`` ends the fit."""
+    report = PreemptionReport(decision)
+    if decision.stop_after is not None:
+        path, started = preemption_checkpoint_path(trainer), time.monotonic()
+        trainer.save_checkpoint(path)
+        hint = "the requeued job resumes by itself" if slurm_requeues(trainer) else 'resume with ckpt_path="last"'
+        report = PreemptionReport(decision, path, time.monotonic() - started, hint)
+    if trainer.is_global_zero:
+        print(report.line(), file=sys.stderr, flush=True)
+        if slurm_requeues(trainer) is not None and decision.stop_after is not None:
+            print(requeue(os.environ), file=sys.stderr, flush=True)
+    raise Preempted(report)
+
+
+class PreemptionSave(Callback):
+    """Saves the agreed step where ``ModelCheckpoint`` saves mid-epoch, and ends the fit (added by the strategy)."""
+
+    def __init__(self, preemption: PreemptionStop) -> None:
+        self.preemption = preemption
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        decision = self.preemption.before_first_step()
+        if decision is not None:
+            end_preempted(trainer, decision)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        decision = self.preemption.decision  # agreed at this batch's synced backward; its step is applied
+        if decision is not None and decision.stop_after is not None:
+            end_preempted(trainer, decision)
+
+
+def add_strategy_callbacks(trainer: pl.Trainer, engine: DDPPlusEngine) -> None:
+    """The strategy's callbacks, each once (a second fit finds them there): ``DDPTelemetry`` with ``telemetry``,
+    ``PreemptionSave`` with ``preemption_signals``."""
+    callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's callback connector
+    added = [
+        DDPTelemetry() if engine.telemetry is not None else None,
+        PreemptionSave(engine.preemption) if engine.preemption.on else None,
+    ]
+    for callback in added:
+        if callback is not None and not any(type(present) is type(callback) for present in callbacks):
+            callbacks.append(callback)

@@ -1,0 +1,133 @@
+"""The stop: every rank stops after the same optimizer step when any rank got a notice.
+
+The decision rides on the agreement the per-step guard already makes after each synced backward
+(``sync.step_agreement``), as one more flag, so a run without a notice pays nothing for it:
+
+- On gloo, the ranks agree through the job's store: a rank with news sets a key before its backward sends its
+  buckets, and a rank whose backward finished can only have finished after those buckets arrived, so one look-up
+  tells every rank whether to join the flag all-reduce. A rank that has a notice announces it that way before its
+  next synced backward (``announce``), and its flag travels in that all-reduce.
+- On NCCL the guard all-reduces its flags every step; the notice is one more integer there.
+- With the guard off (``sync_guard=False``), one all-reduce of one integer per step on the side channel.
+
+A notice that lands during a synced backward, or during the optimizer step, is taken at the next step's: the stop
+comes at most one optimizer step after the notice. With accumulation the decision is taken at the window's synced
+backward, so a window is always finished, never cut: the saved state is a step boundary, which is exactly what an
+uninterrupted run passes through, and the micro-batches already computed are not thrown away.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from lightning_ddp_plus.preemption.notice import Notice, NoticeWatch
+from lightning_ddp_plus.sync.side_channel import SideChannel
+from lightning_ddp_plus.sync.step_guard import SyncGuard
+
+
+@dataclass(frozen=True)
+class StopDecision:
+    """What every rank agreed: the notices (each rank that had one), and the optimizer steps applied when every
+    rank stops (``None``: the fit stops before its first step)."""
+
+    notices: tuple[Notice, ...]
+    stop_after: int | None
+
+    @property
+    def first(self) -> Notice:
+        return min(self.notices, key=lambda notice: (notice.step, notice.rank))
+
+    @property
+    def exit_code(self) -> int:
+        return self.first.exit_code
+
+    def describe_notices(self) -> str:
+        """``received SIGTERM on rank 1 at step 5`` (every rank with a notice named)."""
+        by_signal: dict[tuple[str, int], list[int]] = {}
+        for notice in self.notices:
+            by_signal.setdefault((notice.signal_name, notice.step), []).append(notice.rank)
+        parts = []
+        for (name, step), ranks in sorted(by_signal.items(), key=lambda item: item[0][1]):
+            who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+            parts.append(f"received {name} on {who} at step {step}")
+        return "; ".join(parts)
+
+
+class PreemptionStop:
+    """The notice watch of a run and the ranks' agreement to stop.
+
+    Args:
+        signals: ``preemption_signals`` (empty: off).
+        guard: the per-step guard, whose agreement the stop flag rides on.
+        channel: the side channel (the flag all-reduce without the guard, and the gather after a stop).
+    """
+
+    def __init__(self, signals: Sequence[str], guard: SyncGuard, channel: SideChannel) -> None:
+        self.watch = NoticeWatch(signals)
+        self.guard, self.channel = guard, channel
+        #: Set once the ranks agreed to stop; the front end saves and ends the fit.
+        self.decision: StopDecision | None = None
+
+    @property
+    def on(self) -> bool:
+        return bool(self.watch.signals)
+
+    def add_signal(self, name: str) -> None:
+        """Also take ``name`` as a notice (SLURM's requeue signal, with Lightning's ``auto_requeue``)."""
+        if name not in self.watch.signals:
+            self.watch.signals = (*self.watch.signals, name)
+
+    def start(self) -> None:
+        """At the start of a fit, in the main thread of every rank."""
+        self.decision = None
+        self.watch.clear()
+        self.watch.steps_done = 0
+        if self.on:
+            self.watch.install()
+
+    def end(self, pass_on: bool) -> None:
+        """At the end of a fit: the handlers from before it, and (``pass_on``: the fit ended without an error) a
+        notice that no step boundary took, delivered again to them (by default, it ends the process)."""
+        if self.watch.installed:
+            self.watch.uninstall()
+            if pass_on and self.decision is None:
+                self.watch.pass_on()
+
+    def requested(self) -> bool | None:
+        """This rank's flag in the agreement after a synced backward (``None``: notices are off)."""
+        return self.watch.pending if self.on else None
+
+    def announce(self) -> None:
+        """Before a synced backward: a rank with a notice makes every rank take the agreeing all-reduce."""
+        if self.watch.pending and self.guard.active:
+            self.guard.request_agreement()
+
+    def step_done(self, steps: int) -> None:
+        self.watch.steps_done = steps
+
+    def agree_without_guard(self) -> bool:
+        """After a synced backward when the guard does not run: one flag all-reduce (only when notices are on)."""
+        if not self.on:
+            return False
+        return bool(self.channel.maximum([int(self.watch.pending)])[0]) if self.channel.open else self.watch.pending
+
+    def agreed(self, stop_after: int | None) -> StopDecision:
+        """Every rank, once the flag said stop: every rank's notice (one gather, after a notice only)."""
+        mine = self.watch.notice(self.channel.rank)
+        row = [mine.exit_code - 128, mine.step] if mine is not None else [0, 0]
+        notices = tuple(
+            Notice(signal.Signals(values[0]).name, rank, values[1])
+            for rank, values in enumerate(self.channel.gather(row))
+            if values[0]
+        )
+        self.decision = StopDecision(notices, stop_after)
+        return self.decision
+
+    def before_first_step(self) -> StopDecision | None:
+        """At the start of training, once per fit: whether some rank got a notice during setup (one all-reduce of
+        one integer; nothing has been trained, so there is nothing to save)."""
+        if self.agree_without_guard():
+            return self.agreed(None)
+        return None

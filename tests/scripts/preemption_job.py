@@ -1,0 +1,253 @@
+"""Termination notices on a 2-rank ``ddp_plus`` job: ``preemption_job.py OUT_JSON CASES_JSON`` (started on every
+rank by ``tests.helpers.start_ranks``; one process group for every case).
+
+Each case is a real signal (``os.kill``) sent by the ranks it names (``"to"``: ``"all"``, or a rank) to themselves at a
+moment of the fit (``"at"``): in the forward, the backward or the optimizer step of step ``"step"``, at a random
+point of that step (a timer), during validation, during a checkpoint save, between epochs, or before the first
+step. The fit is expected to end with ``Preempted``; the case then resumes with ``ckpt_path="last"`` (or, on
+SLURM, by itself) and trains to the end. Rank 0 reports, per case, what was saved and the resumed parameters' distance
+to the uninterrupted run of the same accumulation, and every sample each rank trained in both runs.
+
+With ``DDP_PLUS_END_WITH`` set to a case's JSON, that case runs last and its ``Preempted`` is not caught, so each
+process exits as a process ended by the signal would.
+"""
+
+import itertools
+import json
+import os
+import random
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.environments import SLURMEnvironment
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_ddp_plus import DDPPlusStrategy, Preempted
+
+SAMPLES, BATCH, EPOCHS = 64, 4, 2  # per rank 8 batches an epoch, 16 in all
+
+
+class IndexedRegression(L.LightningModule):
+    """A small regression whose batches carry their sample indices, with a validation set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.net = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 1))
+        generator = torch.Generator().manual_seed(0)
+        self.x = torch.randn(SAMPLES, 8, generator=generator)
+        self.y = self.x @ torch.randn(8, 1, generator=generator)
+        self.trained: list[int] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y, index = batch
+        self.trained += index.tolist()
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y, _ = batch
+        self.log("val_loss", nn.functional.mse_loss(self.net(x), y), sync_dist=True)
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(self.x, self.y, torch.arange(SAMPLES)), batch_size=BATCH, shuffle=True)
+
+    def val_dataloader(self):
+        return DataLoader(TensorDataset(self.x[:16], self.y[:16], torch.arange(16)), batch_size=BATCH)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+
+class Notify(L.Callback):
+    """Sends the case's signal to this process at the case's moment (if this rank is one the case names)."""
+
+    def __init__(self, case: dict, rank: int) -> None:
+        self.case, self.at, self.step = case, case["at"], case.get("step", 3)
+        self.mine = case["to"] == "all" or case["to"] == rank
+        self.signum = int(signal.Signals[case.get("signal", "SIGTERM")])
+        self.sent_at: float | None = None
+        self.sent_step: int | None = None
+        self.saves = 0
+
+    def send(self, trainer) -> None:
+        if self.mine and self.sent_at is None:
+            self.sent_at, self.sent_step = time.monotonic(), trainer.global_step
+            os.kill(os.getpid(), self.signum)
+
+    def setup(self, trainer, pl_module, stage):
+        if self.at == "before_first_step":
+            self.send(trainer)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step != self.step or self.sent_at is not None or not self.mine:
+            return
+        if self.at in ("forward", "second_signal"):
+            self.send(trainer)
+        elif self.at == "backward":
+            loss_hook = lambda grad: self.send(trainer)
+            pl_module.net[0].weight.register_hook(loss_hook)  # fires inside the backward
+        elif self.at == "random":  # a timer lands at a random point of this step (forward, backward, step)
+            delay = random.Random(self.case.get("seed", 0)).uniform(0.0, 0.004)
+            self.sent_at, self.sent_step = time.monotonic() + delay, trainer.global_step
+            threading.Timer(delay, os.kill, (os.getpid(), self.signum)).start()
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if self.at == "optimizer_step" and trainer.global_step == self.step:
+            self.send(trainer)
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        if self.at == "validation" and trainer.global_step >= self.step and not trainer.sanity_checking:
+            self.send(trainer)
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+        self.saves += 1
+        if self.at == "save" and trainer.global_step >= self.step:
+            self.send(trainer)
+        elif self.at == "second_signal" and self.sent_at is not None and self.mine:
+            os.kill(os.getpid(), self.signum)  # during the preemption save itself: recorded, changes nothing
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        if self.at == "between_epochs":
+            self.send(trainer)
+
+
+def trainer_for(case: dict, root: Path, callbacks: list, slurm: bool) -> L.Trainer:
+    plugins = [SLURMEnvironment(auto_requeue=True)] if slurm else []
+    checkpoints = (
+        []
+        if case.get("no_checkpoint_callback")
+        else [ModelCheckpoint(dirpath=root / "ckpt", every_n_train_steps=case.get("save_every", 1000))]
+    )
+    return L.Trainer(
+        strategy=DDPPlusStrategy(
+            process_group_backend="gloo",
+            timeout="60s",
+            sync_guard=case.get("sync_guard", True),
+            preemption_signals=case.get("signals", ["SIGTERM"]),
+        ),
+        accelerator="cpu",
+        devices=2,
+        max_epochs=EPOCHS,
+        accumulate_grad_batches=case.get("k", 1),
+        val_check_interval=4 if case["at"] == "validation" else None,
+        check_val_every_n_epoch=1,
+        num_sanity_val_steps=0,
+        default_root_dir=root,
+        logger=False,
+        enable_checkpointing=not case.get("no_checkpoint_callback", False),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        plugins=plugins,
+        callbacks=[*callbacks, *checkpoints],
+    )
+
+
+def slurm_environment(on: bool) -> None:
+    names = {
+        "SLURM_NTASKS": "2",
+        "SLURM_PROCID": str(dist.get_rank()),
+        "SLURM_LOCALID": str(dist.get_rank()),
+        "SLURM_NODEID": "0",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NAME": "preemption-test",
+        "SLURM_NODELIST": "127.0.0.1",
+        "SLURM_NTASKS_PER_NODE": "2",
+    }
+    for name, value in names.items():
+        if on:
+            os.environ[name] = value
+        else:
+            os.environ.pop(name, None)
+
+
+def flat(module: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in module.parameters()])
+
+
+def every_ranks(values: list) -> list:
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, values)
+    return gathered
+
+
+def whole_run(k: int, root: Path) -> torch.Tensor:
+    model = IndexedRegression()
+    trainer_for({"at": "none", "to": -1, "k": k}, root, [], slurm=False).fit(model)
+    return flat(model)
+
+
+def run_case(case: dict, root: Path, reference: torch.Tensor, catch: bool = True) -> dict:
+    rank = dist.get_rank()
+    slurm = bool(case.get("slurm"))
+    slurm_environment(slurm)
+    notify = Notify(case, rank)
+    model = IndexedRegression()
+    trainer = trainer_for(case, root, [notify], slurm)
+    started = time.monotonic()
+    preempted = None
+    try:
+        trainer.fit(model)
+    except Preempted as error:
+        if not catch:
+            raise
+        preempted = error
+    ended = time.monotonic()
+    decision = preempted.report.decision if preempted else None
+    first = {
+        "preempted": preempted is not None,
+        "code": preempted.code if preempted else None,
+        "is_sigterm_exception": isinstance(preempted, L.pytorch.utilities.exceptions.SIGTERMException),
+        "line": str(preempted) if preempted else None,
+        "path": preempted.report.path if preempted else None,
+        "stop_after": decision.stop_after if decision else None,
+        "notices": [[n.signal_name, n.rank, n.step] for n in decision.notices] if decision else [],
+        "global_step": trainer.global_step,
+        "sent_step": notify.sent_step,
+        "seconds_to_end": ended - (notify.sent_at or started) if notify.mine else None,
+        "handler_restored": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
+    }
+    trained_before = list(model.trained)
+    resumed = IndexedRegression()
+    again = trainer_for({**case, "at": "none"}, root, [], slurm)
+    again.fit(resumed, ckpt_path=None if slurm else "last")
+    slurm_environment(False)
+    distance = float((flat(resumed) - reference).abs().max())
+    trained = every_ranks(trained_before + resumed.trained)
+    counts = torch.bincount(torch.tensor(list(itertools.chain(*trained))), minlength=SAMPLES).tolist()
+    return {
+        **case,
+        **{key: every_ranks([value])[0] if key == "code" else value for key, value in first.items()},
+        "seconds_to_end_by_rank": every_ranks([first["seconds_to_end"]]),
+        "resumed_global_step": again.global_step,
+        "distance": distance,
+        "sample_counts": counts,
+        "files": sorted(str(p.relative_to(root)) for p in root.rglob("*.ckpt")),
+    }
+
+
+def main() -> None:
+    out, cases = sys.argv[1], json.loads(sys.argv[2])
+    base = Path(os.environ["DDP_PLUS_TMP"])
+    references = {k: whole_run(k, base / f"whole-{k}") for k in sorted({case.get("k", 1) for case in cases})}
+    results = []
+    for index, case in enumerate(cases):
+        root = base / f"case-{index}"
+        results.append(run_case(case, root, references[case.get("k", 1)]))
+    if dist.get_rank() == 0:
+        Path(out).write_text(json.dumps(results))
+    final = os.environ.get("DDP_PLUS_END_WITH")
+    if final:  # the process ends as a preempted process ends: nothing catches Preempted
+        run_case(json.loads(final), base / "final", references[1], catch=False)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
