@@ -39,9 +39,10 @@ def slurm_requeues(trainer: pl.Trainer) -> SLURMEnvironment | None:
 
 
 def watch_for_notices(preemption: PreemptionStop, trainer: pl.Trainer | None) -> None:
-    """In each process, before the fit starts: the notice handlers on (SLURM's requeue signal added with
-    ``auto_requeue``), and Lightning's own handling kept off them."""
-    if trainer is None:
+    """In each process, before a fit starts: the notice handlers on (SLURM's requeue signal added with
+    ``auto_requeue``), and Lightning's own handling kept off them. ``validate``, ``test`` and ``predict`` keep
+    Lightning's own handling: they have no step to save."""
+    if trainer is None or not trainer.training:
         return
     slurm = slurm_requeues(trainer)
     if preemption.on and slurm is not None and slurm.requeue_signal is not None:

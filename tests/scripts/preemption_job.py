@@ -31,6 +31,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ddp_plus import DDPPlusStrategy, Preempted
+from lightning_ddp_plus.persistence.files import unreadable_reason
 
 SAMPLES, BATCH, EPOCHS = 64, 4, 2  # per rank 8 batches an epoch, 16 in all
 
@@ -213,6 +214,7 @@ def run_case(case: dict, root: Path, reference: torch.Tensor, catch: bool = True
         "sent_step": notify.sent_step,
         "seconds_to_end": ended - (notify.sent_at or started) if notify.mine else None,
         "handler_restored": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
+        "torn": [reason for path in root.rglob("*.ckpt") if (reason := unreadable_reason(path)) is not None],
     }
     trained_before = list(model.trained)
     resumed = IndexedRegression()
