@@ -81,10 +81,10 @@ def measured_peak(make, ids, device_type: str, steps: int = 2) -> tuple[int, str
 
 
 def planned(make, ids, measured: int, device_type: str) -> dict:
-    def plan_for(target: str, device_memory: int | None = None):
+    def figures_for(target: str):
         model = make()
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])  # foreach left unset
-        figures = measure_model(
+        return measure_model(
             model,
             optimizer,
             lambda: model(input_ids=ids, labels=ids).loss,
@@ -92,14 +92,18 @@ def planned(make, ids, measured: int, device_type: str) -> dict:
             checkpointing=False,
             device_type=target,
         )
+
+    def plan(figures, device_memory: int | None = None):
         return plan_layouts(figures, world_size=1, device_memory=device_memory, configured=(False, False))
 
-    layout = plan_for(device_type).layout("ddp")
+    figures = figures_for(device_type)  # measured once, planned for two devices
+    on_cpu = figures if device_type == "cpu" else figures_for("cpu")
+    layout = plan(figures).layout("ddp")
     # a device just smaller than the measured peak: the verdict must not say that the configured layout fits
-    below = plan_for(device_type, device_memory=measured - 1)
+    below = plan(figures, device_memory=measured - 1)
     return {
         "planned": layout.total,
-        "planned_cpu": plan_for("cpu").layout("ddp").total,
+        "planned_cpu": plan(on_cpu).layout("ddp").total,
         "transient": layout.transient,
         "fits_below_peak": below.fits("ddp"),
     }
