@@ -83,9 +83,10 @@ CASES = [
     {"to": "all", "at": "forward", "step": 3},
     {"to": 0, "at": "backward", "step": 5},
     {"to": 1, "at": "optimizer_step", "step": 5},
+    # a timer at a random point of the step (its thread may be late by a step or two: never near the last step)
     *(
         {"to": to, "at": "random", "step": step, "seed": seed}
-        for to, step, seed in [("all", 6, 1), (1, 9, 2), (0, 12, 3)]
+        for to, step, seed in [("all", 6, 1), (1, 9, 2), (0, 7, 3)]
     ),
     {"to": 1, "at": "random", "step": 2, "seed": 4, "k": 2},
     {"to": 0, "at": "forward", "step": 2, "k": 2},
@@ -129,6 +130,7 @@ def test_a_notice_anywhere_stops_every_rank_after_one_step_saves_it_and_the_resu
         assert case["preempted"] and case["is_sigterm_exception"], where
         assert case["code"] == [128 + int(signal.Signals[case.get("signal", "SIGTERM")])], where
         assert case["handler_restored"] and case["torn"] == [], where  # the handler from before; no torn file
+        assert case["passed_on"] == 0, where  # every notice was taken at a step boundary
         noticed = {rank for _, rank, _ in case["notices"]}
         assert noticed == ({0, 1} if case["to"] == "all" else {case["to"]}), where
         k = case.get("k", 1)

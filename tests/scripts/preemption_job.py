@@ -189,6 +189,11 @@ def run_case(case: dict, root: Path, reference: torch.Tensor, catch: bool = True
     rank = dist.get_rank()
     slurm = bool(case.get("slurm"))
     slurm_environment(slurm)
+    # the handler from before the fit: a notice no step boundary took (a timer late past the last step) is passed on
+    # to it, and recorded here instead of ending the process
+    passed_on: list[int] = []
+    before = lambda signum, frame: passed_on.append(signum)
+    signal.signal(signal.SIGTERM, before)
     notify = Notify(case, rank)
     model = IndexedRegression()
     trainer = trainer_for(case, root, [notify], slurm)
@@ -201,6 +206,7 @@ def run_case(case: dict, root: Path, reference: torch.Tensor, catch: bool = True
             raise
         preempted = error
     ended = time.monotonic()
+    handler_restored = signal.getsignal(signal.SIGTERM) is before
     decision = preempted.report.decision if preempted else None
     first = {
         "preempted": preempted is not None,
@@ -213,7 +219,7 @@ def run_case(case: dict, root: Path, reference: torch.Tensor, catch: bool = True
         "global_step": trainer.global_step,
         "sent_step": notify.sent_step,
         "seconds_to_end": ended - (notify.sent_at or started) if notify.mine else None,
-        "handler_restored": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
+        "handler_restored": handler_restored,
         "torn": [reason for path in root.rglob("*.ckpt") if (reason := unreadable_reason(path)) is not None],
     }
     trained_before = list(model.trained)
@@ -221,6 +227,7 @@ def run_case(case: dict, root: Path, reference: torch.Tensor, catch: bool = True
     again = trainer_for({**case, "at": "none"}, root, [], slurm)
     again.fit(resumed, ckpt_path=None if slurm else "last")
     slurm_environment(False)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     distance = float((flat(resumed) - reference).abs().max())
     trained = every_ranks(trained_before + resumed.trained)
     counts = torch.bincount(torch.tensor(list(itertools.chain(*trained))), minlength=SAMPLES).tolist()
@@ -232,6 +239,7 @@ def run_case(case: dict, root: Path, reference: torch.Tensor, catch: bool = True
         "distance": distance,
         "sample_counts": counts,
         "files": sorted(str(p.relative_to(root)) for p in root.rglob("*.ckpt")),
+        "passed_on": sum(n for (n,) in every_ranks([len(passed_on)])),
     }
 
 
