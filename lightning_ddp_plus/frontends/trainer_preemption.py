@@ -66,15 +66,15 @@ def preemption_checkpoint_path(trainer: pl.Trainer) -> str:
 def end_preempted(trainer: pl.Trainer, decision: StopDecision) -> None:
     """Every rank: save the agreed step (rank 0 writes, every rank waits), rank 0 says so in one line (and
     requeues on SLURM), then ``Preempted`` ends the fit."""
-    report = PreemptionReport(decision)
+    report, requeues = PreemptionReport(decision), slurm_requeues(trainer) is not None
     if decision.stop_after is not None:
         path, started = preemption_checkpoint_path(trainer), time.monotonic()
         trainer.save_checkpoint(path)
-        hint = "the requeued job resumes by itself" if slurm_requeues(trainer) else 'resume with ckpt_path="last"'
+        hint = "the requeued job resumes by itself" if requeues else 'resume with ckpt_path="last"'
         report = PreemptionReport(decision, path, time.monotonic() - started, hint)
     if trainer.is_global_zero:
         print(report.line(), file=sys.stderr, flush=True)
-        if slurm_requeues(trainer) is not None and decision.stop_after is not None:
+        if requeues and decision.stop_after is not None:
             print(requeue(os.environ), file=sys.stderr, flush=True)
     raise Preempted(report)
 

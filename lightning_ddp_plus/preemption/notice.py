@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import signal
 import threading
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import FrameType
@@ -103,9 +102,8 @@ class NoticeWatch:
 
     def __init__(self, signals: Sequence[str]) -> None:
         self.signals = tuple(signals)
-        #: The first notice's signal number (``None``: no notice yet), its time, and the steps done then.
+        #: The first notice's signal number (``None``: no notice yet), and the steps done then.
         self.signum: int | None = None
-        self.received_at = 0.0
         self.step_when_received = 0
         #: Signals received in all (a second one during the save changes nothing).
         self.count = 0
@@ -165,6 +163,5 @@ class NoticeWatch:
         # no collective, no I/O, no lock: a few attributes, read at the next step boundary
         self.count += 1
         if self.signum is None:
-            self.received_at = time.monotonic()
             self.step_when_received = self.steps_done
             self.signum = signum
