@@ -194,6 +194,14 @@ class DDPPlusArguments:
     """How the short last window of an epoch is averaged. ``"mean"`` (default): the mean over the micro-batches it
     really had. ``"lightning"``: Lightning's rule, the sum divided by k."""
 
+    average_items_across_ranks: bool = argument(True, _flag)
+    """When the training step returns ``num_items`` (the items its loss is a mean over: valid tokens, samples),
+    each optimizer step's gradient is the mean over every item of the accumulation window. ``True`` (default): over
+    every rank's items, as one device computing the global batch would (one small all-reduce per optimizer step).
+    ``False``: over each rank's own items, then averaged over the ranks (the Hugging Face Trainer's
+    ``average_tokens_across_devices=False``). Without ``num_items``, micro-batches weigh the same (and the chunks of
+    ``micro_batch_size`` weigh their rows)."""
+
     checkpointing_conflict: ConflictMode = argument(
         "error", _choice("use 'error' (default), 'warn', 'resolve' or 'off'.")
     )

@@ -1,8 +1,6 @@
-"""The engine both front ends share: it builds the components of a DDP run and calls them in order; each decides
-and acts in the room its name says. The front ends call ``wrap``, ``shard_optimizers``, ``agreement.batch_starts``,
-``before_backward``/``after_backward`` (through ``guarded_backward``), ``micro_batch_runner.run``,
-``after_optimizer_step`` and ``teardown`` from their framework's hooks.
-"""
+"""The engine both front ends share: it builds the components of a DDP run and calls them in order; each acts in the
+room its name says. The front ends call ``wrap``, ``shard_optimizers``, ``agreement.batch_starts``, ``guarded_backward``
+(``before_backward``, ``after_backward``), ``micro_batch_runner.run``, ``after_optimizer_step`` and ``teardown``."""
 
 from __future__ import annotations
 
@@ -37,6 +35,7 @@ from lightning_ddp_plus.sharding.optimizer import shard_optimizers
 from lightning_ddp_plus.sync.accumulation import AccumulationWindow, scale_gradients
 from lightning_ddp_plus.sync.buckets import BucketTuner
 from lightning_ddp_plus.sync.comm_hooks import HookAssembly
+from lightning_ddp_plus.sync.item_averaging import ItemAveraging
 from lightning_ddp_plus.sync.micro_batch_runner import MicroBatchRunner
 from lightning_ddp_plus.sync.micro_batches import MicroBatchSizer
 from lightning_ddp_plus.sync.side_channel import SideChannel
@@ -67,8 +66,9 @@ class DDPPlusEngine:
         self.stragglers = None if every is None else StragglerWatch(every, warn)
         clock = self.stragglers.clock if self.stragglers is not None else None
         self.ledger = CollectiveLedger(arguments.ledger_length, clock=clock)
-        threshold = arguments.stall_threshold
+        threshold, per_rank = arguments.stall_threshold, arguments.average_items_across_ranks
         self.stall_watchdog = None if threshold is None else StallWatchdog(self.ledger, threshold)
+        self.items = ItemAveraging(self.window, per_rank, record=self.ledger.collective, info=info)
         #: Whether fits start the watchdog: a front end sets it when it stops the engine at the end of every fit.
         self.watch_stalls = self.failed = False
         self.timeouts = GroupTimeouts(arguments.collective_timeout, arguments.setup_collective_timeout)
@@ -88,7 +88,7 @@ class DDPPlusEngine:
             rebuild_reducer=self.in_effect.rebuild,
             stop_requested=self.preemption.requested,
         )
-        self.micro_batch_runner = MicroBatchRunner(self.micro_batches, self.agreement, must_sync=self._must_sync)
+        self.micro_batch_runner = MicroBatchRunner(self.micro_batches, self.agreement, self.items, self._must_sync)
         self.out_of_memory_reports = OutOfMemoryReports(arguments.micro_batch_size, self.ledger, self.micro_batches)
         auto_buckets = arguments.settings.bucket_cap_mb == "auto"
         self.buckets = BucketTuner(on_rebuilt=self._reducer_rebuilt, info=info) if auto_buckets else None
@@ -115,13 +115,14 @@ class DDPPlusEngine:
 
     def micro_batches_from_plan(self, folder: str, module: Module, world_size: int) -> None:
         """``micro_batch_size="auto"``: start from the suggestion ``ddp-plus check`` left in ``folder`` (the run's
-        ``default_root_dir``) where it was made for this model and world size; say which, on rank 0."""
+        ``default_root_dir``) for this model and world size, if any."""
         self.micro_batches.start_from(*starting_size_in_folder(folder, module, world_size))
 
     def start_fit(self, ddp: DistributedDataParallel, module: Module) -> None:
         """Attach every component to a new wrapper; counters and cadences restart."""
         self.teardown()
         self.window.reset()
+        self.items.reset()
         self.uneven.reset()
         self.micro_batch_runner.reset()
         self.channel.start(self.arguments.collective_timeout)
@@ -173,9 +174,8 @@ class DDPPlusEngine:
         self.buffer_broadcast.forward_starts(ddp)
 
     def before_backward(self, ddp: DistributedDataParallel, loss: Tensor | None, post_forward: bool) -> Tensor | None:
-        """At the first backward of a fit, the conflict check decides (and may rebuild the reducer with resolved
-        settings); returns the loss to run backward on. ``loss`` is ``None`` on a rank whose attempt failed before
-        it; ``post_forward``: DDP's forward had finished (not so in Lightning's manual optimization)."""
+        """At the first backward of a fit, the conflict check decides (and may rebuild the reducer); returns the loss
+        to run backward on (``None``: this rank's attempt failed before; ``post_forward``: DDP's forward finished)."""
         self.ledger.enter_phase("backward")
         if self.stragglers is not None and self.forward_synced:
             self.stragglers.backward_starts(loss)
@@ -185,8 +185,7 @@ class DDPPlusEngine:
         return self.in_effect.at_first_backward(self.conflicts, ddp, loss, steps, synced, post_forward)
 
     def after_backward(self, synced: bool, failed: bool = False) -> StepAgreed:
-        """After every backward. A synced one ends in the ranks' agreement (the guard raises ``DDPConflictError``,
-        or resolves); ``failed``: the backward raised an error that ``recovers_from`` accepted."""
+        """After every backward; a synced one ends in the ranks' agreement (``failed``: it raised what the guard takes)."""
         self.window.record_backward(synced)
         self.ledger.enter_phase("optimizer step" if synced else "data fetch")
         if self.telemetry is not None:
@@ -195,7 +194,7 @@ class DDPPlusEngine:
             return StepAgreed()
         agreed = self.agreement.after_synced_backward(self.ddp, failed)
         if self.uneven.mode == "join" and not agreed.out_of_memory:
-            scale_gradients(self.ddp.module.parameters(), self.uneven.take_rescale())
+            scale_gradients(self.ddp.module.parameters(), self.uneven.take_rescale(self.window.per_item))
         if agreed.stop:  # a termination notice: every rank stops after this step (the front end saves it)
             self.preemption.agreed(stop_after=self.window.stats.optimizer_steps + 1)
         return agreed

@@ -54,17 +54,27 @@ def guarded_backward(
     post_forward: bool,
     run: Callable[[Tensor], Any],
     restore: Callable[[], None],
+    last_chunk: bool = True,
 ) -> BackwardDone:
     """The backward of ``loss`` at ``position`` of the window: ``run(scaled loss)`` runs it, ``restore`` runs
     whatever happens (``divided_by_steps``: Lightning already divided the loss by k; ``post_forward``: DDP's forward
-    had finished, not so in Lightning's manual optimization)."""
+    had finished, not so in Lightning's manual optimization; ``last_chunk``: no chunk of the batch follows)."""
     if synced:  # a notice received so far travels in this backward's agreement (announced before its buckets)
         engine.preemption.announce()
     decided = engine.before_backward(ddp, loss, post_forward=post_forward)
     assert decided is not None
     padding = engine.uneven.padding  # a rank that ran out repeats its last batch with weight 0 ("join")
-    scale = engine.window.loss_scale(position, divided_by_steps=divided_by_steps) * (0.0 if padding else 1.0)
-    scaled = decided * scale if scale != 1.0 else decided
+    closes = synced and last_chunk and position.closes_window
+    count = engine.items.take()
+    if count is None:
+        scale: Tensor | float = engine.window.loss_scale(position, divided_by_steps) * (0.0 if padding else 1.0)
+    else:  # num_items: the items' summed loss; the window's end divides by the items (sync.item_averaging)
+        undo = engine.window.steps if divided_by_steps else 1
+        engine.items.recorded(0 if padding else count, decided * undo)
+        if closes:
+            engine.items.before_closing_backward(ddp.module.parameters())
+        scale = undo * engine.items.loss_factor(0 if padding else count)
+    scaled = decided * scale if not isinstance(scale, float) or scale != 1.0 else decided
     result: Any = scaled
     failed = False
     try:
@@ -77,4 +87,7 @@ def guarded_backward(
         failed = True
     finally:
         restore()
-    return BackwardDone(result, engine.after_backward(synced, failed=failed))
+    agreed = engine.after_backward(synced, failed=failed)
+    if closes and not agreed.out_of_memory:
+        engine.items.window_closed([p for p in ddp.module.parameters() if p.requires_grad], ddp.process_group)
+    return BackwardDone(result, agreed)

@@ -120,6 +120,23 @@ class DDPPlusFrontEnd:
         return self.engine.window.steps
 
     @property
+    def loss_per_item(self) -> float | None:
+        """With ``num_items``: the last optimizer step's loss per item over its whole window on every rank (the
+        number one device training the global batch would print); ``None`` before a step, or without counts."""
+        return self.engine.items.loss_per_item
+
+    def give_num_items(self, backward_keywords: dict[str, Any]) -> None:
+        """``manual_backward(loss, num_items=n)``, ``fabric.backward(loss, num_items=n)``: the count of the items the
+        loss is a mean over, for that backward (taken out of the keywords torch's backward gets)."""
+        if "num_items" in backward_keywords:
+            self.engine.items.pending = backward_keywords.pop("num_items")
+
+    def items_of_training_step(self, output: Any) -> Any:
+        """A training step's output in automatic optimization: its ``num_items``, if any, for its backward."""
+        self.engine.items.pending = output.get("num_items") if isinstance(output, dict) else None
+        return output
+
+    @property
     def sync_stats(self) -> SyncStats:
         """Synced and skipped backward passes and optimizer steps on this rank."""
         return self.engine.window.stats

@@ -29,7 +29,7 @@ from lightning_ddp_plus.engine.arguments import takes_declared_arguments
 from lightning_ddp_plus.engine.guarded_backward import guarded_backward
 from lightning_ddp_plus.engine.keywords import DDPPlusFabricStrategyKeywords
 from lightning_ddp_plus.frontends.common import DDPPlusFrontEnd, tensor_bytes
-from lightning_ddp_plus.frontends.fabric_loop import FabricWindow, FirstStaticBackwardSynced
+from lightning_ddp_plus.frontends.fabric_loop import FabricWindow, FirstStaticBackwardSynced, chunk_result
 from lightning_ddp_plus.frontends.registry import register_names
 from lightning_ddp_plus.private_apis.lightning import fabric_backward
 from lightning_ddp_plus.processes.launcher import ParentWatchedFabricLauncher, nodes_of_this_attempt, watch_parent
@@ -209,9 +209,9 @@ class DDPPlusFabricStrategy(DDPPlusFrontEnd, DDPStrategy):
         return self.window.items(iterable)
 
     def train_micro_batches(self, module: Module, batch: T, loss_of: Callable[[Module, T], Tensor]) -> Tensor | None:
-        """One micro-batch of the loop in chunks of ``micro_batch_size`` rows (``"auto"``: halved on every rank after
-        an out-of-memory error on any): ``loss_of(module, chunk)`` returns a chunk's loss, a mean over its rows; only
-        the last chunk's backward all-reduces. Returns the batch's loss (detached); step as after ``fabric.backward``."""
+        """One micro-batch in chunks of ``micro_batch_size`` rows (``"auto"``: halved on every rank after an
+        out-of-memory error on any): ``loss_of(module, chunk)`` returns a chunk's loss, a mean over its rows (or
+        ``{"loss", "num_items"}``); the last chunk's backward all-reduces. Returns the batch's loss, detached."""
         ddp = self.window.ddp
         if ddp is None:
             raise RuntimeError("train_micro_batches needs the module set up first: `fabric.setup(model, optimizer)`.")
@@ -221,9 +221,9 @@ class DDPPlusFabricStrategy(DDPPlusFrontEnd, DDPStrategy):
             done = self.engine.micro_batch_runner.run(
                 ddp,
                 batch,
-                step=lambda chunk: (loss_of(module, chunk), None),
-                backward=lambda loss, synced_now: self._backward_at(
-                    ddp, loss, module, position, synced_now, as_fabric_backward=True
+                step=lambda chunk: chunk_result(loss_of(module, chunk)),
+                backward=lambda loss, synced_now, last: self._backward_at(
+                    ddp, loss, module, position, synced_now, as_fabric_backward=True, last_chunk=last
                 ),
                 synced=synced,
                 rank=self.global_rank,
@@ -234,6 +234,7 @@ class DDPPlusFabricStrategy(DDPPlusFrontEnd, DDPStrategy):
     @override
     def backward(self, tensor: Tensor, module: Module | None, *args: Any, **kwargs: Any) -> None:
         ddp = self.window.ddp
+        self.give_num_items(kwargs)  # `fabric.backward(loss, num_items=n)`
         if ddp is None:
             return super().backward(tensor, module, *args, **kwargs)
         position = self.window.backward_position()
@@ -250,6 +251,7 @@ class DDPPlusFabricStrategy(DDPPlusFrontEnd, DDPStrategy):
         synced: bool,
         *args: Any,
         as_fabric_backward: bool = False,
+        last_chunk: bool = True,
         **kwargs: Any,
     ) -> StepAgreed:
         def run(loss: Tensor) -> None:  # marked as `fabric.backward` marks it: Fabric's module refuses others
@@ -266,6 +268,7 @@ class DDPPlusFabricStrategy(DDPPlusFrontEnd, DDPStrategy):
             post_forward=True,
             run=run,
             restore=lambda: self.window.sync_back_on(ddp),
+            last_chunk=last_chunk,
         )
         return done.agreed
 

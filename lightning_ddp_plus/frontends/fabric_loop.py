@@ -21,6 +21,12 @@ from lightning_ddp_plus.sync.uneven import PaddedBatches, RankBatches, items_mar
 T = TypeVar("T")
 
 
+def chunk_result(value: Any) -> tuple[Any, Any]:
+    """What ``train_micro_batches``' ``loss_of`` returned, as the chunk runner takes it: (loss, output); a mapping
+    ``{"loss": ..., "num_items": ...}`` is the output too, so that its count is read."""
+    return (value.get("loss"), value) if isinstance(value, dict) else (value, None)
+
+
 class FirstStaticBackwardSynced(DDPBackwardSyncControl):
     """Fabric's ``no_backward_sync``, but the run's first backward with a static graph all-reduces."""
 

@@ -3,9 +3,8 @@ translates Lightning's hooks into calls of the shared engine (``engine/engine.py
 ``trainer_loop.py``, chunks in ``trainer_chunks.py``, resume in ``persistence/resume.py``.
 
 ``trainer.strategy.model`` is the ``DistributedDataParallel`` wrapper from ``configure_ddp`` on, as with stock
-``DDPStrategy``, and is never replaced during a fit: a change of ``find_unused_parameters`` or ``static_graph``
-(``checkpointing_conflict="resolve"``) rebuilds its reducer in place, with the communication hooks registered again.
-"""
+``DDPStrategy``, and is never replaced during a fit (``checkpointing_conflict="resolve"`` rebuilds its reducer in
+place, with the communication hooks registered again)."""
 
 from __future__ import annotations
 
@@ -113,8 +112,7 @@ class DDPPlusStrategy(DDPPlusFrontEnd, DDPStrategy):
         )
         self.resume = ResumeCoordinator(declared, self, rank_zero_warn, rank_zero_info, self.engine.window.set_steps)
         self.engine.watch_stalls = True  # every fit ends with teardown, which stops the watchdog
-        self._backward_syncs = True
-        self._static_graph_flushed = False
+        self._backward_syncs, self._static_graph_flushed = True, False
         self._chunks = TrainerChunks(self.engine)
 
     @classmethod
@@ -338,7 +336,8 @@ class DDPPlusStrategy(DDPPlusFrontEnd, DDPStrategy):
         with self.engine.out_of_memory_reports.explained(self._chunks.batch, self.global_rank, self.world_size):
             ddp, module = self.model, self.lightning_module
             if not (self.engine.micro_batches.active and isinstance(ddp, DistributedDataParallel) and module):
-                return super().training_step(*args, **kwargs)
+                output = super().training_step(*args, **kwargs)  # its `num_items` go to its backward
+                return self.items_of_training_step(output) if module and module.automatic_optimization else output
             optimizer = module.trainer.optimizers[0] if module.trainer.optimizers else None
             step = lambda chunk: DDPStrategy.training_step(self, chunk, *args[1:], **kwargs)
             backward = lambda loss: DDPStrategy.backward(self, loss, optimizer)
@@ -349,6 +348,7 @@ class DDPPlusStrategy(DDPPlusFrontEnd, DDPStrategy):
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        self.give_num_items(kwargs)  # `self.manual_backward(loss, num_items=n)`
         if self._chunks.restore_gradients():  # the chunks ran their backwards in training_step
             return closure_loss
         ddp, module = self.model, self.lightning_module

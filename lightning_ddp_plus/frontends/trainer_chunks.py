@@ -72,7 +72,7 @@ class TrainerChunks:
             loss = output.get("loss") if isinstance(output, dict) else output
             return (loss if isinstance(loss, Tensor) else None), output
 
-        def chunk_backward(loss: Tensor, synced: bool) -> Any:
+        def chunk_backward(loss: Tensor, synced: bool, last: bool) -> Any:
             run = lambda scaled: backward(scaled)
             done = guarded_backward(
                 engine,
@@ -84,6 +84,7 @@ class TrainerChunks:
                 post_forward=True,
                 run=run,
                 restore=lambda: None,
+                last_chunk=last,
             )
             if done.ends_epoch:  # a held uneven-inputs flag ends the epoch on this batch
                 end_epoch_here(trainer)
@@ -102,7 +103,8 @@ class TrainerChunks:
         for parameter in parameters:
             parameter.grad = None
         if isinstance(done.output, dict):
-            return {**done.output, "loss": done.loss}
+            items = {} if done.num_items is None else {"num_items": done.num_items}
+            return {**done.output, "loss": done.loss, **items}
         return done.loss
 
     def restore_gradients(self) -> bool:

@@ -185,6 +185,8 @@ class AccumulationWindow:
         self.stats = SyncStats()
         self._synced_backward_seen = False
         self._micro_batches = 0  # for front ends without a loop that counts (Fabric)
+        #: The training step gives ``num_items``: the window's items divide its gradient (``item_averaging``).
+        self.per_item = False
 
     def reconcile(self, trainer_steps: object) -> int:
         """Settle k once with the Trainer's ``accumulate_grad_batches`` (before anything is launched)."""
@@ -200,6 +202,7 @@ class AccumulationWindow:
         self.stats = SyncStats()
         self._synced_backward_seen = False
         self._micro_batches = 0
+        self.per_item = False
 
     def must_sync_first_backward(self, static_graph: bool) -> bool:
         # torch's reducer asserts (expect_autograd_hooks_) when the very first backward of a static graph runs under
@@ -215,7 +218,7 @@ class AccumulationWindow:
         return 1.0 if self.steps == 1 else loss_scale(position, self.steps, self.short_window, divided_by_steps)
 
     def gradient_rescale(self, position: WindowPosition) -> float:
-        return gradient_rescale(position, self.steps, self.short_window)
+        return 1.0 if self.per_item else gradient_rescale(position, self.steps, self.short_window)
 
     def peek(self, is_last: bool = False) -> WindowPosition:
         """For front ends that count micro-batches themselves (Fabric): the position of the one about to run;

@@ -31,22 +31,25 @@ from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_ddp_plus.private_apis.torch_distributed import tensor_version
+from lightning_ddp_plus.sync.item_averaging import ItemAveraging, check_num_items
 from lightning_ddp_plus.sync.micro_batches import MicroBatchSizer, OutOfMemory, free_memory, is_out_of_memory
 from lightning_ddp_plus.sync.step_agreement import StepAgreed
 
 #: ``step(chunk) -> (loss or None, output)``: a chunk's forward; ``None``: nothing to run backward on.
 ChunkStep = Callable[[Any], tuple[Tensor | None, Any]]
-#: ``backward(weighted loss, synced) -> what the ranks agreed`` (``StepAgreed()`` for a backward that did not sync).
-ChunkBackward = Callable[[Tensor, bool], StepAgreed]
+#: ``backward(weighted loss, synced, last chunk) -> what the ranks agreed`` (``StepAgreed()`` when it did not sync).
+ChunkBackward = Callable[[Tensor, bool, bool], StepAgreed]
 
 
 @dataclass(frozen=True)
 class ChunksDone:
-    """A batch trained in chunks: its loss (each chunk's weighted by its rows, summed: the batch's mean for a mean
-    loss; detached, the backwards ran) and the last chunk's output of the step function."""
+    """A batch trained in chunks: its loss (detached, the backwards ran: each chunk's weighted by its rows, or by
+    its ``num_items`` when the step gives them: the batch's mean), the last chunk's output of the step function, and
+    the batch's items (``None``: no count given)."""
 
     loss: Tensor | None
     output: Any
+    num_items: Any = None
 
 
 @dataclass(frozen=True)
@@ -135,12 +138,15 @@ class MicroBatchRunner:
     Args:
         sizer: ``micro_batch_size``: the size in effect and how a batch is split.
         recovery: the agreement and the reducer after an out-of-memory error.
+        items: the window's item counts (a chunk's ``num_items`` goes there; a batch run again counts once).
         must_sync: whether the next backward must all-reduce whatever chunk it is (a static graph's first backward,
             rule R3).
     """
 
-    def __init__(self, sizer: MicroBatchSizer, recovery: OutOfMemoryRecovery, must_sync: Callable[[], bool]) -> None:
-        self.sizer, self.recovery, self.must_sync = sizer, recovery, must_sync
+    def __init__(
+        self, sizer: MicroBatchSizer, recovery: OutOfMemoryRecovery, items: ItemAveraging, must_sync: Callable[[], bool]
+    ) -> None:
+        self.sizer, self.recovery, self.items, self.must_sync = sizer, recovery, items, must_sync
         self.buffers = BufferSnapshot()
 
     def reset(self) -> None:
@@ -163,6 +169,7 @@ class MicroBatchRunner:
         error on any rank runs the batch again on every rank with half the rows per chunk, until it fits."""
         saved = self.buffers.take(ddp.module) if self.sizer.auto else []
         broadcasts_buffers = ddp.require_forward_param_sync
+        counts = self.items.mark()
         while True:
             started = time.perf_counter()
             attempt = self._attempt(ddp, batch, _BatchCalls(step, backward, synced, rank, split_hook))
@@ -171,6 +178,7 @@ class MicroBatchRunner:
                 return attempt.done
             # the batch runs again from what it started with: running statistics, and DDP's buffer broadcast
             saved = BufferSnapshot.restore(ddp.module, saved)
+            self.items.rewind(counts)
             ddp.require_forward_param_sync = broadcasts_buffers
             free_memory(next(ddp.module.parameters()).device)
             self.recovery.reset_reducer()
@@ -181,6 +189,7 @@ class MicroBatchRunner:
         chunks = self.sizer.chunks(batch, calls.split_hook)
         total = sum(chunk.rows for chunk in chunks)
         losses: list[Tensor] = []
+        counts: list[Any] = []
         output: Any = None
         loss: Tensor | None = None
         weighted: Tensor | None = None
@@ -193,10 +202,13 @@ class MicroBatchRunner:
                     loss, output = step(chunk.data)
                 if loss is None:
                     continue
-                weighted = loss * (chunk.rows / total)
-                losses.append(weighted.detach())
+                given = output.get("num_items") if isinstance(output, dict) else None
+                count = self.items.pending = None if given is None else check_num_items(given)
+                weighted = loss * (chunk.rows / total) if count is None else loss  # items: the window divides
+                losses.append(weighted.detach() if count is None else loss.detach() * count)
+                counts.append(count)
                 phase = "backward"
-                agreed = backward(weighted, syncs)
+                agreed = backward(weighted, syncs, last)
             except Exception as error:  # only out-of-memory errors are taken over, others re-raised
                 if not (self.sizer.auto and is_out_of_memory(error)):
                     raise
@@ -212,13 +224,17 @@ class MicroBatchRunner:
             # a failed synced backward may have launched some of its buckets; before it, none was
             started = phase == "backward" and last and synced
             return Attempt(None, self.recovery.agree_on_failure(failure, synced_backward_started=started).out_of_memory)
+        if counts and all(count is not None for count in counts):  # the batch's loss per item, and its items
+            items = _summed(counts)
+            divisor = items.clamp(min=1) if isinstance(items, Tensor) else max(items, 1)
+            return Attempt(ChunksDone(_summed(losses) / divisor, output, items))
         return Attempt(ChunksDone(_summed(losses), output))
 
 
-def _summed(losses: list[Tensor]) -> Tensor | None:
-    total: Tensor | None = None
-    for loss in losses:
-        total = loss if total is None else total + loss
+def _summed(values: list[Any]) -> Any:
+    total: Any = None
+    for value in values:
+        total = value if total is None else total + value
     return total
 
 

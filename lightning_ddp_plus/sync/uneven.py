@@ -259,11 +259,14 @@ class UnevenInputsCheck:
             )
         return True
 
-    def take_rescale(self) -> float:
+    def take_rescale(self, per_item: bool = False) -> float:
         """At a synced backward with ``"join"``: the factor that turns the all-reduced gradient (sum over every
-        rank's micro-batches of the window / (world size x window)) into the mean over those really trained."""
+        rank's micro-batches of the window / (world size x window)) into the mean over those really trained
+        (``per_item``: 1, the window's item count already leaves the padding out)."""
         window, self._window = self._window, _JoinWindow()
-        return window.slots / window.real if window.real and window.real != window.slots else 1.0
+        if per_item or not window.real or window.real == window.slots:
+            return 1.0
+        return window.slots / window.real
 
     def defer_to_step_check(self, state: RankBatches) -> None:
         """Keep this batch's flag for the per-step guard's agreement after its backward (no collective of its own)."""

@@ -1,0 +1,223 @@
+"""``num_items``: the optimizer step's gradient is the mean over every item (token, pixel, sample) of the
+accumulation window on every rank, as one device computing the loss over the concatenated global batch would get.
+
+DDP averages over ranks and accumulation over micro-batches: both weigh every micro-batch the same, which is wrong
+for a loss that is a mean over a varying number of items (padded or packed sequences). Here the count is learnt
+after the fact, not up front: each micro-batch's backward runs on ``loss * num_items / unit`` (its items' summed loss,
+divided by a constant every rank shares), DDP all-reduces as always, and when the window closes one all-reduce of a
+few numbers gives the window's items on every rank; the gradients are then multiplied by
+``world_size * unit / items``. Knowing the count up front would need every micro-batch of the window fetched (and
+held in memory) before the first forward, which is what the Hugging Face Trainer does; scaling afterwards needs
+nothing held, costs one small all-reduce and one host read per optimizer step, and no device sync per micro-batch
+(the counts stay on the device until then).
+
+``unit`` is the previous window's mean items per micro-batch (1 in a fit's first window), the same on every rank
+because it comes from the all-reduce: it keeps the summed loss near the size of a mean loss, so that a compressing
+comm hook (fp16, bf16) sees gradients of the usual size.
+
+With ``across_ranks=False`` (the Hugging Face Trainer's ``average_tokens_across_devices=False``) each rank divides by
+its own window's items before the all-reduce, and DDP's average over ranks follows: no collective is added.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_ddp_plus.config.messages import ArgumentTypeError, ArgumentValueError, describe_bad_value
+from lightning_ddp_plus.sync.accumulation import AccumulationWindow
+
+_ALLOWED = "a non-negative integer or a one-element integer tensor: the number of items the loss is a mean over."
+_FIX = "return `{'loss': loss, 'num_items': (labels != -100).sum()}` from `training_step`."
+
+
+def check_num_items(value: Any) -> int | Tensor:
+    """``value`` as a count: an ``int`` (checked here) or a one-element integer tensor (its sign is checked with the
+    window's all-reduce, so that no micro-batch waits for the device).
+
+    >>> check_num_items(12), check_num_items(torch.tensor(3))
+    (12, tensor(3))
+    >>> check_num_items(2.5)
+    Traceback (most recent call last):
+    ...
+    lightning_ddp_plus.config.messages.ArgumentTypeError: `num_items=2.5` is not valid: a non-negative integer ...
+    """
+    if isinstance(value, Tensor):
+        if value.numel() != 1 or value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
+            shown = f"tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
+            raise ArgumentTypeError(describe_bad_value("num_items", shown, _ALLOWED, _FIX))
+        return value.detach().reshape(())
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ArgumentTypeError(describe_bad_value("num_items", value, _ALLOWED, _FIX))
+    if value < 0:
+        raise ArgumentValueError(describe_bad_value("num_items", value, _ALLOWED, _FIX))
+    return value
+
+
+@dataclass(frozen=True)
+class WindowItems:
+    """One closed window, summed over every rank: the items' summed loss, the items, the micro-batches that gave a
+    count, those that did not, and the negative counts among them."""
+
+    loss_sum: float
+    items: float
+    counted: int
+    uncounted: int
+    negative: int
+
+    def problem(self) -> str | None:
+        """What was wrong with the counts, in the package's error wording; ``None`` when nothing."""
+        if self.uncounted:
+            return describe_bad_value(
+                "num_items",
+                f"given for {self.counted} and missing for {self.uncounted} micro-batches of one optimizer step",
+                "every training step of a fit returns it, or none does (the first one decides).",
+                "return `num_items` from every training step (0 when a batch has no items).",
+            )
+        if self.negative:
+            return describe_bad_value("num_items", f"negative on {self.negative} micro-batches", _ALLOWED, _FIX)
+        return None
+
+
+class ItemAveraging:
+    """The window's item counts and the rescale at its end (see the module's docstring).
+
+    Args:
+        window: the accumulation window, told when per-item averaging is on (it then rescales nothing itself).
+        across_ranks: divide by every rank's items (one all-reduce per optimizer step); False: by this rank's own.
+        record: called around the all-reduce with its name and size (the engine's collective ledger).
+        info: how a one-line report reaches the user (rank 0 only).
+    """
+
+    def __init__(
+        self,
+        window: AccumulationWindow,
+        across_ranks: bool = True,
+        record: Callable[[str, int], AbstractContextManager[Any]] | None = None,
+        info: Callable[[str], None] = lambda message: None,
+    ) -> None:
+        self.window, self.across_ranks, self.info = window, across_ranks, info
+        self.record = record or (lambda op, size: nullcontext())
+        #: A count given for the next backward (a training step's output, ``manual_backward``, ``fabric.backward``).
+        self.pending: Any = None
+        self.reset()
+
+    def reset(self) -> None:
+        """A new fit: the first training step decides again whether counts are given."""
+        self.on: bool | None = None
+        self.unit = 1.0
+        #: The last window's loss per item over every rank (what one device would print); ``None`` before one.
+        self.loss_per_item: float | None = None
+        self._clear()
+
+    def _clear(self) -> None:
+        self._loss_sum: Tensor | float = 0.0
+        self._items: Tensor | int = 0
+        self._negative: Tensor | int = 0
+        self._counted = self._uncounted = 0
+        self._closing = False
+
+    def take(self) -> int | Tensor | None:
+        """The count for the backward about to run (``None``: none given); the fit's first backward decides."""
+        value, self.pending = self.pending, None
+        if self.on is None:
+            self.on = self.window.per_item = value is not None
+            if self.on:
+                self.info(
+                    "per-item averaging is on (the training step returns `num_items`): each optimizer step's gradient "
+                    "is the mean over every item of its window on "
+                    + ("every rank." if self.across_ranks else "each rank, then averaged over the ranks.")
+                )
+        elif value is not None and not self.on:
+            raise ArgumentValueError(
+                describe_bad_value(
+                    "num_items",
+                    value,
+                    "every training step of a fit returns it, or none does; the fit's first step did not.",
+                    "return `num_items` from every training step (0 when a batch has no items).",
+                )
+            )
+        if value is None:
+            if self.on:
+                self._uncounted += 1
+            return None
+        return check_num_items(value)
+
+    def loss_factor(self, count: int | Tensor) -> Tensor | float:
+        """The factor on the mean loss of a micro-batch of ``count`` items before its backward, once ``recorded``:
+        the micro-batch that closes the window divides by this rank's own items with ``across_ranks=False``."""
+        if self.across_ranks or not self._closing:
+            return count / self.unit
+        items = self._items
+        return count / (items.clamp(min=1) if isinstance(items, Tensor) else max(items, 1))
+
+    def recorded(self, count: int | Tensor, mean_loss: Tensor) -> None:
+        """A backward is about to run on a micro-batch of ``count`` items (0: a padding batch) whose loss is
+        ``mean_loss``, a mean over them."""
+        self._counted += 1
+        self._items = self._items + count
+        self._loss_sum = self._loss_sum + mean_loss.detach().double() * count
+        if isinstance(count, Tensor):
+            self._negative = self._negative + (count < 0).long()
+
+    def mark(self) -> tuple[Any, ...]:
+        """Where the counts stand before a batch's attempt (a batch run again after an out-of-memory error)."""
+        return self._loss_sum, self._items, self._negative, self._counted, self._uncounted
+
+    def rewind(self, mark: tuple[Any, ...]) -> None:
+        self._loss_sum, self._items, self._negative, self._counted, self._uncounted = mark
+        self._closing = False
+
+    def before_closing_backward(self, parameters: Iterable[Tensor]) -> None:
+        """Before the backward that closes the window (after ``recorded``), with ``across_ranks=False``: the
+        gradients so far are divided by this rank's items instead of ``unit`` (DDP's average over ranks follows)."""
+        if self.across_ranks or not self.on:
+            return
+        items = self._items
+        divisor = items.clamp(min=1) if isinstance(items, Tensor) else max(items, 1)
+        for parameter in parameters:
+            if parameter.grad is not None:
+                parameter.grad.mul_(self.unit / divisor)
+        self._closing = True
+
+    def window_closed(self, parameters: list[Tensor], group: Any = None) -> WindowItems | None:
+        """After the window's synced backward (every rank agreed): one all-reduce of the counts, then the gradients
+        of ``parameters`` multiplied by ``world_size * unit / items``; with no item on any rank, the step is skipped
+        (gradients set to ``None``, which every torch optimizer skips). Raises on counts given for some micro-batches
+        and not others, or negative."""
+        if not self.on:
+            return None
+        device = parameters[0].device if parameters else torch.device("cpu")
+        numbers = [self._loss_sum, self._items, self._counted, self._uncounted, self._negative]
+        summed = torch.stack([torch.as_tensor(n, dtype=torch.float64, device=device).reshape(()) for n in numbers])
+        world_size = 1
+        if self.across_ranks and dist.is_available() and dist.is_initialized():
+            world_size = dist.get_world_size(group)
+            with self.record("item count all_reduce (num_items)", summed.numel() * 8):
+                dist.all_reduce(summed, group=group)
+        values = summed.tolist()  # the one host read per optimizer step
+        window = WindowItems(values[0], values[1], int(values[2]), int(values[3]), int(values[4]))
+        self._clear()
+        if (problem := window.problem()) is not None:
+            raise ArgumentValueError(problem)
+        unit, self.unit = self.unit, (window.items / window.counted if window.items > 0 else self.unit)
+        self.loss_per_item = window.loss_sum / window.items if window.items else None
+        if not self.across_ranks:  # each rank divided by its own items before the all-reduce
+            return window
+        if window.items == 0:
+            warnings.warn("num_items: no item in this optimizer step's window on any rank; the step is skipped.")
+            for parameter in parameters:
+                parameter.grad = None
+            return window
+        factor = world_size * unit / window.items
+        for parameter in parameters:
+            if parameter.grad is not None:
+                parameter.grad.mul_(factor)
+        return window
