@@ -76,6 +76,7 @@ BAD = [
         trainer={"accumulate_grad_batches": 2},
     ),
     Bad("short-window", {"short_window": "avg"}, r"short_window='avg'.*allowed: mean, lightning"),
+    Bad("items-across", {"average_items_across_ranks": 0}, r"average_items_across_ranks=0.*True or False"),
     Bad("start-method", {"start_method": "thread"}, r"start_method='thread'"),
     Bad("conflict-mode", {"checkpointing_conflict": "strict"}, r"checkpointing_conflict='strict'"),
     Bad("replicas-negative", {"verify_replicas_every_n_steps": -1}, r"verify_replicas_every_n_steps=-1"),

@@ -52,6 +52,9 @@ class HFLike(nn.Linear):
             None,
             {"bucket_cap_mb": 50, "broadcast_buffers": False, "static_graph": True},
         ),
+        # the Trainer's token averaging: over every device's tokens by default, or each device's own
+        ({}, None, {"average_items_across_ranks": True}),
+        ({"average_tokens_across_devices": False}, None, {"average_items_across_ranks": False}),
     ],
 )
 def test_every_name_and_default(args, model, expected):
@@ -152,4 +155,5 @@ def test_the_port_reads_exactly_the_documented_names():
     assert set(HF_DEFAULTS) == {
         "gradient_accumulation_steps", "ddp_backend", "ddp_find_unused_parameters", "ddp_bucket_cap_mb",
         "ddp_broadcast_buffers", "ddp_static_graph", "ddp_timeout", "gradient_checkpointing", "activation_checkpointing",
+        "average_tokens_across_devices",
     }  # fmt: skip

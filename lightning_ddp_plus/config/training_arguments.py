@@ -21,6 +21,7 @@ HF_DEFAULTS: dict[str, Any] = {
     "ddp_timeout": 1800,
     "gradient_checkpointing": None,
     "activation_checkpointing": None,
+    "average_tokens_across_devices": True,
 }
 
 
@@ -34,6 +35,7 @@ PORTED_ARGUMENTS: dict[str, str] = {
     "bucket_cap_mb": "ddp_bucket_cap_mb",
     "broadcast_buffers": "ddp_broadcast_buffers",
     "static_graph": "ddp_static_graph",
+    "average_items_across_ranks": "average_tokens_across_devices",
 }
 
 
@@ -110,6 +112,7 @@ def port_training_arguments(args: Any, model: Any | None = None) -> TrainingArgu
         "timeout": values["ddp_timeout"],
         "find_unused_parameters": find_unused,
         "gradient_accumulation_steps": steps,
+        "average_items_across_ranks": values["average_tokens_across_devices"],
     }
     for hf_name, name in (
         ("ddp_bucket_cap_mb", "bucket_cap_mb"),

@@ -45,9 +45,6 @@ class _Shared(TypedDict, total=False):
     short_window: ShortWindow
     """How the short last window of an epoch is averaged. ``"mean"`` (default): the mean over the micro-batches it really had. ``"lightning"``: Lightning's rule, the sum divided by k."""
 
-    average_items_across_ranks: bool
-    """When the training step returns ``num_items`` (the items its loss is a mean over: valid tokens, samples), each optimizer step's gradient is the mean over every item of the accumulation window. ``True`` (default): over every rank's items, as one device computing the global batch would (one small all-reduce per optimizer step). ``False``: over each rank's own items, then averaged over the ranks (the Hugging Face Trainer's ``average_tokens_across_devices=False``). Without ``num_items``, micro-batches weigh the same (and the chunks of ``micro_batch_size`` weigh their rows)."""
-
     checkpointing_conflict: ConflictMode
     """What to do when the DDP settings conflict with the model (gradient checkpointing, reused or unused parameters; see the rule table in the docs' conflict checks guide). The first training forward is observed and the decision taken at the first backward: ``"error"`` (default) raises ``DDPConflictError`` before any gradient is all-reduced or any optimizer step runs; ``"warn"`` warns once per rule and trains as stock DDP would; ``"resolve"`` changes the settings (and, for rule R5, the model's input grads) to a working combination and logs what changed; ``"off"`` checks nothing at the first forward. For what the per-step guard finds later (rule R6), ``"resolve"`` and ``"warn"`` switch ``find_unused_parameters`` on and train on with that step's gradients averaged; ``"error"`` and ``"off"`` raise."""
 
@@ -108,6 +105,9 @@ class _Ported(TypedDict, total=False):
 
     gradient_accumulation_steps: int | None
     """Micro-batches per optimizer step; the gradient all-reduce runs only on the last one of each window, in automatic and manual optimization. The same as ``Trainer(accumulate_grad_batches=...)``: set either (they must agree if both are set; checked when ``fit`` starts, before any process is launched)."""
+
+    average_items_across_ranks: bool
+    """When the training step returns ``num_items`` (the items its loss is a mean over: valid tokens, samples), each optimizer step's gradient is the mean over every item of the accumulation window. ``True`` (default): over every rank's items, as one device computing the global batch would (one small all-reduce per optimizer step). ``False``: over each rank's own items, then averaged over the ranks (the Hugging Face Trainer's ``average_tokens_across_devices=False``). Without ``num_items``, micro-batches weigh the same (and the chunks of ``micro_batch_size`` weigh their rows)."""
 
 
 class _TrainerOnly(TypedDict, total=False):

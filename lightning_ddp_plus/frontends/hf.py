@@ -15,6 +15,11 @@ imported. In YAML, ``HFStyleDDPPlusStrategy`` takes the same names as ``init_arg
 | ``ddp_static_graph`` | ``static_graph`` | ``False`` |
 | ``ddp_timeout`` (seconds) | ``timeout`` | (default 1800) |
 | ``gradient_checkpointing`` / ``activation_checkpointing`` | decides ``find_unused_parameters=None`` | ``False`` |
+| ``average_tokens_across_devices`` | ``average_items_across_ranks`` | (default ``True``) |
+
+The Trainer's ``num_items_in_batch`` (a causal LM's loss divided by the tokens of the whole accumulation window) is
+what ``training_step`` returning ``{"loss": loss, "num_items": (labels[:, 1:] != -100).sum()}`` gives: the loss stays
+the model's mean, and the strategy divides the window's gradient by its items (``sync/item_averaging.py``).
 """
 
 from __future__ import annotations
@@ -61,7 +66,8 @@ class HFStyleDDPPlusStrategy(DDPPlusStrategy):
 
     It takes every other argument of ``DDPPlusStrategy`` too (``checkpointing_conflict``, ``telemetry`` ...), but
     not those the Hugging Face names set (``process_group_backend``, ``timeout``, ``find_unused_parameters``,
-    ``bucket_cap_mb``, ``broadcast_buffers``, ``static_graph``), so that no setting has two names.
+    ``bucket_cap_mb``, ``broadcast_buffers``, ``static_graph``, ``average_items_across_ranks``), so that no setting
+    has two names.
     """
 
     @takes_declared_arguments("DDPPlusStrategy", without=tuple(PORTED_ARGUMENTS), ddp_kwargs=False)
@@ -75,6 +81,7 @@ class HFStyleDDPPlusStrategy(DDPPlusStrategy):
         ddp_static_graph: bool | None = None,
         ddp_timeout: int = 1800,
         gradient_checkpointing: bool = False,
+        average_tokens_across_devices: bool = True,
         **arguments: Unpack[HFStyleKeywords],
     ) -> None:
         """The Hugging Face names, then every other argument ``DDPPlusArguments`` declares.
@@ -88,6 +95,7 @@ class HFStyleDDPPlusStrategy(DDPPlusStrategy):
             ddp_static_graph: ``None``: ``False``.
             ddp_timeout: collective timeout in seconds.
             gradient_checkpointing: whether the model checkpoints (decides only ``ddp_find_unused_parameters=None``).
+            average_tokens_across_devices: ``average_items_across_ranks`` (with ``num_items`` from the training step).
         """
         port = port_training_arguments(
             {
@@ -99,6 +107,7 @@ class HFStyleDDPPlusStrategy(DDPPlusStrategy):
                 "ddp_static_graph": ddp_static_graph,
                 "ddp_timeout": ddp_timeout,
                 "gradient_checkpointing": gradient_checkpointing,
+                "average_tokens_across_devices": average_tokens_across_devices,
             }
         )
         for name in sorted(arguments.keys() & set(PORTED_ARGUMENTS))[:1]:

@@ -163,9 +163,13 @@ class ItemAveraging:
         ``mean_loss``, a mean over them."""
         self._counted += 1
         self._items = self._items + count
-        self._loss_sum = self._loss_sum + mean_loss.detach().double() * count
+        # a mean over no item is NaN (torch's cross entropy with every label ignored): it adds nothing
+        summed = mean_loss.detach().double() * count
         if isinstance(count, Tensor):
             self._negative = self._negative + (count < 0).long()
+            self._loss_sum = self._loss_sum + torch.where(count != 0, summed, torch.zeros_like(summed))
+        elif count:
+            self._loss_sum = self._loss_sum + summed
 
     def mark(self) -> tuple[Any, ...]:
         """Where the counts stand before a batch's attempt (a batch run again after an out-of-memory error)."""
