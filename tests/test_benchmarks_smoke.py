@@ -81,3 +81,13 @@ def test_the_straggler_noise_and_ledger_cost_benchmarks_run_at_a_tiny_size(tmp_p
     assert "rank 1 is the straggler: data fetch" in summary["slow_data"][0]["warnings"][0]
     cost = run_job([sys.executable, str(REPO_ROOT / "benchmarks" / "ledger_cost.py"), "--steps", "500"], timeout=120)
     assert cost.returncode == 0 and "ledger off (ledger_length=0" in cost.stdout, cost.stdout[-2000:]
+
+
+def test_the_item_averaging_cost_benchmark_runs_at_a_tiny_size(tmp_path):
+    """Its table's workload is what ``test_item_averaging.py`` checks; here its cost part runs end to end."""
+    command = [sys.executable, str(REPO_ROOT / "benchmarks" / "item_averaging.py"), "--only", "cost"]
+    result = run_job([*command, "--steps", "6", "--repeats", "1", "--out", str(tmp_path / "items.json")], timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:]
+    cost = json.loads((tmp_path / "items.json").read_text())["cost"]
+    assert set(cost) == {"stock", "ddp_plus", "ddp_plus + num_items"}
+    assert cost["stock"]["ratio to stock"] == 1.0 and cost["ddp_plus + num_items"]["median step (ms)"] > 0

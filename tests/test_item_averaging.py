@@ -48,7 +48,8 @@ def test_window_problems_name_what_was_wrong():
 
 def test_one_process_window_divides_the_summed_gradient_by_its_items():
     """Without a process group: two micro-batches of 3 and 1 items; the result is the mean over the 4 items."""
-    averaging = ItemAveraging(AccumulationWindow(2, "mean"))
+    said: list[str] = []
+    averaging = ItemAveraging(AccumulationWindow(2, "mean"), info=said.append)
     weight = torch.zeros(1, requires_grad=True)
     per_item = [torch.tensor([1.0, 2.0, 3.0]), torch.tensor([10.0])]
     for values in per_item:
@@ -62,6 +63,7 @@ def test_one_process_window_divides_the_summed_gradient_by_its_items():
     assert weight.grad.item() == pytest.approx(16.0 / 4)  # not (2 + 10) / 2
     assert averaging.loss_per_item == pytest.approx(0.0)
     assert averaging.unit == 2.0  # the next window's summed loss is divided by the mean items per micro-batch
+    assert len(said) == 1 and said[0].startswith("per-item averaging is on")
 
 
 def test_a_window_with_no_item_skips_the_step_with_a_warning():
