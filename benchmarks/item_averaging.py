@@ -88,13 +88,16 @@ def make_net(case: dict) -> nn.Module:
     return nn.Sequential(nn.Embedding(VOCAB, 8), nn.Tanh(), nn.Linear(8, VOCAB))
 
 
-def loss_and_items(net: nn.Module, batch, hf: bool):
-    """The loss, a mean over the batch's valid tokens, and their number (the causal LM predicts the next token)."""
+def loss_and_items(net: nn.Module, batch, case: dict):
+    """The loss, a mean over the batch's valid tokens (times ``case["loss_scale"]``: large gradients), and their
+    number (the causal LM predicts the next token)."""
     ids, labels, mask = batch
-    if hf:
-        return net(input_ids=ids, attention_mask=mask, labels=labels).loss, (labels[:, 1:] != -100).sum()
-    logits = net(ids)
-    return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1)), (labels != -100).sum()
+    scale = case.get("loss_scale", 1.0)
+    if case.get("hf"):
+        loss = net(input_ids=ids, attention_mask=mask, labels=labels).loss
+        return loss * scale, (labels[:, 1:] != -100).sum()
+    loss = nn.functional.cross_entropy(net(ids).reshape(-1, VOCAB), labels.reshape(-1))
+    return loss * scale, (labels != -100).sum()
 
 
 def plan(case: dict) -> list[list[int]]:
@@ -115,7 +118,7 @@ class TokenModel(L.LightningModule):
     def training_step(self, batch, batch_idx):
         if self.limit and self.global_rank == 1 and batch[0].shape[0] > self.limit:
             raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate 2.00 GiB ({batch[0].shape[0]} rows)")
-        loss, items = loss_and_items(self.net, batch, self.case.get("hf", False))
+        loss, items = loss_and_items(self.net, batch, self.case)
         override = self.case.get("override")
         if override and batch_idx in override["batches"]:  # a count a user might get wrong, on every rank
             items = OVERRIDES[override["value"]]
@@ -153,9 +156,9 @@ def reference(case: dict) -> tuple[list[torch.Tensor], float, int]:
             continue
         window = [shard[step * size * k : (step + 1) * size * k] for shard in shards]
         if case.get("strategy", {}).get("average_items_across_ranks") is False:  # each rank's mean, then their mean
-            loss = sum(loss_and_items(net, data[rows], case.get("hf", False))[0] for rows in window) / len(window)
+            loss = sum(loss_and_items(net, data[rows], case)[0] for rows in window) / len(window)
         else:
-            loss, _ = loss_and_items(net, data[[i for rows in window for i in rows]], case.get("hf", False))
+            loss, _ = loss_and_items(net, data[[i for rows in window for i in rows]], case)
         optimizer.zero_grad()
         loss.backward()
         if case.get("clip"):
@@ -173,7 +176,7 @@ def fabric_run(case: dict) -> tuple[nn.Module, DDPPlusFabricStrategy]:
     model, optimizer = fabric.setup(net, optimizer)
     loader = DataLoader(Subset(token_data(case), plan(case)[fabric.global_rank]), batch_size=case["batch_size"])
     for batch in strategy.micro_batches(loader):
-        loss, items = loss_and_items(model, batch, False)
+        loss, items = loss_and_items(model, batch, case)
         fabric.backward(loss, num_items=items)
         if strategy.sync_gradients:
             optimizer.step()

@@ -104,6 +104,16 @@ CASES = [
     case("clipping", clip=0.05),
     case("sharding and momentum", momentum=0.9, strategy={"optimizer_sharding": True}),
     case("fp16 compression", strategy={"ddp_comm_hook": "fp16"}),
+    # the items' summed loss would overflow fp16 (above 65504) in the first window: counted before the backward
+    case("fp16 compression, large gradients", loss_scale=2e4, lr=1e-7, strategy={"ddp_comm_hook": "fp16"}),
+    case(
+        "fp16 compression, large gradients, auto",
+        k=1,
+        batch_size=8,
+        loss_scale=2e4,
+        lr=1e-7,
+        strategy={"ddp_comm_hook": "fp16", "micro_batch_size": "auto"},
+    ),
     case(
         "auto after an out-of-memory error", k=1, batch_size=16, rows_that_fit=5, strategy={"micro_batch_size": "auto"}
     ),
@@ -169,8 +179,9 @@ def test_without_num_items_micro_batches_weigh_the_same_and_differ(results):
     assert results["a transformers causal LM, stock"]["max_difference"] > 1e-3
 
 
-def test_fp16_compression_stays_within_its_rounding(results):
-    result = results["fp16 compression"]
+@pytest.mark.parametrize("name", ["fp16 compression", "fp16 compression, large gradients"])
+def test_fp16_compression_stays_within_its_rounding(results, name):
+    result = results[name]
     assert result["error"] is None and result["replicas_equal"]
     assert result["max_difference"] < 1e-4  # fp16 buckets: about 2 significant digits fewer than fp32
 
@@ -182,6 +193,7 @@ def test_the_auto_case_really_ran_out_of_memory_and_counted_its_items_once(resul
 @pytest.mark.parametrize(
     ("name", "expected", "steps"),
     [
+        ("fp16 compression, large gradients, auto", "gradients are not finite after the comm hook", 0),
         ("float", "ArgumentTypeError: `num_items=2.5` is not valid", 0),
         ("negative", "ArgumentValueError: `num_items=-3` is not valid", 0),
         ("negative tensor", "negative on 2 micro-batches", 1),

@@ -43,6 +43,10 @@ def in_ledger(engine: DDPPlusEngine, synced: bool, users_call: bool) -> Abstract
     return engine.ledger.collective("gradient all_reduce", engine.gradient_bytes, users_call=users_call, waits=False)
 
 
+def trainable(ddp: DistributedDataParallel) -> list[Tensor]:
+    return [parameter for parameter in ddp.module.parameters() if parameter.requires_grad]
+
+
 def guarded_backward(
     engine: DDPPlusEngine,
     ddp: DistributedDataParallel,
@@ -72,7 +76,7 @@ def guarded_backward(
         undo = engine.window.steps if divided_by_steps else 1
         engine.items.recorded(0 if padding else count, decided * undo)
         if closes:
-            engine.items.before_closing_backward(ddp.module.parameters())
+            engine.items.before_closing_backward(trainable(ddp), ddp.process_group)
         scale = undo * engine.items.loss_factor(0 if padding else count)
     scaled = decided * scale if not isinstance(scale, float) or scale != 1.0 else decided
     result: Any = scaled
@@ -89,5 +93,5 @@ def guarded_backward(
         restore()
     agreed = engine.after_backward(synced, failed=failed)
     if closes and not agreed.out_of_memory:
-        engine.items.window_closed([p for p in ddp.module.parameters() if p.requires_grad], ddp.process_group)
+        engine.items.window_closed(trainable(ddp), ddp.process_group)
     return BackwardDone(result, agreed)

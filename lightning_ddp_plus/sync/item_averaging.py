@@ -13,7 +13,8 @@ nothing held, costs one small all-reduce and one host read per optimizer step, a
 
 ``unit`` is the previous window's mean items per micro-batch (1 in a fit's first window), the same on every rank
 because it comes from the all-reduce: it keeps the summed loss near the size of a mean loss, so that a compressing
-comm hook (fp16, bf16) sees gradients of the usual size.
+comm hook (fp16, bf16) sees gradients of the usual size; with a comm hook the count's all-reduce runs before the
+backward that closes the window instead, so that the buckets hold the final gradient from the first window on.
 
 With ``across_ranks=False`` (the Hugging Face Trainer's ``average_tokens_across_devices=False``) each rank divides by
 its own window's items before the all-reduce, and DDP's average over ranks follows: no collective is added.
@@ -22,7 +23,7 @@ its own window's items before the all-reduce, and DDP's average over ranks follo
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -59,6 +60,23 @@ def check_num_items(value: Any) -> int | Tensor:
     if value < 0:
         raise ArgumentValueError(describe_bad_value("num_items", value, _ALLOWED, _FIX))
     return value
+
+
+def counts_first(arguments: Any) -> tuple[bool, bool]:
+    """(whether the window's items are counted before its closing backward rather than after, whether a comm hook
+    sees the buckets) for the strategy's ``arguments``. Counted first with a comm hook: a compressing one would
+    otherwise see the summed loss, which could overflow fp16 in a fit's first window. Not with
+    ``micro_batch_size="auto"``, which may run that backward again: a rank whose first attempt fails before it cannot
+    know whether its step gives ``num_items``, so it could not match the others' collective.
+
+    >>> from types import SimpleNamespace as S
+    >>> counts_first(S(comm_hook="fp16", ddp_comm_wrapper=None, micro_batch_size=None))
+    (True, True)
+    >>> counts_first(S(comm_hook="fp16", ddp_comm_wrapper=None, micro_batch_size="auto"))
+    (False, True)
+    """
+    hooked = arguments.comm_hook is not None or arguments.ddp_comm_wrapper is not None
+    return hooked and arguments.micro_batch_size != "auto", hooked
 
 
 @dataclass(frozen=True)
@@ -104,6 +122,9 @@ class ItemAveraging:
         info: Callable[[str], None] = lambda message: None,
     ) -> None:
         self.window, self.across_ranks, self.info = window, across_ranks, info
+        #: Count every rank's items before the backward that closes the window, not after it, so that the buckets
+        #: hold the final gradient (``counts_first``); and whether a comm hook sees the buckets.
+        self.count_first = self.hooked = False
         self.record = record or (lambda op, size: nullcontext())
         #: A count given for the next backward (a training step's output, ``manual_backward``, ``fabric.backward``).
         self.pending: Any = None
@@ -112,7 +133,7 @@ class ItemAveraging:
     def reset(self) -> None:
         """A new fit: the first training step decides again whether counts are given."""
         self.on: bool | None = None
-        self.unit = 1.0
+        self.unit, self.first_window = 1.0, True
         #: The last window's loss per item over every rank (what one device would print); ``None`` before one.
         self.loss_per_item: float | None = None
         self._clear()
@@ -122,7 +143,9 @@ class ItemAveraging:
         self._items: Tensor | int = 0
         self._negative: Tensor | int = 0
         self._counted = self._uncounted = 0
-        self._closing = False
+        #: What the window's closing micro-batch is divided by, where it was known before its backward.
+        self._closing_divisor: Tensor | float | None = None
+        self._counted_early: WindowItems | None = None
 
     def take(self) -> int | Tensor | None:
         """The count for the backward about to run (``None``: none given); the fit's first backward decides."""
@@ -151,12 +174,9 @@ class ItemAveraging:
         return check_num_items(value)
 
     def loss_factor(self, count: int | Tensor) -> Tensor | float:
-        """The factor on the mean loss of a micro-batch of ``count`` items before its backward, once ``recorded``:
-        the micro-batch that closes the window divides by this rank's own items with ``across_ranks=False``."""
-        if self.across_ranks or not self._closing:
-            return count / self.unit
-        items = self._items
-        return count / (items.clamp(min=1) if isinstance(items, Tensor) else max(items, 1))
+        """The factor on the mean loss of a micro-batch of ``count`` items before its backward, once ``recorded``
+        (the micro-batch that closes the window is divided by what ``before_closing_backward`` decided)."""
+        return count / (self.unit if self._closing_divisor is None else self._closing_divisor)
 
     def recorded(self, count: int | Tensor, mean_loss: Tensor) -> None:
         """A backward is about to run on a micro-batch of ``count`` items (0: a padding batch) whose loss is
@@ -177,27 +197,30 @@ class ItemAveraging:
 
     def rewind(self, mark: tuple[Any, ...]) -> None:
         self._loss_sum, self._items, self._negative, self._counted, self._uncounted = mark
-        self._closing = False
+        self._closing_divisor = self._counted_early = None
 
-    def before_closing_backward(self, parameters: Iterable[Tensor]) -> None:
-        """Before the backward that closes the window (after ``recorded``), with ``across_ranks=False``: the
-        gradients so far are divided by this rank's items instead of ``unit`` (DDP's average over ranks follows)."""
-        if self.across_ranks or not self.on:
+    def before_closing_backward(self, parameters: list[Tensor], group: Any = None) -> None:
+        """Before the backward that closes the window (after ``recorded``), where the items are known before the
+        all-reduce: this rank's own (``across_ranks=False``), or every rank's (``count_first``: the all-reduce of
+        the counts runs now). The gradients so far, and this micro-batch's loss, are then divided by the items
+        (times the world size, which DDP's average divides again), so that the buckets hold the final gradient."""
+        if not self.on or (self.across_ranks and not self.count_first):
             return
-        items = self._items
-        divisor = items.clamp(min=1) if isinstance(items, Tensor) else max(items, 1)
+        if self.across_ranks:
+            window, world_size = self._totals(parameters, group)
+            self._counted_early = window
+            divisor: Tensor | float = window.items / world_size if window.items else 1.0
+        else:
+            items = self._items
+            divisor = items.clamp(min=1) if isinstance(items, Tensor) else max(items, 1)
         for parameter in parameters:
             if parameter.grad is not None:
                 parameter.grad.mul_(self.unit / divisor)
-        self._closing = True
+        self._closing_divisor = divisor
 
-    def window_closed(self, parameters: list[Tensor], group: Any = None) -> WindowItems | None:
-        """After the window's synced backward (every rank agreed): one all-reduce of the counts, then the gradients
-        of ``parameters`` multiplied by ``world_size * unit / items``; with no item on any rank, the step is skipped
-        (gradients set to ``None``, which every torch optimizer skips). Raises on counts given for some micro-batches
-        and not others, or negative."""
-        if not self.on:
-            return None
+    def _totals(self, parameters: list[Tensor], group: Any) -> tuple[WindowItems, int]:
+        """The window's numbers summed over the ranks (one all-reduce; this rank's alone with ``across_ranks=False``)
+        and the world size; raises on counts given for some micro-batches and not others, or negative."""
         device = parameters[0].device if parameters else torch.device("cpu")
         numbers = [self._loss_sum, self._items, self._counted, self._uncounted, self._negative]
         summed = torch.stack([torch.as_tensor(n, dtype=torch.float64, device=device).reshape(()) for n in numbers])
@@ -208,20 +231,50 @@ class ItemAveraging:
                 dist.all_reduce(summed, group=group)
         values = summed.tolist()  # the one host read per optimizer step
         window = WindowItems(values[0], values[1], int(values[2]), int(values[3]), int(values[4]))
-        self._clear()
         if (problem := window.problem()) is not None:
             raise ArgumentValueError(problem)
+        return window, world_size
+
+    def window_closed(self, parameters: list[Tensor], group: Any = None) -> WindowItems | None:
+        """After the window's synced backward (every rank agreed): the counts' all-reduce (unless it ran before the
+        backward), then the gradients of ``parameters`` multiplied by ``world_size * unit / items``; with no item on
+        any rank, the step is skipped (gradients set to ``None``, which every torch optimizer skips)."""
+        if not self.on:
+            return None
+        early = self._counted_early
+        window, world_size = (early, 1) if early is not None else self._totals(parameters, group)
+        scaled_before = self._closing_divisor is not None
         unit, self.unit = self.unit, (window.items / window.counted if window.items > 0 else self.unit)
+        first, self.first_window = self.first_window, False
         self.loss_per_item = window.loss_sum / window.items if window.items else None
-        if not self.across_ranks:  # each rank divided by its own items before the all-reduce
-            return window
-        if window.items == 0:
+        self._clear()
+        if window.items == 0 and self.across_ranks:
             warnings.warn("num_items: no item in this optimizer step's window on any rank; the step is skipped.")
             for parameter in parameters:
                 parameter.grad = None
-            return window
-        factor = world_size * unit / window.items
-        for parameter in parameters:
-            if parameter.grad is not None:
-                parameter.grad.mul_(factor)
+        elif not scaled_before:
+            factor = world_size * unit / window.items
+            for parameter in parameters:
+                if parameter.grad is not None:
+                    parameter.grad.mul_(factor)
+            if self.hooked and first:
+                refuse_overflow(parameters)
         return window
+
+
+def refuse_overflow(parameters: list[Tensor]) -> None:
+    """A fit's first window counted after its backward, with a comm hook (``micro_batch_size="auto"``): its buckets
+    held the items' summed loss, which a compressing hook may have overflowed (fp16 stops at 65504). One check of
+    every gradient, once per fit, so that the run ends with the reason instead of training on from NaN."""
+    gradients = [parameter.grad for parameter in parameters if parameter.grad is not None]
+    if gradients and not bool(torch.stack([torch.isfinite(gradient).all() for gradient in gradients]).all()):
+        raise ArgumentValueError(
+            describe_bad_value(
+                "num_items",
+                "a first window whose gradients are not finite after the comm hook",
+                "with a comm hook and `micro_batch_size='auto'` the first window's buckets carry the items' summed loss"
+                " (the window's count comes after its backward), which fp16 compression cannot hold above 65504.",
+                "use a fixed `micro_batch_size` (the count then comes first and the buckets hold the final gradient),"
+                " bf16 compression (`ddp_comm_hook='bf16'`), or no compression.",
+            )
+        )
