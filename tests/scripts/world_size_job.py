@@ -6,7 +6,7 @@ A case trains a regression model on 256 shuffled samples (or ``samples``), 8 row
 strategy's ``gradient_accumulation_steps``: ``strategy_accumulate``), with ``optimizer_sharding`` with ``sharding``,
 and with any other strategy arguments in ``strategy`` (Trainer arguments in ``trainer``); ``stateful``: the loader
 keeps its own place (``state_dict``/``load_state_dict``);
-``stop_after``
+``items``: the loss is a mean over a varying subset of the rows, returned with ``num_items``; ``stop_after``
 ends it after that many optimizer steps with a checkpoint in ``checkpoint``; ``resume`` continues from one. Every
 rank records the indices of the samples it trained; rank 0 writes them with the parameters and the log lines.
 """
@@ -63,9 +63,9 @@ class StatefulLoader(DataLoader):
 
 
 class Regression(L.LightningModule):
-    def __init__(self, batch_size: int = 8, samples: int = 256, stateful: bool = False) -> None:
+    def __init__(self, batch_size: int = 8, samples: int = 256, stateful: bool = False, items: bool = False) -> None:
         super().__init__()
-        self.batch_size, self.samples, self.stateful = batch_size, samples, stateful
+        self.batch_size, self.samples, self.stateful, self.items = batch_size, samples, stateful, items
         torch.manual_seed(1)
         self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
         self.seen: list[int] = []
@@ -75,6 +75,10 @@ class Regression(L.LightningModule):
         index, x, y = batch
         self.seen += index.tolist()
         self.draws.append(torch.rand(1).item())
+        if self.items:  # a mean over the rows whose index is not a multiple of 3: a count that varies per batch
+            kept = (index % 3 != 0).float()
+            loss = ((self.net(x) - y).squeeze(1) ** 2 * kept).sum() / kept.sum().clamp(min=1)
+            return {"loss": loss, "num_items": (index % 3 != 0).sum()}
         return nn.functional.mse_loss(self.net(x), y)
 
     def train_dataloader(self):
@@ -137,6 +141,7 @@ def run_case(case: dict) -> dict:
     model = (ManualRegression if case.get("manual") else Regression)(
         case.get("batch_size", 8), case.get("samples", 256), case.get("stateful", False)
     )
+    model.items = case.get("items", False)
     outcome: dict = {"error": None}
     try:
         trainer.fit(model, ckpt_path=case.get("resume"))
