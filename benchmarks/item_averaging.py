@@ -39,7 +39,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
-from benchmarks.ranks import run_ranks
+from benchmarks.ranks import run_ranks, step_ratios
 from lightning_ddp_plus import DDPPlusFabricStrategy, DDPPlusStrategy
 
 #: Trainer arguments that keep the runs free of files and console noise.
@@ -326,15 +326,7 @@ def main() -> None:
             for name, difference in results["table"].items():
                 print(f"{difference:10.2e}  {name}")
         else:
-            stock, plain = statistics.median(found["stock"]), statistics.median(found["ddp_plus"])
-            results["cost"] = {
-                name: {
-                    "median step (ms)": round(1e3 * statistics.median(values), 2),
-                    "ratio to stock": round(statistics.median(values) / stock, 3),
-                    "ratio to ddp_plus": round(statistics.median(values) / plain, 3),
-                }
-                for name, values in found.items()
-            }
+            results["cost"] = step_ratios(found, ("stock", "ddp_plus"))
             print(json.dumps(results["cost"], indent=1))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1))

@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.ranks import base_environment
+from benchmarks.ranks import base_environment, step_ratios
 
 SAMPLES, ROWS, NOTICE_AT = 256, 8, 5
 VARIANTS = ("stock", "stock+OnExceptionCheckpoint", "ddp_plus")
@@ -264,14 +264,7 @@ def main() -> None:
             ]
             start(me, 900)
             medians = json.loads(Path(out.name).read_text())
-        stock = statistics.median(medians["stock"])
-        results["cost"] = {
-            name: {
-                "median step (ms)": round(1e3 * statistics.median(values), 3),
-                "ratio to stock": round(statistics.median(values) / stock, 3),
-            }
-            for name, values in medians.items()
-        }
+        results["cost"] = step_ratios(medians)
         print(json.dumps(results["cost"], indent=1))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1))

@@ -2,6 +2,7 @@
 
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -61,3 +62,15 @@ def run_processes(commands: list[list[str]], environments: list[dict[str, str]],
     finally:
         for log in logs:
             log.close()
+
+
+def step_ratios(medians: dict[str, list[float]], baselines: tuple[str, ...] = ("stock",)) -> dict[str, dict]:
+    """Per variant, from its runs' median step times (s): the median of those (ms) and its ratio to each baseline."""
+    base = {name: statistics.median(medians[name]) for name in baselines}
+    return {
+        name: {
+            "median step (ms)": round(1e3 * statistics.median(values), 3),
+            **{f"ratio to {b}": round(statistics.median(values) / base[b], 3) for b in baselines},
+        }
+        for name, values in medians.items()
+    }
