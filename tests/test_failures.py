@@ -124,6 +124,22 @@ def test_hung_rank_ends_the_job_within_the_timeout_and_is_named_with_its_line(ra
     assert "a collective has waited longer than 1 s" in output and f"line {line}, in training_step" in output
 
 
+def test_a_hung_rank_is_named_while_the_collectives_run_behind_the_host():
+    """As on NCCL: rank 0's gradient all-reduce returns before it completes and its host blocks later, at the
+    batch's host sync, outside any collective's call. Its record stays open until the work completes, so the stall
+    is still named, with the hung rank's line, well before the collective timeout."""
+    code, output, since_failure, survivors = run_failing_job("hang_behind_host", 1, step=3, timeout_s=20, stall="1s")
+    assert not survivors, f"processes left behind: {survivors}"
+    assert code != 0, output[-3000:]
+    assert "a collective has waited longer than 1 s" in output, output[-4000:]
+    assert re.search(r"Rank\(s\) 0 have waited \d+ s in gradient all_reduce", output), output[-4000:]
+    assert (
+        "rank 1 has not reached it: for" in output
+        and f"{site('time.sleep(HANG_S)')}, in its forward of step 3" in output
+    )
+    assert since_failure < 40, (since_failure, output[-3000:])
+
+
 @pytest.mark.parametrize(
     ("mode", "issued", "other"),
     [

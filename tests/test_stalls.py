@@ -6,6 +6,7 @@ import json
 import sys
 
 import pytest
+import torch
 
 from lightning_ddp_plus.diagnostics.call_sites import (
     CallSite,
@@ -35,6 +36,41 @@ def test_the_call_site_is_the_users_line_with_its_source():
     )
     assert str(record.call_site).startswith("test_stalls.py:")
     assert record.sequence == 1 and record.ended is not None and ledger.current is None
+
+
+def test_a_collective_the_device_completes_later_stays_the_current_one_until_it_does():
+    """As on CUDA: each host call's end leaves a probe of the work queued so far; the oldest record whose probe says
+    "not yet" is the rank's current collective, whatever the host does meanwhile."""
+    queued: list[dict] = []
+
+    def probe_of_the_queue():
+        works = list(queued)
+        return lambda: all(work["done"] for work in works)
+
+    ledger = CollectiveLedger(device_completion=probe_of_the_queue)
+    queued.append({"done": False})
+    first = issue(ledger, "gradient all_reduce")
+    queued.append({"done": False})
+    second = issue(ledger, "all_reduce")
+    assert first.ended is None and ledger.current is first  # the host went on; the device did not
+    state = state_of(0, ledger, None, "", now=first.started + 30)
+    assert state.current is first and state.seconds == pytest.approx(30) and state.sequence == 2
+    queued[0]["done"] = True
+    assert ledger.current is second and first.ended is not None
+    queued[1]["done"] = True
+    assert ledger.current is None and second.ended is not None
+    issue(ledger, "barrier")  # completed records are dropped from the pending ones
+    assert ledger._pending == ()
+
+
+def test_a_cuda_device_makes_records_wait_for_its_stream_and_a_cpu_one_does_not():
+    from lightning_ddp_plus.diagnostics.collective_ledger import stream_completion
+
+    ledger = CollectiveLedger()
+    ledger.follow_device(torch.device("cpu"))
+    assert ledger.device_completion is None
+    ledger.follow_device(torch.device("cuda", 0))  # a device object needs no GPU
+    assert ledger.device_completion is stream_completion
 
 
 def test_torch_lightning_this_package_and_pythons_library_are_not_the_users():

@@ -8,16 +8,25 @@ sequence number) or whether one rank has not reached the collective the others w
 
 The main thread writes it; the stall watchdog's thread reads it. A record is written once when the collective starts
 and once when it ends, so a reader sees a consistent record or the one before it.
+
+A record ends when the collective completes, not when its host call returns. On gloo the two are the same. On NCCL a
+collective returns once it is queued on a CUDA stream, and a rank whose peer hangs blocks later, at the next host
+sync (a ``.item()``, a logging call), outside any record. So on a device whose collectives run behind the host
+(``follow_device``), the end of a host call records an event on the current stream (which DDP and a synchronous
+collective made wait for the collective's stream): the record stays open until the event completes, and the stall
+watchdog asks which issued collective has not completed, and for how long.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
+
+import torch
 
 from lightning_ddp_plus.diagnostics.call_sites import CallSite, caller_site
 from lightning_ddp_plus.diagnostics.phase_timings import PhaseClock, TimedPhase
@@ -82,7 +91,12 @@ class CollectiveLedger:
     (['broadcast', 'all_reduce'], 3)
     """
 
-    def __init__(self, length: int = 64, clock: PhaseClock | None = None) -> None:
+    def __init__(
+        self,
+        length: int = 64,
+        clock: PhaseClock | None = None,
+        device_completion: Callable[[], Callable[[], bool]] | None = None,
+    ) -> None:
         #: ``length`` 0: no records (and no call sites looked up); phases and the clock still follow the thread.
         self.records: deque[CollectiveRecord] = deque(maxlen=length)
         #: Told of every phase and collective (straggler attribution), if any.
@@ -90,10 +104,31 @@ class CollectiveLedger:
         self.sequence = 0
         self.phase: Phase = "setup"
         self.step = 0
-        #: The collective the main thread is in, if any.
-        self.current: CollectiveRecord | None = None
+        #: Made at the end of every collective's host call where the device completes it later: a probe that says
+        #: whether the work queued so far has completed (``None``: the host call returned when it completed).
+        self.device_completion = device_completion
+        self._in_call: CollectiveRecord | None = None
+        #: Records whose host call returned before their collective completed, with their probe (a tuple replaced
+        #: whole, so that the watchdog's thread reads it while the main thread appends).
+        self._pending: tuple[tuple[CollectiveRecord, Callable[[], bool]], ...] = ()
         #: ``time.monotonic()`` of the last progress: a collective entered or left, a phase changed.
         self.progressed = time.monotonic()
+
+    def follow_device(self, device: torch.device) -> None:
+        """Collectives on ``device`` complete behind the host (CUDA): records end when its stream's event does."""
+        if device.type == "cuda":
+            self.device_completion = stream_completion
+
+    @property
+    def current(self) -> CollectiveRecord | None:
+        """The oldest collective this rank issued that has not completed: one whose host call returned before the
+        device completed it, or the one the main thread is in (``None``: none)."""
+        for record, done in self._pending:
+            if record.ended is None:
+                if not done():
+                    return record
+                record.ended = time.monotonic()  # seen complete now (the watchdog's poll bounds the error)
+        return self._in_call
 
     def enter_phase(self, phase: Phase, step: int | None = None) -> None:
         self.phase = phase
@@ -123,6 +158,8 @@ class CollectiveLedger:
         ``waits=False``: the block also computes (the backward around the gradient all-reduce), and whoever runs it
         tells the clock when the waiting starts."""
         self.sequence += 1
+        if self._pending:  # those completed since are dropped
+            self._pending = tuple((record, done) for record, done in self._pending if not done())
         clock = self.clock if waits and self.clock is not None and self.clock.phase is not None else None
         resumed = clock.switch("collective wait") if clock is not None else None
         record = None
@@ -132,20 +169,36 @@ class CollectiveLedger:
                 self.sequence, op, size_bytes, self.phase, self.step, site, started=time.monotonic()
             )
             self.records.append(record)
-            self.current = record
+            self._in_call = record
             self.progressed = record.started
         try:
             yield record
         finally:
             if record is not None:
-                record.ended = self.progressed = time.monotonic()
-                self.current = None
+                self._end(record)
             if clock is not None:
                 clock.switch(resumed)
+
+    def _end(self, record: CollectiveRecord) -> None:
+        """The host call returned: the record ends, or waits for the device to complete the collective."""
+        done = self.device_completion() if self.device_completion is not None else None
+        self.progressed = time.monotonic()
+        if done is None or done():
+            record.ended = self.progressed
+        else:
+            self._pending = (*self._pending, (record, done))
+        self._in_call = None
 
     def last(self, count: int = 8) -> list[CollectiveRecord]:
         """The last ``count`` records, oldest first (a copy: the main thread may append meanwhile)."""
         return list(self.records)[-count:]
+
+
+def stream_completion() -> Callable[[], bool]:
+    """A probe of the work queued so far on the current CUDA stream: an event recorded now, asked without waiting."""
+    event = torch.cuda.Event()
+    event.record()
+    return event.query
 
 
 class BufferBroadcastRecord:

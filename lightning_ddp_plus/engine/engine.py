@@ -110,13 +110,13 @@ class DDPPlusEngine:
         """Wrap ``module`` in ``DistributedDataParallel`` with the settings, and start a fit on it."""
         settings = self.in_effect.for_module(module)
         self.gradient_bytes = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+        self.ledger.follow_device(next(module.parameters()).device)  # on CUDA, records end when the stream's work does
         ddp = wrap_module(module, settings, device_ids)
         self.start_fit(ddp, module)
         return ddp
 
     def micro_batches_from_plan(self, folder: str, module: Module, world_size: int) -> None:
-        """``micro_batch_size="auto"``: start from the suggestion ``ddp-plus check`` left in ``folder`` (the run's
-        ``default_root_dir``) for this model and world size, if any."""
+        """``micro_batch_size="auto"``: start from ``ddp-plus check``'s suggestion in ``folder``, if it has one."""
         self.micro_batches.start_from(*starting_size_in_folder(folder, module, world_size))
 
     def start_fit(self, ddp: DistributedDataParallel, module: Module) -> None:

@@ -7,6 +7,7 @@ A case: each case is ``{"name", "slow" (None, "data" or "compute"), "rank", "del
 per case, the straggler warnings given (rank 0 gives them) and every comparison's per-rank phase medians.
 """
 
+import os
 import time
 import warnings
 
@@ -61,7 +62,7 @@ def run_case(case: dict) -> dict:
     strategy = DDPPlusStrategy(find_stragglers_every_n_steps=case["every"])
     trainer = L.Trainer(
         strategy=strategy,
-        accelerator="cpu",
+        accelerator=os.environ.get("DDP_PLUS_TEST_ACCELERATOR", "cpu"),  # the GPU check: "gpu"
         devices=2,
         max_steps=case["steps"],
         callbacks=[comparisons],
