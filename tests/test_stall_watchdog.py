@@ -3,6 +3,7 @@ earlier thread stuck in an exchange is never revived beside the next one), every
 exit handler serves any number of fits, and a store that is gone is said, not swallowed."""
 
 import atexit
+import contextlib
 import subprocess
 import sys
 import threading
@@ -101,3 +102,55 @@ def test_a_store_that_is_gone_is_said_and_the_watchdog_stops(job_store):
     finally:
         server.kill()
         server.wait()
+
+
+class CountingStore:
+    """A store client that counts its reads (``get``) and passes every other call on."""
+
+    def __init__(self, store) -> None:
+        self.store, self.gets = store, 0
+
+    def get(self, key: str) -> bytes:
+        self.gets += 1
+        return self.store.get(key)
+
+    def __getattr__(self, name: str):
+        return getattr(self.store, name)
+
+
+def test_an_episode_costs_o_n_store_reads_and_every_rank_gets_rank_0s_report(job_store):
+    """8 ranks' watchdogs in one process, each with its own store client: 7 wait in collective 5, rank 3 has not
+    issued it. Rank 0 reads the 7 other states and writes the report; every other rank reads only that."""
+    world, stuck = 8, 3
+    ledgers, stacks, said = [], contextlib.ExitStack(), []
+    for rank in range(world):
+        ledger = CollectiveLedger()
+        for _ in range(4):
+            with ledger.collective("all_reduce", 4):
+                pass
+        if rank != stuck:
+            stacks.enter_context(ledger.collective("gradient all_reduce", 64))  # waiting in collective 5
+        ledgers.append(ledger)
+    stores = [CountingStore(job_store()) for _ in range(world)]
+    watchdogs = [
+        StallWatchdog(ledgers[rank], timedelta(seconds=0.3), end_process=lambda code: None, say=said.append)
+        for rank in range(world)
+    ]
+    try:
+        for rank, watchdog in enumerate(watchdogs):
+            watchdog.start(stores[rank], rank=rank, world_size=world, prefix="scale")
+        assert wait_for(lambda: all(w.last_report is not None for w in watchdogs), seconds=20)
+    finally:
+        for watchdog in watchdogs:
+            watchdog.stop(orderly=False)
+        stacks.close()
+    reports = {(w.last_report.kind, w.last_report.culprits) for w in watchdogs}
+    assert reports == {("not_reached", (stuck,))}
+    assert f"rank {stuck} has not reached it" in watchdogs[5].last_report.text
+    assert stores[0].gets == world - 1 and [s.gets for s in stores[1:]] == [1] * (world - 1)
+    assert len(said) == 1 and said[0].startswith("lightning-ddp-plus: a collective has waited longer than 0.3 s")
+
+
+def test_the_store_is_polled_less_often_as_the_job_grows():
+    assert stall_watchdog.store_poll_seconds(2) == stall_watchdog.POLL_SECONDS
+    assert stall_watchdog.store_poll_seconds(4096) == 64 * stall_watchdog.POLL_SECONDS

@@ -1,18 +1,21 @@
 """The stall watchdog: a thread on every rank that notices a collective waited in too long, and has the ranks explain
 it to each other through the job's store, never through the process group that is stuck.
 
-Every ``poll_seconds`` the thread looks at this rank's ledger. When the main thread has waited in a collective longer
-than the threshold, it asks for an episode (one counter in the store). Every rank's thread sees the new episode at its
-next poll, writes its state there (``stalls.RankState``: its ledger's last records, its phase and step, and where its
-main thread is, with its stack) and reads the others'. Every rank then takes the same decision (``explain_stall``):
+Every ``POLL_SECONDS`` the thread looks at this rank's ledger. When a collective this rank issued has not completed for
+longer than the threshold, it asks for an episode (one counter in the store). Every rank's thread sees the new episode
+at its next look at the store (every ``store_poll_seconds(world_size)``: the store's load stays bounded as the job
+grows) and writes its state there once (``stalls.RankState``: its ledger's last records, its phase and step, and where
+its main thread is, with its stack). Rank 0's thread reads every state, decides (``explain_stall``) and writes the
+report under one key, which the others read: an episode costs O(N) store reads, not every rank reading every other's
+(O(N^2)). Rank 0's thread runs even when its main thread is the one stuck, and the store lives in its process:
 
 - out of step: rank 0 prints the report and ends its process, which ends the job at once instead of at the timeout
   (the popen launcher's child ranks exit when their parent is gone; under torchrun the agent stops the others). A
   gloo wait cannot be interrupted from another thread: ``ProcessGroup.abort`` returns at once, but the blocked wait
   only returns when a peer's connection closes. A rank whose collective fails first ("Connection
   closed by peer") ends through the strategy's ``on_exception`` with the same report;
-- not reached, or every rank waits: the report is printed by the first waiting rank; the collective timeout still
-  ends the job, and its error carries the same report (``last_report``).
+- not reached, or every rank waits: rank 0 prints the report; the collective timeout still ends the job, and its
+  error carries the same report on every rank (``last_report``).
 
 The store is reached through a client of this thread's own, so a main thread blocked inside a store call cannot
 block it; the store's server runs in rank 0's process on a thread of its own, so rank 0's main thread being stuck
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import itertools
 import json
 import sys
@@ -43,8 +47,10 @@ from lightning_ddp_plus.private_apis.torch_distributed import default_store
 from lightning_ddp_plus.processes.launcher import end_process_now
 from lightning_ddp_plus.processes.restart import restart_attempt, store_client
 
-#: How often the thread looks at the ledger and at the store.
+#: How often the thread looks at this rank's ledger (and, in a job of up to ``RANKS_PER_POLL`` ranks, at the store).
 POLL_SECONDS = 0.5
+#: Ranks whose store polls together make one poll per ``POLL_SECONDS`` (a job's polls at most ~128 per second).
+RANKS_PER_POLL = 64
 #: How long a rank waits for the others' states in an episode before it reports without them.
 EXCHANGE_SECONDS = 5.0
 #: How long rank 0's thread waits, when stopping, for the other ranks' threads to stop first.
@@ -54,6 +60,18 @@ STOP_WAIT_SECONDS = 2.0
 STORE_ERRORS_TOLERATED = 5
 
 _running: list[StallWatchdog] = []
+
+
+def store_poll_seconds(world_size: int) -> float:
+    """How often each rank asks the store for a new episode: every ``POLL_SECONDS`` up to ``RANKS_PER_POLL`` ranks,
+    then less often, so that the store answers about the same number of polls per second at any size.
+
+    >>> store_poll_seconds(8), store_poll_seconds(64), store_poll_seconds(1024)
+    (0.5, 0.5, 8.0)
+    """
+    return POLL_SECONDS * max(1.0, world_size / RANKS_PER_POLL)
+
+
 _stop_at_exit = False
 
 
@@ -90,6 +108,7 @@ class StallWatchdog:
         self._store: Any = None
         self._server: Any = None
         self._rank, self._world_size, self._prefix = 0, 1, ""
+        self._mine: RankState | None = None  # this rank's state in the episode it answered
 
     def __getstate__(self) -> dict[str, Any]:
         """A spawned worker gets the watchdog unstarted (threads, events and store clients do not cross)."""
@@ -160,15 +179,21 @@ class StallWatchdog:
     def _run(self, store: Any, rank: int, world_size: int, prefix: str, stop: threading.Event) -> None:
         episodes = f"{prefix}/episodes"
         store_errors = 0
-        while not stop.wait(POLL_SECONDS):
+        looks_per_poll = round(store_poll_seconds(world_size) / POLL_SECONDS)
+        for look in itertools.count(1):
+            if stop.wait(POLL_SECONDS):
+                return
             if not dist.is_initialized():
                 return  # this rank destroyed its process group: nothing of it can stall any more
             try:
                 current = self.ledger.current
                 waited = time.monotonic() - current.started if current is not None else 0.0
-                if current is not None and waited > self.threshold and self._requested_for != current.sequence:
+                asks = current is not None and waited > self.threshold and self._requested_for != current.sequence
+                if asks and current is not None:
                     self._requested_for = current.sequence  # once per collective
                     store.add(episodes, 1)
+                if not asks and look % looks_per_poll:
+                    continue
                 latest = int(store.add(episodes, 0))  # read the counter without waiting
                 if latest > self._handled:
                     self._exchange(store, rank, world_size, prefix, latest, stop)
@@ -190,51 +215,83 @@ class StallWatchdog:
     def _exchange(
         self, store: Any, rank: int, world_size: int, prefix: str, latest: int, stop: threading.Event
     ) -> None:
-        """Write this rank's state under every episode it has not answered (two ranks may ask at once), then decide
-        on the latest one with every rank's state."""
-        frame = main_thread_frame()
-        mine = state_of(
-            rank, self.ledger, user_call_site(frame), stack_text(frame), outside_ledger=collective_in_progress(frame)
-        )
-        for episode in range(self._handled + 1, latest + 1):
-            store.set(f"{prefix}/{episode}/{rank}", json.dumps(mine.as_data()))
-        self._handled = latest
-        key = f"{prefix}/{latest}"
-        states = [mine]
-        deadline = time.monotonic() + EXCHANGE_SECONDS
-        for other in (r for r in range(world_size) if r != rank):
-            while not store.check([f"{key}/{other}"]) and time.monotonic() < deadline:
-                if stop.wait(0.05):
-                    return  # stopped: the fit is over, and a new thread may already be watching
-            if store.check([f"{key}/{other}"]):
-                states.append(RankState.from_data(json.loads(store.get(f"{key}/{other}"))))
-        states.sort(key=lambda state: state.rank)
-        if all(state.current is None for state in states):
-            return  # the wait ended before the states were read
-        report = explain_stall(states, world_size)
-        missing = world_size - len(states)
-        if missing:
-            report = StallReport(report.kind, f"{report.text} ({missing} rank(s) did not answer.)", report.culprits)
+        """Answer the latest episode: write this rank's state; rank 0 then decides with every rank's state and
+        writes the report, which the others read. Two ranks may ask at once, and a rank may see an episode late: a
+        rank that sees a newer episode while it waits answers that one instead."""
+        self._answer(store, rank, prefix, latest)
+        report = self._decide(store, prefix, world_size, stop) if rank == 0 else self._read_report(store, prefix, stop)
+        if report is None:
+            return
         repeated = self.last_report is not None and (self.last_report.kind, self.last_report.culprits) == (
             report.kind,
             report.culprits,
         )
         self.last_report = report
-        if not repeated:
-            self._act(report, states, rank)
+        if not repeated and rank == 0:
+            self._act(report)
 
-    def _act(self, report: StallReport, states: list[RankState], rank: int) -> None:
-        waiting = [state.rank for state in states if state.current is not None]
+    def _answer(self, store: Any, rank: int, prefix: str, latest: int) -> None:
+        """This rank's state, now, under episode ``latest`` (the one it answers)."""
+        frame = main_thread_frame()
+        mine = state_of(
+            rank, self.ledger, user_call_site(frame), stack_text(frame), outside_ledger=collective_in_progress(frame)
+        )
+        store.set(f"{prefix}/{latest}/{rank}", json.dumps(mine.as_data()))
+        self._handled, self._mine = latest, mine
+
+    def _newer(self, store: Any, rank: int, prefix: str) -> bool:
+        """A newer episode was asked for meanwhile: answered now (True)."""
+        latest = int(store.add(f"{prefix}/episodes", 0))
+        if latest > self._handled:
+            self._answer(store, rank, prefix, latest)
+            return True
+        return False
+
+    def _decide(self, store: Any, prefix: str, world_size: int, stop: threading.Event) -> StallReport | None:
+        """Rank 0: every rank's state (N - 1 reads), the decision, and the report written for the others."""
+        deadline = time.monotonic() + EXCHANGE_SECONDS
+        other = 1
+        while other < world_size and time.monotonic() < deadline:
+            if store.check([f"{prefix}/{self._handled}/{other}"]):
+                other += 1
+            elif stop.wait(0.05):
+                return None  # stopped: the fit is over, and a new thread may already be watching
+            elif self._newer(store, 0, prefix):
+                other = 1  # every rank answers the newer one
+        key = f"{prefix}/{self._handled}"
+        assert self._mine is not None  # answered before deciding
+        states = [self._mine]
+        for rank in range(1, world_size):
+            if store.check([f"{key}/{rank}"]):
+                states.append(RankState.from_data(json.loads(store.get(f"{key}/{rank}"))))
+        report = None
+        if any(state.current is not None for state in states):  # else the wait ended before the states were read
+            report = explain_stall(states, world_size)
+            missing = world_size - len(states)
+            if missing:
+                report = StallReport(report.kind, f"{report.text} ({missing} rank(s) did not answer.)", report.culprits)
+        store.set(f"{key}/report", json.dumps(dataclasses.asdict(report) if report is not None else None))
+        return report
+
+    def _read_report(self, store: Any, prefix: str, stop: threading.Event) -> StallReport | None:
+        """A rank but 0: the report rank 0 wrote for the episode this rank answered (one read), or ``None``."""
+        deadline = time.monotonic() + EXCHANGE_SECONDS + 2.0
+        while not store.check([f"{prefix}/{self._handled}/report"]):
+            if time.monotonic() > deadline or stop.wait(0.05):
+                return None
+            self._newer(store, self._rank, prefix)
+        data = json.loads(store.get(f"{prefix}/{self._handled}/report"))
+        return None if data is None else StallReport(data["kind"], data["text"], tuple(data["culprits"]))
+
+    def _act(self, report: StallReport) -> None:
         if report.kind == "out_of_step":
-            if rank == 0:
-                self._say(
-                    "lightning-ddp-plus: the job ends now, without waiting for the collective timeout: the ranks are "
-                    f"out of step (rank 0 ends its process, and the other ranks end with it).\n{report.text}"
-                )
-                self._end_process(1)
+            self._say(
+                "lightning-ddp-plus: the job ends now, without waiting for the collective timeout: the ranks are "
+                f"out of step (rank 0 ends its process, and the other ranks end with it).\n{report.text}"
+            )
+            self._end_process(1)
             return
-        if rank == min(waiting):
-            self._say(f"lightning-ddp-plus: a collective has waited longer than {self.threshold:g} s.\n{report.text}")
+        self._say(f"lightning-ddp-plus: a collective has waited longer than {self.threshold:g} s.\n{report.text}")
 
 
 def _stop_every_watchdog() -> None:
