@@ -81,6 +81,18 @@ STRAGGLER_CASES = [
 STRAGGLER_CASES.append(
     {"name": "slow data on rank 1, 32 steps", "slow": "data", "rank": 1, "delay_s": DELAY_S, "steps": 32, "every": 50}
 )
+# epochs shorter than the cadence: each epoch's end compares its steps
+STRAGGLER_CASES.append(
+    {
+        "name": "slow compute on rank 1, 2 epochs of 12 steps",
+        "slow": "compute",
+        "rank": 1,
+        "delay_s": DELAY_S,
+        "steps": 24,
+        "epoch_steps": 12,
+        "every": 50,
+    }
+)
 CASES += [{"straggler": case, "name": case["name"]} for case in STRAGGLER_CASES]
 
 
@@ -123,6 +135,17 @@ def test_a_run_shorter_than_the_cadence_names_its_straggler_at_the_end_of_the_fi
     [warning] = outcome["warnings"]
     assert "rank 1 is the straggler: data fetch " in warning
     assert "median of the last 32 steps" in warning and "every rank waits for it" in warning
+
+
+@pytest.mark.multiprocess
+def test_an_epoch_shorter_than_the_cadence_names_its_straggler_at_its_end(stragglers):
+    outcome = stragglers["slow compute on rank 1, 2 epochs of 12 steps"]
+    [at_second_epoch] = outcome["at_epoch_start"]  # the first epoch's end compared its 12 steps
+    assert outcome["comparisons"] == [at_second_epoch]  # and nothing else compared during the epochs (cadence 50)
+    medians = {times["rank"]: times for times in at_second_epoch}
+    assert medians[1]["compute_ms"] - medians[0]["compute_ms"] > 0.8 * DELAY_S * 1000
+    [warning] = outcome["warnings"]  # the second epoch's end finds the same: held back
+    assert "rank 1 is the straggler: compute " in warning and "median of the last 12 steps" in warning
 
 
 @pytest.mark.multiprocess

@@ -115,9 +115,12 @@ class CollectiveLedger:
         self.progressed = time.monotonic()
 
     def follow_device(self, device: torch.device) -> None:
-        """Collectives on ``device`` complete behind the host (CUDA): records end when its stream's event does."""
+        """Collectives on ``device`` complete behind the host (CUDA): records end when its stream's event does, and
+        the phase clock times the stream."""
         if device.type == "cuda":
             self.device_completion = stream_completion
+        if self.clock is not None:
+            self.clock.follow_device(device)
 
     @property
     def current(self) -> CollectiveRecord | None:

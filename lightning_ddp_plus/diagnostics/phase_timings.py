@@ -22,12 +22,13 @@ longer than it does. A rank that is slower but that nobody waits for is not a st
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from lightning_ddp_plus.private_apis.torch_distributed import queue_backward_callback
 
@@ -148,11 +149,27 @@ def find_straggler(
     return max(candidates, key=lambda candidate: candidate[0])[1] if candidates else None
 
 
+class DeviceEvent(Protocol):
+    """What the clock needs of a CUDA event (``torch.cuda.Event(enable_timing=True)``)."""
+
+    def record(self) -> None: ...
+
+    def query(self) -> bool: ...
+
+    def elapsed_time(self, end: Any) -> float: ...
+
+
 class PhaseClock:
     """This rank's time per phase: the current step's totals, and the last ``window`` steps' (for the medians).
 
     The main thread switches it (the engine and the collective ledger, at each phase and collective); ``None`` is a
     phase that is not timed (setup, validation, checkpoint saving).
+
+    On CPU the phases are host time. On CUDA (``follow_device``) the host only queues kernels, and a rank waiting for
+    a peer waits at the next host sync, in whatever phase that is: so there every switch records an event on the
+    current stream, and a step's phases are the device time between its events. They are read once the step's last
+    event has completed (asked without waiting, at the end of every step), so no step waits for the device; a
+    comparison reads the steps settled by then.
 
     >>> clock = PhaseClock(window=50)
     >>> for phase in ("data fetch", "compute", "collective wait", "optimizer step"):
@@ -162,22 +179,38 @@ class PhaseClock:
     (1, [0, 0, 0, 0])
     """
 
-    def __init__(self, window: int) -> None:
+    def __init__(self, window: int, device_timer: Callable[[], DeviceEvent] | None = None) -> None:
         #: Milliseconds per phase (in ``TIMED_PHASES``' order) of each of the last ``window`` optimizer steps.
         self.steps: deque[list[float]] = deque(maxlen=window)
+        #: Makes a timing event on the device's current stream (``None``: host time).
+        self.device_timer = device_timer
         self.reset()
+
+    def follow_device(self, device: Any) -> None:
+        """Time the phases on ``device``'s stream where its work runs behind the host (CUDA)."""
+        if getattr(device, "type", None) == "cuda":
+            import torch
+
+            self.device_timer = lambda: torch.cuda.Event(enable_timing=True)
 
     def reset(self) -> None:
         self.phase: TimedPhase | None = None
         self._since = time.perf_counter()
         self._current = [0.0] * len(TIMED_PHASES)
+        #: On the device: the current step's (phase, event at its start), and the closed steps not yet settled.
+        self._marks: list[tuple[TimedPhase | None, DeviceEvent]] = []
+        self._unsettled: deque[list[tuple[TimedPhase | None, DeviceEvent]]] = deque()
         self.steps.clear()
 
     def switch(self, phase: TimedPhase | None) -> TimedPhase | None:
         """Time from now on goes to ``phase``; returns the phase it went to until now."""
         now = time.perf_counter()
         previous = self.phase
-        if previous is not None:
+        if self.device_timer is not None:
+            event = self.device_timer()
+            event.record()
+            self._marks.append((phase, event))
+        elif previous is not None:
             self._current[TIMED_PHASES.index(previous)] += now - self._since
         self.phase, self._since = phase, now
         return previous
@@ -185,11 +218,28 @@ class PhaseClock:
     def end_step(self) -> None:
         """Close the current optimizer step (time goes on into the phase in effect, which the next step gets)."""
         self.switch(self.phase)
+        if self.device_timer is not None:  # the step's last mark opens the next one
+            self._unsettled.append(self._marks)
+            self._marks = [self._marks[-1]]
+            self._settle()
+            return
         self.steps.append([seconds * 1000 for seconds in self._current])
         self._current = [0.0] * len(TIMED_PHASES)
 
+    def _settle(self) -> None:
+        """The closed steps whose events have all completed, oldest first, as milliseconds per phase."""
+        while self._unsettled and self._unsettled[0][-1][1].query():
+            marks = self._unsettled.popleft()
+            totals = [0.0] * len(TIMED_PHASES)
+            for (phase, start), (_, end) in itertools.pairwise(marks):
+                if phase is not None:
+                    totals[TIMED_PHASES.index(phase)] += start.elapsed_time(end)
+            self.steps.append(totals)
+
     def medians(self, rank: int, last: int | None = None) -> PhaseTimes:
         """This rank's median per phase over the steps in the window (``last``: over its last ones only)."""
+        if self.device_timer is not None:
+            self._settle()
         if last is not None and 0 < last < len(self.steps):
             return PhaseTimes(
                 rank, *(statistics.median(column) for column in zip(*list(self.steps)[-last:], strict=True))
@@ -249,10 +299,10 @@ class StragglerWatch:
             return
         self._compare(step, rank, gather, self.every_n_steps)
 
-    def fit_ends(self, step: int, rank: int, gather: Callable[[Sequence[int]], list[list[int]]]) -> None:
-        """At the end of a fit, on every rank (a collective): the steps since the last comparison are compared too,
-        when there are at least ``MIN_STEPS_COMPARED``, so that a run shorter than ``every_n_steps``, or the tail of
-        a longer one, names its straggler."""
+    def compare_since_last(self, step: int, rank: int, gather: Callable[[Sequence[int]], list[list[int]]]) -> None:
+        """At the end of an epoch and of a fit, on every rank (a collective): the steps since the last comparison
+        are compared too, when there are at least ``MIN_STEPS_COMPARED``, so that a run or an epoch shorter than
+        ``every_n_steps``, or the tail of a longer one, names its straggler."""
         since = min(step - self._compared_at, len(self.clock.steps))
         if since >= MIN_STEPS_COMPARED:
             self._compare(step, rank, gather, since)

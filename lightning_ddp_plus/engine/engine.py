@@ -46,13 +46,8 @@ from lightning_ddp_plus.sync.wrapper import wrap_module
 
 
 class DDPPlusEngine:
-    """The components of a DDP run and the order in which they act.
-
-    Args:
-        arguments: the validated strategy arguments.
-        warn: how warnings reach the user (rank 0 only).
-        info: how one-line reports reach the user (rank 0 only).
-    """
+    """The components of a DDP run and the order in which they act, for the validated ``arguments``; ``warn`` and
+    ``info`` are how warnings and one-line reports reach the user (rank 0 only)."""
 
     def __init__(self, arguments: DDPPlusArguments, warn: Callable[[str], None], info: Callable[[str], None]) -> None:
         self.arguments, self._warn, self._info = arguments, warn, info
@@ -230,8 +225,13 @@ class DDPPlusEngine:
 
     def end_of_training(self) -> None:  # no forward follows: parameters only (buffers are not broadcast yet)
         self.replica_guard.check_due(with_buffers=False)
-        if self.stragglers is not None:  # the steps since the last comparison, on every rank
-            self.stragglers.fit_ends(self.window.stats.optimizer_steps, self.channel.rank, self.channel.gather)
+        self.end_of_epoch()
+
+    def end_of_epoch(self) -> None:  # the steps since the last straggler comparison, on every rank (a collective)
+        if self.stragglers is not None:
+            self.stragglers.compare_since_last(
+                self.window.stats.optimizer_steps, self.channel.rank, self.channel.gather
+            )
 
     def explain(self, exception: BaseException) -> None:
         """Append to a torch error which rule it is and the fix, or what a collective timeout means."""

@@ -33,6 +33,7 @@ from lightning_ddp_plus.frontends.common import DDPPlusFrontEnd, tensor_bytes
 from lightning_ddp_plus.frontends.registry import register_names
 from lightning_ddp_plus.frontends.trainer_chunks import TrainerChunks
 from lightning_ddp_plus.frontends.trainer_loop import (
+    add_strategy_callbacks,
     backward_in_window,
     end_epoch_here,
     flush_manual_static_graph,
@@ -44,7 +45,7 @@ from lightning_ddp_plus.frontends.trainer_loop import (
     settle_accumulation,
     training_dataloader,
 )
-from lightning_ddp_plus.frontends.trainer_preemption import add_strategy_callbacks, watch_for_notices
+from lightning_ddp_plus.frontends.trainer_preemption import watch_for_notices
 from lightning_ddp_plus.persistence.resume import ResumeCoordinator
 from lightning_ddp_plus.private_apis.lightning import trainer_of, training_loaders
 from lightning_ddp_plus.processes.launcher import (
@@ -155,9 +156,8 @@ class DDPPlusStrategy(DDPPlusFrontEnd, DDPStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        return self._chunks.loaded(
-            self.resume.load_checkpoint(checkpoint_path, super().load_checkpoint, *args, **kwargs)
-        )
+        loaded = self.resume.load_checkpoint(checkpoint_path, super().load_checkpoint, *args, **kwargs)
+        return self._chunks.loaded(loaded)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], *args: Any, **kwargs: Any) -> None:

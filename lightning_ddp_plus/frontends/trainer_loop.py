@@ -1,20 +1,23 @@
 """What the Trainer strategy reads of, and tells, Lightning's fit loop: k settled with the Trainer before launch, the
 loader a fit trains on, where a batch sits in its accumulation window, whether it is its epoch's last, ending the
 epoch on it, a backward in its window, the rescale of a window that closed early, the sync figures for the loggers,
-and a manual static graph's first all-reduce."""
+a manual static graph's first all-reduce, and the callbacks the strategy adds to the Trainer."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
 
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.states import RunningStage
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
+from lightning_ddp_plus.diagnostics.telemetry import DDPTelemetry
 from lightning_ddp_plus.engine.engine import DDPPlusEngine
 from lightning_ddp_plus.engine.guarded_backward import guarded_backward
+from lightning_ddp_plus.frontends.trainer_preemption import PreemptionSave
 from lightning_ddp_plus.persistence.resume import ResumeCoordinator
 from lightning_ddp_plus.private_apis.lightning import trainer_of
 from lightning_ddp_plus.private_apis.torch_ddp import flush_static_graph
@@ -130,3 +133,28 @@ def training_dataloader(dataloader: Any, module: Any, engine: DDPPlusEngine, res
 def log_sync_stats_every_n_steps(trainer: Any, step: int, stats: SyncStats) -> None:
     if step % max(1, getattr(trainer, "log_every_n_steps", 1)) == 0:
         log_sync_stats(trainer, stats)
+
+
+class StragglersAtEpochEnd(Callback):
+    """At the end of every training epoch, on every rank: the steps since the last straggler comparison are compared
+    (``find_stragglers_every_n_steps``), so that an epoch shorter than the cadence names its straggler."""
+
+    def __init__(self, engine: DDPPlusEngine) -> None:
+        self.engine = engine
+
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        self.engine.end_of_epoch()
+
+
+def add_strategy_callbacks(trainer: Any, engine: DDPPlusEngine) -> None:
+    """The strategy's callbacks, each once (a second fit finds them there): ``DDPTelemetry`` with ``telemetry``,
+    ``PreemptionSave`` with ``preemption_signals``, ``StragglersAtEpochEnd`` with ``find_stragglers_every_n_steps``."""
+    callbacks: list[Callback] = trainer.callbacks  # set by Lightning's callback connector
+    added = [
+        DDPTelemetry() if engine.telemetry is not None else None,
+        PreemptionSave(engine.preemption) if engine.preemption.on else None,
+        StragglersAtEpochEnd(engine) if engine.stragglers is not None else None,
+    ]
+    for callback in added:
+        if callback is not None and not any(type(present) is type(callback) for present in callbacks):
+            callbacks.append(callback)

@@ -24,8 +24,6 @@ import lightning.pytorch as pl
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-from lightning_ddp_plus.diagnostics.telemetry import DDPTelemetry
-from lightning_ddp_plus.engine.engine import DDPPlusEngine
 from lightning_ddp_plus.persistence.resume import NO_CHECKPOINT_CALLBACK_PATH
 from lightning_ddp_plus.preemption.report import Preempted, PreemptionReport
 from lightning_ddp_plus.preemption.slurm import requeue
@@ -94,16 +92,3 @@ class PreemptionSave(Callback):
         decision = self.preemption.decision  # agreed at this batch's synced backward; its step is applied
         if decision is not None and decision.stop_after is not None:
             end_preempted(trainer, decision)
-
-
-def add_strategy_callbacks(trainer: pl.Trainer, engine: DDPPlusEngine) -> None:
-    """The strategy's callbacks, each once (a second fit finds them there): ``DDPTelemetry`` with ``telemetry``,
-    ``PreemptionSave`` with ``preemption_signals``."""
-    callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's callback connector
-    added = [
-        DDPTelemetry() if engine.telemetry is not None else None,
-        PreemptionSave(engine.preemption) if engine.preemption.on else None,
-    ]
-    for callback in added:
-        if callback is not None and not any(type(present) is type(callback) for present in callbacks):
-            callbacks.append(callback)

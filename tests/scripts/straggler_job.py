@@ -2,7 +2,8 @@
 ``straggler_job.py OUT_JSON CASES_JSON`` runs them alone).
 
 A case: each case is ``{"name", "slow" (None, "data" or "compute"), "rank", "delay_s",
-"steps", "every", "buffers" (a BatchNorm, so DDP broadcasts buffers in every forward)}``. A slow rank sleeps
+"steps", "every", "buffers" (a BatchNorm, so DDP broadcasts buffers in every forward), "epoch_steps" (batches per
+epoch; default ``steps``)}``. A slow rank sleeps
 ``delay_s`` per batch while its batch is loaded (``data``) or in its ``training_step`` (``compute``). Rank 0 writes,
 per case, the straggler warnings given (rank 0 gives them) and every comparison's per-rank phase medians.
 """
@@ -25,6 +26,12 @@ class Comparisons(L.Callback):
 
     def __init__(self) -> None:
         self.times: list[list[dict]] = []
+        #: The last comparison's medians when each epoch after the first starts (an epoch's end compares).
+        self.at_epoch_start: list[list[dict]] = []
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        if trainer.current_epoch > 0:
+            self.at_epoch_start.append([vars(times) for times in trainer.strategy.phase_times])
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         watch = trainer.strategy.engine.stragglers
@@ -65,16 +72,18 @@ def run_case(case: dict) -> dict:
         accelerator=os.environ.get("DDP_PLUS_TEST_ACCELERATOR", "cpu"),  # the GPU check: "gpu"
         devices=2,
         max_steps=case["steps"],
+        max_epochs=-1,
         callbacks=[comparisons],
         use_distributed_sampler=False,
         **QUIET_TRAINER,
     )
-    model = Slow(case["slow"], case["rank"], case["delay_s"], case["steps"], case.get("buffers", False))
+    epoch_steps = case.get("epoch_steps", case["steps"])  # batches per epoch
+    model = Slow(case["slow"], case["rank"], case["delay_s"], epoch_steps, case.get("buffers", False))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(model)
     said = [str(warning.message) for warning in caught if "straggler" in str(warning.message)]
-    return {**case, "warnings": said, "comparisons": comparisons.times}
+    return {**case, "warnings": said, "comparisons": comparisons.times, "at_epoch_start": comparisons.at_epoch_start}
 
 
 if __name__ == "__main__":
