@@ -96,8 +96,10 @@ def test_a_store_that_is_gone_is_said_and_the_watchdog_stops(job_store):
         assert thread.is_alive() and said == []
         server.kill()
         server.wait()
-        assert wait_for(lambda: not thread.is_alive(), seconds=10.0)
-        assert len(said) == 1 and "rank 1's stall watchdog stopped: the store is gone" in said[0], said
+        assert wait_for(lambda: not thread.is_alive(), seconds=30.0)
+        assert len(said) == 2, said  # the first error said once, then the end (not one line per error)
+        assert "rank 1's stall watchdog: the job's store did not answer" in said[0]
+        assert "rank 1's stall watchdog stopped: the store is gone" in said[1], said
         watchdog.stop(orderly=False)
     finally:
         server.kill()
@@ -154,3 +156,33 @@ def test_an_episode_costs_o_n_store_reads_and_every_rank_gets_rank_0s_report(job
 def test_the_store_is_polled_less_often_as_the_job_grows():
     assert stall_watchdog.store_poll_seconds(2) == stall_watchdog.POLL_SECONDS
     assert stall_watchdog.store_poll_seconds(4096) == 64 * stall_watchdog.POLL_SECONDS
+
+
+class FlakyStore(CountingStore):
+    """A store client whose next ``failures`` calls of ``add`` fail as a timed-out store call does."""
+
+    failures = 0
+
+    def add(self, key: str, value: int) -> int:
+        if self.failures:
+            self.failures -= 1
+            raise dist.DistStoreError("timed out (injected)")
+        return self.store.add(key, value)
+
+
+def test_a_store_error_is_said_once_and_diagnosis_resumes(job_store):
+    said: list[str] = []
+    ledger = CollectiveLedger()
+    store = FlakyStore(job_store())
+    watchdog = StallWatchdog(ledger, timedelta(seconds=1.5), say=said.append)
+    with ledger.collective("gradient all_reduce", 64):  # waiting from now on
+        watchdog.start(store, rank=0, world_size=1, prefix="flaky")
+        store.failures = 3
+        try:
+            assert wait_for(lambda: watchdog.last_report is not None, seconds=20)
+        finally:
+            watchdog.stop(orderly=False)
+    assert store.failures == 0
+    assert len(said) == 2, said
+    assert "the job's store did not answer (timed out (injected)); asking again" in said[0]
+    assert said[1].startswith("lightning-ddp-plus: a collective has waited longer than 1.5 s")

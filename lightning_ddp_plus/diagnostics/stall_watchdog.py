@@ -58,6 +58,8 @@ STOP_WAIT_SECONDS = 2.0
 
 #: Consecutive store errors after which a watchdog says so and stops (one transient timeout is not the end).
 STORE_ERRORS_TOLERATED = 5
+#: The longest wait before asking a store that did not answer again (the waits double from ``POLL_SECONDS``).
+MAX_BACKOFF_SECONDS = 8.0
 
 _running: list[StallWatchdog] = []
 
@@ -190,8 +192,8 @@ class StallWatchdog:
                 waited = time.monotonic() - current.started if current is not None else 0.0
                 asks = current is not None and waited > self.threshold and self._requested_for != current.sequence
                 if asks and current is not None:
-                    self._requested_for = current.sequence  # once per collective
                     store.add(episodes, 1)
+                    self._requested_for = current.sequence  # once per collective (asked again if the add failed)
                 if not asks and look % looks_per_poll:
                     continue
                 latest = int(store.add(episodes, 0))  # read the counter without waiting
@@ -199,13 +201,21 @@ class StallWatchdog:
                     self._exchange(store, rank, world_size, prefix, latest, stop)
                 store_errors = 0
             except (dist.DistNetworkError, dist.DistStoreError) as error:
-                # a store call that timed out once is asked again; a store that stays away ended with the job
+                # a store call that timed out is asked again, later each time; a store that stays away ended with
+                # the job (its server lives in rank 0's process)
                 store_errors += 1
+                if stop.is_set():
+                    return
                 if store_errors >= STORE_ERRORS_TOLERATED:
-                    if not stop.is_set():
-                        self._say(
-                            f"lightning-ddp-plus: rank {rank}'s stall watchdog stopped: the store is gone ({error})"
-                        )
+                    self._say(f"lightning-ddp-plus: rank {rank}'s stall watchdog stopped: the store is gone ({error})")
+                    return
+                backoff = min(MAX_BACKOFF_SECONDS, POLL_SECONDS * 2**store_errors)
+                if store_errors == 1:  # said once per streak: a transient timeout must not flood the log
+                    self._say(
+                        f"lightning-ddp-plus: rank {rank}'s stall watchdog: the job's store did not answer ({error}); "
+                        f"asking again, less often each time (diagnosis resumes when it answers)"
+                    )
+                if stop.wait(backoff):
                     return
             except Exception as error:  # noqa: BLE001 - the watchdog must never take the job down by itself
                 if not stop.is_set():
