@@ -79,7 +79,8 @@ def test_every_running_watchdog_stops_at_exit_and_one_exit_handler_serves_every_
     assert stall_watchdog._running == []
 
 
-def test_a_store_that_is_gone_is_said_and_the_watchdog_stops(job_store):
+def test_a_store_that_is_gone_is_said_and_the_watchdog_stops(job_store, monkeypatch):
+    monkeypatch.setattr(stall_watchdog, "MAX_BACKOFF_SECONDS", 1.0)  # the waits between the five errors, shortened
     port = free_port()
     serve = (
         f"import time, torch.distributed as d; s = d.TCPStore('127.0.0.1', {port}, 1, True); print('up', flush=True)"
