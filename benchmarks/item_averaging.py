@@ -250,7 +250,7 @@ def table_cases() -> list[dict]:
     ]
 
 
-def cost_rank(steps: int, repeats: int) -> None:
+def cost_rank(steps: int, repeats: int, width: int) -> None:
     """One rank of the cost part: the variants alternately on one process group, optimizer steps timed."""
 
     class StepClock(L.Callback):
@@ -269,7 +269,7 @@ def cost_rank(steps: int, repeats: int) -> None:
     for _ in range(repeats):
         for name, fields in variants.items():
             case = {"name": name, "k": 2, "batch_size": 8, "hf": True, "lr": 0.01, "length": 128, **fields}
-            case.update(hidden=128, layers=2)
+            case.update(hidden=width, layers=2)
             case["sequences"] = steps * 2 * 2 * 8  # ranks x k x rows
             clock = StepClock()
             model = TokenModel(case)
@@ -298,12 +298,13 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", choices=["table", "cost"], default=["table", "cost"])
     parser.add_argument("--steps", type=int, default=40, help="optimizer steps per cost run")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--width", type=int, default=128, help="the cost part's model width")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "item_averaging.json")
     parser.add_argument("--part", help=argparse.SUPPRESS)
     parser.add_argument("--as-rank", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.as_rank is not None:
-        table_rank(table_cases()) if args.part == "table" else cost_rank(args.steps, args.repeats)
+        table_rank(table_cases()) if args.part == "table" else cost_rank(args.steps, args.repeats, args.width)
         return
     results: dict = {}
     for part in args.only:
@@ -318,6 +319,8 @@ def main() -> None:
                 str(args.steps),
                 "--repeats",
                 str(args.repeats),
+                "--width",
+                str(args.width),
             ]
             run_ranks(command, 2, 1800)
             found = json.loads(Path(out.name).read_text())

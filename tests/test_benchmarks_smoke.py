@@ -86,7 +86,8 @@ def test_the_straggler_noise_and_ledger_cost_benchmarks_run_at_a_tiny_size(tmp_p
 def test_the_item_averaging_cost_benchmark_runs_at_a_tiny_size(tmp_path):
     """Its table's workload is what ``test_item_averaging.py`` checks; here its cost part runs end to end."""
     command = [sys.executable, str(REPO_ROOT / "benchmarks" / "item_averaging.py"), "--only", "cost"]
-    result = run_job([*command, "--steps", "6", "--repeats", "1", "--out", str(tmp_path / "items.json")], timeout=300)
+    tiny = ["--steps", "6", "--repeats", "1", "--width", "16"]
+    result = run_job([*command, *tiny, "--out", str(tmp_path / "items.json")], timeout=300)
     assert result.returncode == 0, result.stdout[-3000:]
     cost = json.loads((tmp_path / "items.json").read_text())["cost"]
     assert set(cost) == {"stock", "ddp_plus", "ddp_plus + num_items"}
