@@ -131,8 +131,10 @@ class ItemAveraging:
         self.reset()
 
     def reset(self) -> None:
-        """A new fit: the first training step decides again whether counts are given."""
+        """A new fit: the first training step decides again whether counts are given (and a count an earlier fit
+        left unused is dropped)."""
         self.on: bool | None = None
+        self.pending = None
         self.unit, self.first_window = 1.0, True
         #: The last window's loss per item over every rank (what one device would print); ``None`` before one.
         self.loss_per_item: float | None = None
