@@ -71,3 +71,22 @@ def test_sharding_benchmark_runs_with_its_bytes_and_shares(tmp_path):
         assert sum(sharded["sent_bytes_per_step_by_node"]) >= 0.95 * 2 * sharded["expected_bytes_per_step"]
         assert [r["nodes"] for r in report["scaling"]] == [3]
         assert not any(line.startswith("ddps") for line in _namespaces())  # removed afterwards
+
+
+def test_the_link_allreduce_benchmark_runs_at_a_tiny_size(tmp_path):
+    sys.path.insert(0, str(REPO_ROOT))
+    from benchmarks.netns import unavailable_reason
+
+    if reason := unavailable_reason():
+        pytest.skip(f"two shaped nodes cannot be made here: {reason}")
+    out = tmp_path / "link_allreduce.json"
+    script = str(REPO_ROOT / "benchmarks" / "link_allreduce.py")
+    args = ["--rate", "10gbit", "--megabytes", "2", "--repeats", "1", "--idle-ms", "5", "--out", str(out)]
+    result = run_job([sys.executable, script, *args], timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:]
+    report = json.loads(out.read_text())
+    for setting in ("tcp_slow_start_after_idle=1", "tcp_slow_start_after_idle=0"):
+        cases = report[setting]
+        assert {"one call", "buckets of 25 MiB", "compute alone", "compute while the buckets travel"} <= set(cases)
+        assert all(case["ms"] > 0 for name, case in cases.items() if name != "tcp Mbit/s")
+        assert cases["compute while the buckets travel"]["x compute alone"] > 0
