@@ -35,7 +35,7 @@ from lightning_ddp_plus.sharding.optimizer import shard_optimizers
 from lightning_ddp_plus.sync.accumulation import AccumulationWindow, scale_gradients
 from lightning_ddp_plus.sync.buckets import BucketTuner
 from lightning_ddp_plus.sync.comm_hooks import HookAssembly
-from lightning_ddp_plus.sync.item_averaging import ItemAveraging, counts_first
+from lightning_ddp_plus.sync.item_averaging import ItemAveraging
 from lightning_ddp_plus.sync.micro_batch_runner import MicroBatchRunner
 from lightning_ddp_plus.sync.micro_batches import MicroBatchSizer
 from lightning_ddp_plus.sync.side_channel import SideChannel
@@ -61,10 +61,9 @@ class DDPPlusEngine:
         self.stragglers = None if every is None else StragglerWatch(every, warn)
         clock = self.stragglers.clock if self.stragglers is not None else None
         self.ledger = CollectiveLedger(arguments.ledger_length, clock=clock)
-        threshold, per_rank = arguments.stall_threshold, arguments.average_items_across_ranks
+        threshold = arguments.stall_threshold
         self.stall_watchdog = None if threshold is None else StallWatchdog(self.ledger, threshold)
-        self.items = ItemAveraging(self.window, per_rank, record=self.ledger.collective, info=info)
-        self.items.count_first, self.items.hooked = counts_first(arguments)
+        self.items = ItemAveraging.for_arguments(arguments, self.window, record=self.ledger.collective, info=info)
         #: Whether fits start the watchdog: a front end sets it when it stops the engine at the end of every fit.
         self.watch_stalls = self.failed = False
         self.timeouts = GroupTimeouts(arguments.collective_timeout, arguments.setup_collective_timeout)

@@ -73,11 +73,11 @@ def guarded_backward(
     if count is None:
         scale: Tensor | float = engine.window.loss_scale(position, divided_by_steps) * (0.0 if padding else 1.0)
     else:  # num_items: the items' summed loss; the window's end divides by the items (sync.item_averaging)
-        undo = engine.window.steps if divided_by_steps else 1
-        engine.items.recorded(0 if padding else count, decided * undo)
+        undo, count = (engine.window.steps if divided_by_steps else 1), (0 if padding else count)
+        engine.items.recorded(count, decided * undo)
         if closes:
             engine.items.before_closing_backward(trainable(ddp), ddp.process_group)
-        scale = undo * engine.items.loss_factor(0 if padding else count)
+        scale = undo * engine.items.loss_factor(count)
     scaled = decided * scale if not isinstance(scale, float) or scale != 1.0 else decided
     result: Any = scaled
     failed = False

@@ -110,6 +110,9 @@ class ItemAveraging:
     Args:
         window: the accumulation window, told when per-item averaging is on (it then rescales nothing itself).
         across_ranks: divide by every rank's items (one all-reduce per optimizer step); False: by this rank's own.
+        count_first: count every rank's items before the backward that closes the window, not after it, so that the
+            buckets hold the final gradient (see ``counts_first``).
+        hooked: a comm hook sees the buckets (the first window counted after its backward is checked once).
         record: called around the all-reduce with its name and size (the engine's collective ledger).
         info: how a one-line report reaches the user (rank 0 only).
     """
@@ -118,17 +121,30 @@ class ItemAveraging:
         self,
         window: AccumulationWindow,
         across_ranks: bool = True,
+        count_first: bool = False,
+        hooked: bool = False,
         record: Callable[[str, int], AbstractContextManager[Any]] | None = None,
         info: Callable[[str], None] = lambda message: None,
     ) -> None:
         self.window, self.across_ranks, self.info = window, across_ranks, info
-        #: Count every rank's items before the backward that closes the window, not after it, so that the buckets
-        #: hold the final gradient (``counts_first``); and whether a comm hook sees the buckets.
-        self.count_first = self.hooked = False
+        self.count_first, self.hooked = count_first, hooked
         self.record = record or (lambda op, size: nullcontext())
         #: A count given for the next backward (a training step's output, ``manual_backward``, ``fabric.backward``).
         self.pending: Any = None
         self.reset()
+
+    @classmethod
+    def for_arguments(
+        cls,
+        arguments: Any,
+        window: AccumulationWindow,
+        record: Callable[[str, int], AbstractContextManager[Any]] | None = None,
+        info: Callable[[str], None] = lambda message: None,
+    ) -> ItemAveraging:
+        """The averaging the strategy's ``arguments`` ask for (``average_items_across_ranks``, and the comm hook and
+        ``micro_batch_size`` that decide ``counts_first``)."""
+        first, hooked = counts_first(arguments)
+        return cls(window, arguments.average_items_across_ranks, first, hooked, record=record, info=info)
 
     def reset(self) -> None:
         """A new fit: the first training step decides again whether counts are given (and a count an earlier fit
