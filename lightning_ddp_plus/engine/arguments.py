@@ -54,7 +54,12 @@ from lightning_ddp_plus.persistence.world_size import WorldSizeChange
 from lightning_ddp_plus.preemption.notice import check_preemption_signals
 from lightning_ddp_plus.private_apis.torch_distributed import CAN_SET_GROUP_TIMEOUT, GROUP_TIMEOUT_BACKENDS
 from lightning_ddp_plus.processes.launcher import StartMethod
-from lightning_ddp_plus.sharding.optimizer import OptimizerSharding, check_optimizer_sharding, refusals
+from lightning_ddp_plus.sharding.optimizer import (
+    OVERLAP_FIX,
+    OptimizerSharding,
+    check_optimizer_sharding,
+    refusals,
+)
 from lightning_ddp_plus.sync.accumulation import ShortWindow, check_accumulation_steps
 from lightning_ddp_plus.sync.buckets import check_auto_with_hook
 from lightning_ddp_plus.sync.comm_hooks import CommHook, HookFunction, check_comm_wrapper, parse_comm_hook
@@ -365,11 +370,11 @@ class DDPPlusArguments:
             self.uneven_inputs,
         )
         if conflicts:
+            fix = "as the reason says." if self.optimizer_sharding is True else OVERLAP_FIX
             raise ArgumentValueError(
                 f"`optimizer_sharding={self.optimizer_sharding!r}` cannot run with these settings: "
                 + " ".join(conflicts)
-                + " Fix: use `optimizer_sharding=True` (the same memory saving, the step after the backward), or "
-                "change the settings named."
+                + f" Fix: {fix}"
             )
 
     def _check_timeouts(self) -> None:

@@ -31,7 +31,7 @@ from lightning_ddp_plus.engine.results import WorkerResults
 from lightning_ddp_plus.memory.suggestion import starting_size_in_folder
 from lightning_ddp_plus.preemption.report import Preempted
 from lightning_ddp_plus.preemption.stop import PreemptionStop
-from lightning_ddp_plus.sharding.optimizer import shard_optimizers
+from lightning_ddp_plus.sharding.zero import ZeroSharding
 from lightning_ddp_plus.sync.accumulation import AccumulationWindow, scale_gradients
 from lightning_ddp_plus.sync.buckets import BucketTuner
 from lightning_ddp_plus.sync.comm_hooks import HookAssembly
@@ -55,7 +55,9 @@ class DDPPlusEngine:
         self.in_effect = SettingsInEffect(arguments.settings, on_rebuilt=self._reducer_rebuilt)
         self.window = AccumulationWindow(arguments.gradient_accumulation_steps, arguments.short_window)
         self.conflicts = ConflictCheck(arguments.checkpointing_conflict, warn=warn, info=info)
-        self.hooks = HookAssembly(arguments.comm_hook, arguments.ddp_comm_state, arguments.ddp_comm_wrapper)
+        self.sharding = ZeroSharding(arguments.optimizer_sharding, all_reduce_now=self._must_sync, info=info)
+        hook = self.sharding.hook(arguments.comm_hook, arguments.ddp_comm_state)
+        self.hooks = HookAssembly(*hook, arguments.ddp_comm_wrapper)
         self.replica_guard = ReplicaGuard(arguments.verify_replicas_every_n_steps)
         every = arguments.find_stragglers_every_n_steps
         self.stragglers = None if every is None else StragglerWatch(every, warn)
@@ -154,10 +156,9 @@ class DDPPlusEngine:
             self.buckets.stop()
         self.ddp = self.agreement.ddp = None
 
-    def shard_optimizers(self, optimizers: list[Optimizer]) -> list[Optimizer]:
-        """With ``optimizer_sharding``: each optimizer sharded (ZeRO-1); else the optimizers unchanged."""
-        sharding, static_graph = self.arguments.optimizer_sharding, self.settings.static_graph
-        return shard_optimizers(optimizers, sharding, self.ddp, static_graph, self._info)
+    def shard_optimizers(self, optimizers: list[Optimizer], clipping: str | None, precision: Any) -> list[Optimizer]:
+        """With ``optimizer_sharding``: each optimizer sharded (ZeRO-1); see ``ZeroSharding.shard``."""
+        return self.sharding.shard(optimizers, self.ddp, self.settings.static_graph, clipping, precision)
 
     def _forward_starts(self, ddp: DistributedDataParallel, args: Any) -> None:
         if ddp.training and torch.is_grad_enabled():

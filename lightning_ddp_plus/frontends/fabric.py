@@ -33,7 +33,6 @@ from lightning_ddp_plus.frontends.fabric_loop import FabricWindow, FirstStaticBa
 from lightning_ddp_plus.frontends.registry import register_names
 from lightning_ddp_plus.private_apis.lightning import fabric_backward
 from lightning_ddp_plus.processes.launcher import ParentWatchedFabricLauncher, nodes_of_this_attempt, watch_parent
-from lightning_ddp_plus.sharding.optimizer import refuse_clipping
 from lightning_ddp_plus.sync.accumulation import WindowPosition, scale_gradients
 from lightning_ddp_plus.sync.step_agreement import StepAgreed
 
@@ -189,16 +188,16 @@ class DDPPlusFabricStrategy(DDPPlusFrontEnd, DDPStrategy):
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         """With ``optimizer_sharding``: the optimizer as a ``ShardedOptimizer``. A learning-rate scheduler built on
         the optimizer before ``fabric.setup`` keeps working (they share the parameter groups)."""
-        return self.engine.shard_optimizers([super().setup_optimizer(optimizer)])[0]
+        return self.engine.shard_optimizers([super().setup_optimizer(optimizer)], None, None)[0]
 
     @override
     def clip_gradients_norm(self, module: Module, optimizer: Optimizer, *args: Any, **kwargs: Any) -> Tensor:
-        refuse_clipping(self.arguments.optimizer_sharding, "`fabric.clip_gradients`", "it")
-        return super().clip_gradients_norm(module, optimizer, *args, **kwargs)
+        clipped = self.engine.sharding.clip_norm("`fabric.clip_gradients`", self.precision, optimizer, *args, **kwargs)
+        return clipped if clipped is not None else super().clip_gradients_norm(module, optimizer, *args, **kwargs)
 
     @override
     def clip_gradients_value(self, module: Module, optimizer: Optimizer, *args: Any, **kwargs: Any) -> None:
-        refuse_clipping(self.arguments.optimizer_sharding, "`fabric.clip_gradients`", "it")
+        self.engine.sharding.refuse_clipping("`fabric.clip_gradients`")
         super().clip_gradients_value(module, optimizer, *args, **kwargs)
 
     def micro_batches(self, iterable: Iterable[T]) -> Iterator[T]:

@@ -56,7 +56,6 @@ from lightning_ddp_plus.processes.launcher import (
     watch_parent,
 )
 from lightning_ddp_plus.processes.restart import init_process_group, under_torchrun
-from lightning_ddp_plus.sharding.optimizer import refuse_clipping
 from lightning_ddp_plus.sync.accumulation import WindowPosition
 from lightning_ddp_plus.sync.wrapper import ddp_kwargs
 
@@ -222,10 +221,8 @@ class DDPPlusStrategy(DDPPlusFrontEnd, DDPStrategy):
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)
-        if trainer.gradient_clip_val:
-            clipping = f"`Trainer(gradient_clip_val={trainer.gradient_clip_val})`"
-            refuse_clipping(self.arguments.optimizer_sharding, clipping, "Lightning")
-        sharded = self.engine.shard_optimizers(self.optimizers)
+        clipping = f"`Trainer(gradient_clip_val={trainer.gradient_clip_val})`" if trainer.gradient_clip_val else None
+        sharded = self.engine.shard_optimizers(self.optimizers, clipping, self.precision_plugin)
         if sharded is not self.optimizers:
             self.optimizers = sharded
 

@@ -1,12 +1,12 @@
-"""``optimizer_sharding``: the optimizers of a DDP run wrapped in torch's ``ZeroRedundancyOptimizer`` (ZeRO stage 1).
+"""``optimizer_sharding``: ZeRO stage 1, each rank keeping the optimizer state of 1/N of the model.
 
-Each rank keeps the optimizer state (Adam's two moments, SGD's momentum) of its share of the parameters only and
-steps that share; the updated parameters are then broadcast from the rank that owns them, so every replica holds the
-same parameters after every step, as with plain DDP. Gradients are still all-reduced in full by DDP.
-
-- ``True``: the step runs after the backward, as Lightning's loop calls it. Exact: the same arithmetic as the
-  unsharded optimizer on every parameter.
-- ``"overlap"``: torch's ``ddp_zero_hook.hook_with_zero_step`` runs each rank's share of the step inside the
+- ``True``: DDP's gradient buckets are reduce-scattered during the backward, each rank steps its chunk of every
+  bucket, and the updated parameters are all-gathered (``reduce_scatter``, ``sharded_step``): DDP's bytes, state
+  split evenly to the element. Exact: the same arithmetic as the unsharded optimizer on every element.
+- ``"all_reduce"``: torch's ``ZeroRedundancyOptimizer`` after DDP's full all-reduce; the updated parameters are then
+  broadcast by their owners (1.5x DDP's bytes), and whole parameters are assigned to ranks (uneven on small models).
+  The one to pick with a compressing ``ddp_comm_hook`` (fp16, bf16, PowerSGD), which compresses the all-reduce.
+- ``"overlap"``: torch's ``ddp_zero_hook.hook_with_zero_step`` runs each rank's share of that step inside the
   backward, as soon as the gradient buckets it needs are all-reduced. torch skips the parameter update of the first
   two optimizer steps (three with ``static_graph``) while it learns DDP's buckets; it refuses gloo; and the step has
   run before anything after the backward can act, so what acts there (gradient clipping, the per-step guard, a
@@ -31,12 +31,18 @@ from typing_extensions import override
 
 from lightning_ddp_plus.config.messages import ArgumentTypeError, ArgumentValueError, describe_bad_value
 from lightning_ddp_plus.private_apis.torch_distributed import mark_stepped, zero_overlaps_with_ddp
+from lightning_ddp_plus.sharding.reduce_scatter import GradientShards
+from lightning_ddp_plus.sharding.sharded_step import BucketShardedOptimizer
 
-OptimizerSharding = bool | Literal["overlap"]
-SHARDING_VALUES: tuple[object, ...] = (False, True, "overlap")
+OptimizerSharding = bool | Literal["all_reduce", "overlap"]
+SHARDING_VALUES: tuple[object, ...] = (False, True, "all_reduce", "overlap")
 
 #: torch refuses the overlap hook on these backends ("Gloo backend using Overlapping DDP with ZeRO may meet hangs").
 OVERLAP_REFUSED_BACKENDS = ("gloo",)
+#: The fix for what ``"overlap"`` refuses.
+OVERLAP_FIX = (
+    "use `optimizer_sharding=True` (the same memory saving, the step after the backward), or change the settings named."
+)
 #: Parameter updates torch skips at the start of a run with ``"overlap"`` (while DDP's buckets are not final).
 OVERLAP_WARMUP_STEPS = {False: 2, True: 3}  # by static_graph
 
@@ -49,17 +55,18 @@ def check_optimizer_sharding(value: Any) -> OptimizerSharding:
     >>> check_optimizer_sharding("zero1")
     Traceback (most recent call last):
     ...
-    lightning_ddp_plus.config.messages.ArgumentValueError: `optimizer_sharding='zero1'` is not valid: allowed: False, True, 'overlap'. Fix: ...
+    lightning_ddp_plus.config.messages.ArgumentValueError: `optimizer_sharding='zero1'` is not valid: allowed: False, True, 'all_reduce', 'overlap'. Fix: ...
     """
-    if value is True or value is False or value == "overlap":
+    if value is True or value is False or value in ("all_reduce", "overlap"):
         return cast(OptimizerSharding, value)
     raise ArgumentValueError(
         describe_bad_value(
             "optimizer_sharding",
             value,
-            "allowed: False, True, 'overlap'.",
-            "use True (ZeRO-1: each rank keeps 1/N of the optimizer state, the step runs after the backward), "
-            "'overlap' (the step overlaps the backward; NCCL/HCCL only) or False (plain DDP).",
+            "allowed: False, True, 'all_reduce', 'overlap'.",
+            "use True (ZeRO-1 at DDP's bytes: each rank keeps 1/N of the optimizer state), 'all_reduce' (torch's "
+            "ZeroRedundancyOptimizer, for a compressing comm hook), 'overlap' (the step overlaps the backward; "
+            "NCCL/HCCL only) or False (plain DDP).",
         )
     )
 
@@ -73,6 +80,8 @@ def refusals(
     uneven_inputs: str,
 ) -> list[str]:
     """Why ``mode`` cannot run with the other settings (empty: it can); the backend is judged later, once known."""
+    if mode is True:
+        return reduce_scatter_refusals(comm_hook)
     if mode != "overlap":
         return []
     found = []
@@ -100,6 +109,18 @@ def refusals(
     if uneven_inputs == "join":
         found.append("`uneven_inputs='join'` rescales the gradients after the backward; use `optimizer_sharding=True`.")
     return found
+
+
+def reduce_scatter_refusals(comm_hook: object | None) -> list[str]:
+    """``True`` is itself DDP's communication hook (the reduce-scatter)."""
+    if comm_hook is None:
+        return []
+    reason = (
+        "`ddp_comm_hook` is set, and `optimizer_sharding=True` is itself DDP's communication hook (a reduce-scatter "
+        "of each bucket): remove `ddp_comm_hook`, or use `optimizer_sharding='all_reduce'` (torch's "
+        "ZeroRedundancyOptimizer after the hook's all-reduce: 1.5x the bytes)."
+    )
+    return [reason]
 
 
 def check_overlap_backend(mode: OptimizerSharding, backend: str) -> None:
@@ -207,6 +228,23 @@ def shard(optimizer: Optimizer, overlap: bool = False) -> ShardedOptimizer:
     return sharded
 
 
+def bucket_sharded(optimizer: Optimizer, shards: GradientShards) -> BucketShardedOptimizer:
+    """``optimizer`` stepped on this rank's chunks of the gradient buckets (``optimizer_sharding=True``)."""
+    if isinstance(optimizer, BucketShardedOptimizer):
+        return optimizer
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        raise ArgumentTypeError(
+            describe_bad_value(
+                "optimizer_sharding",
+                True,
+                "this optimizer is already a ZeroRedundancyOptimizer, and the strategy would shard it again.",
+                "return the plain optimizer (e.g. `torch.optim.AdamW(...)`) and let `optimizer_sharding` wrap it.",
+            )
+        )
+    defaults = constructor_defaults(optimizer)
+    return BucketShardedOptimizer(optimizer, shards, lambda groups: type(optimizer)(groups, **defaults))
+
+
 def constructor_defaults(optimizer: Optimizer) -> dict[str, Any]:
     """The optimizer's defaults that its constructor takes: some keep more (torch 2.13's AdamW records
     ``decoupled_weight_decay``, which only ``Adam`` accepts); the parameter groups still carry every key.
@@ -229,7 +267,9 @@ def register_overlap(ddp: DistributedDataParallel, optimizer: ShardedOptimizer) 
 
 
 def state_bytes(optimizer: Optimizer) -> int:
-    """Bytes of the optimizer state this rank holds (its local share for a ``ZeroRedundancyOptimizer``)."""
+    """Bytes of the optimizer state this rank holds (its local share for a sharded optimizer)."""
+    if isinstance(optimizer, BucketShardedOptimizer):
+        return optimizer.state_bytes()
     local = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
     return sum(
         value.numel() * value.element_size()
@@ -246,11 +286,16 @@ def shard_optimizers(
     ddp: DistributedDataParallel | None,
     static_graph: bool,
     info: Callable[[str], None],
+    shards: GradientShards | None = None,
 ) -> list[Optimizer]:
-    """With ``optimizer_sharding``: each optimizer as a ``ShardedOptimizer`` (ZeRO-1), with the overlap hook
-    registered on ``ddp`` for ``"overlap"``; else ``optimizers`` itself."""
+    """With ``optimizer_sharding``: each optimizer sharded (ZeRO-1): ``True`` steps the chunks ``shards`` (the
+    reduce-scatter hook's state) leaves it; the others wrap ``ZeroRedundancyOptimizer``, with the overlap hook
+    registered on ``ddp`` for ``"overlap"``. Without: ``optimizers`` itself."""
     if not mode:
         return optimizers
+    if mode is True:
+        assert shards is not None, "optimizer_sharding=True needs the reduce-scatter hook's state"
+        return [bucket_sharded(optimizer, shards) for optimizer in optimizers]
     overlap = mode == "overlap"
     if overlap and len(optimizers) != 1:
         raise ValueError(

@@ -1,0 +1,335 @@
+"""``optimizer_sharding=True``: each rank steps its chunk of every gradient bucket, then the buckets' parameters are
+all-gathered, so every replica holds the same parameters after every step (ZeRO-1 at DDP's bytes).
+
+``BucketShardedOptimizer`` wraps the user's optimizer. It keeps the optimizer's class, hyperparameters and parameter
+groups (the same dicts: a learning-rate scheduler built on the original keeps working), and builds an inner optimizer
+of that class over this rank's pieces only (``bucket_shards``): the optimizer state is 1/N of the model's, padding
+apart. The hook (``reduce_scatter``) leaves each rank's chunk of the averaged gradient in the parameters' ``.grad``.
+
+DDP may rebuild its buckets (after the first step, and with ``bucket_cap_mb="auto"``); the pieces then move, and the
+state moves with them: the first step on a new layout gathers the state and slices it again, once per layout.
+
+Checkpoints hold the plain optimizer ``state_dict`` (gathered on rank 0 by ``consolidate_state_dict``, a collective
+that Lightning and Fabric call on every rank at a save): a file loads into an unsharded run, stock ``DDPStrategy``, or
+any world size, and a plain file loads here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_ddp_plus.private_apis.torch_distributed import mark_stepped
+from lightning_ddp_plus.sharding.bucket_shards import BucketLayout, Piece, chunk_size, pieces_of
+from lightning_ddp_plus.sharding.reduce_scatter import GradientShards
+
+#: One rank's optimizer state for the full state: parameter -> (per-element state by start, the rest of its state).
+StateParts = dict[int, tuple[list[tuple[int, dict[str, Tensor]]], dict[str, Any]]]
+
+
+class BucketShardedOptimizer(Optimizer):
+    """The user's ``optimizer``, stepped on this rank's chunk of every gradient bucket; see the module's docstring.
+
+    Args:
+        optimizer: the optimizer it replaces (its class is built again over this rank's pieces).
+        shards: the reduce-scatter hook's state: the bucket layout, the group, the bytes sent.
+    """
+
+    def __init__(self, optimizer: Optimizer, shards: GradientShards, constructor: Callable[..., Optimizer]) -> None:
+        super().__init__(optimizer.param_groups, optimizer.defaults)
+        self.param_groups = optimizer.param_groups  # the same dicts: a scheduler's changes reach the step
+        self.replaced, self.shards, self.constructor = optimizer, shards, constructor
+        self.parameters = [p for group in optimizer.param_groups for p in group["params"]]
+        self.inner: Optimizer | None = None
+        self.layout: BucketLayout | None = None
+        self.pieces: list[Piece] = []  # this rank's pieces of this optimizer's parameters (``Piece.parameter`` local)
+        self.tensors: list[Tensor] = []  # the inner optimizer's parameter for each piece
+        self.inner_groups: list[int] = []  # the parameter group of each inner group
+        self.pending = optimizer.state_dict() if optimizer.state else None  # a full state to slice at the next layout
+        self.gathered: dict[str, Any] | None = None
+
+    # ------------------------------------------------------------------ the step
+
+    @override
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        mark_stepped(self.replaced)  # a scheduler on it checks this
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        with torch.no_grad():  # gloo's all-gather writes views of its output
+            self.follow_layout()
+            self._step_pieces()
+            self._all_gather()
+        return loss
+
+    def _step_pieces(self) -> None:
+        """The inner optimizer's step on this rank's pieces, with the gradients' chunks and the groups' current
+        hyperparameters; the pieces are then written back into the parameters."""
+
+        if self.inner is None:
+            return
+        for tensor, piece in zip(self.tensors, self.pieces):
+            parameter = self.parameters[piece.parameter]
+            tensor.copy_(self._slice(parameter, piece))
+            tensor.grad = None if parameter.grad is None else self._slice(parameter.grad, piece)
+        for inner_group, group in zip(self.inner.param_groups, self.inner_groups):
+            inner_group.update({k: v for k, v in self.param_groups[group].items() if k != "params"})
+        self.inner.step()
+        for tensor, piece in zip(self.tensors, self.pieces):
+            self._slice(self.parameters[piece.parameter], piece).copy_(tensor)
+            tensor.grad = None
+
+    @staticmethod
+    def _slice(tensor: Tensor, piece: Piece) -> Tensor:
+        return tensor.view(-1)[piece.start : piece.start + piece.length]
+
+    def _all_gather(self) -> None:
+        """Every bucket holding one of this optimizer's parameters, gathered from its owners; the transfers run
+        together, and each bucket is copied into its parameters as it arrives."""
+        assert self.layout is not None
+        world, group = self.shards.world_size, self.shards.process_group
+        mine = {self.shards.index_of(p) for p in self.parameters}
+        owned = pieces_of(self.layout, self.shards.rank, world)
+        transfers = []
+        for index, bucket in enumerate(self.layout.buckets):
+            if not any(parameter in mine for parameter, _ in bucket):
+                continue
+            chunk = chunk_size(self.layout.size(index), world)
+            first = self.shards.parameters[bucket[0][0]]
+            shard = first.new_zeros(chunk)
+            for piece in (p for p in owned if p.bucket == index):
+                start = piece.offset - self.shards.rank * chunk
+                shard[start : start + piece.length].copy_(self._slice(self.shards.parameters[piece.parameter], piece))
+            full = first.new_empty(chunk * world)
+            self.shards.count(chunk * world, first.element_size())
+            transfers.append((bucket, full, dist.all_gather_into_tensor(full, shard, group=group, async_op=True)))
+        for bucket, full, work in transfers:
+            work.wait()
+            offset = 0
+            for parameter, numel in bucket:
+                self.shards.parameters[parameter].detach().view(-1).copy_(full[offset : offset + numel])
+                offset += numel
+
+    # ------------------------------------------------------------------ the layout
+
+    def follow_layout(self) -> None:
+        """Build the pieces for the reducer's latest buckets, the state moving with them (collective)."""
+        layout = self.shards.layout
+        if layout is None:
+            raise RuntimeError(
+                "optimizer_sharding=True: the optimizer stepped before any backward reduce-scattered its gradients. "
+                "Fix: step only after a backward of the DDP-wrapped module."
+            )
+        if layout == self.layout:
+            return
+        full = self._full_state(everyone=True) if self.layout is not None else self.pending
+        self.layout, self.pending = layout, None
+        local = {self.shards.index_of(p): i for i, p in enumerate(self.parameters)}
+        missing = [
+            i
+            for i, p in enumerate(self.parameters)
+            if p.requires_grad
+            and self.shards.index_of(p) not in {parameter for bucket in layout.buckets for parameter, _ in bucket}
+        ]
+        if missing:
+            raise ValueError(
+                f"optimizer_sharding=True steps what DDP's buckets hold, and parameters {missing} of this optimizer "
+                "are not in the DDP-wrapped module. Fix: give the optimizer the module's parameters only, or set "
+                "`optimizer_sharding='all_reduce'`."
+            )
+        self.pieces = [
+            Piece(local[piece.parameter], piece.start, piece.length, piece.bucket, piece.offset)
+            for piece in pieces_of(layout, self.shards.rank, self.shards.world_size)
+            if piece.parameter in local
+        ]
+        self.tensors = [self._slice(self.parameters[p.parameter].detach(), p).clone() for p in self.pieces]
+        self._build_inner()
+        if full is not None:
+            self._slice_state(full)
+
+    def _build_inner(self) -> None:
+        group_of = {id(p): g for g, group in enumerate(self.param_groups) for p in group["params"]}
+        groups: dict[int, list[Tensor]] = {}
+        for tensor, piece in zip(self.tensors, self.pieces):
+            groups.setdefault(group_of[id(self.parameters[piece.parameter])], []).append(tensor)
+        self.inner_groups = sorted(groups)
+        inner_groups = [
+            {**{k: v for k, v in self.param_groups[g].items() if k != "params"}, "params": groups[g]}
+            for g in self.inner_groups
+        ]
+        self.inner = self.constructor(inner_groups) if inner_groups else None
+
+    # ------------------------------------------------------------------ the state, full and sliced
+
+    def _parts(self) -> StateParts:
+        """This rank's state, by parameter: per-element tensors by their start, and the rest (``step``)."""
+        parts: StateParts = {}
+        if self.inner is None:
+            return parts
+        for tensor, piece in zip(self.tensors, self.pieces):
+            state = self.inner.state.get(tensor)
+            if not state:
+                continue
+            elements, rest = parts.setdefault(piece.parameter, ([], {}))
+            per_element = {k: v.detach().cpu() for k, v in state.items() if _per_element(v, piece.length)}
+            elements.append((piece.start, per_element))
+            rest.update({k: _to_cpu(v) for k, v in state.items() if k not in per_element})
+        return parts
+
+    def _full_state(self, everyone: bool) -> dict[str, Any] | None:
+        """The plain optimizer ``state_dict`` of every rank's pieces, on every rank or on rank 0 only (collective)."""
+        mine = self._parts()
+        world, group = self.shards.world_size, self.shards.process_group
+        if everyone:
+            gathered: list[Any] = [None] * world
+            dist.all_gather_object(gathered, mine, group=group)
+        else:
+            gathered = [None] * world if self.shards.rank == 0 else []
+            dist.gather_object(mine, gathered if self.shards.rank == 0 else None, dst=0, group=group)
+            if self.shards.rank != 0:
+                return None
+        state: dict[int, dict[str, Any]] = {}
+        for parts in gathered:
+            for parameter, (elements, rest) in parts.items():
+                full = state.setdefault(parameter, {})
+                full.update({k: v for k, v in rest.items()})
+                shape = self.parameters[parameter].shape
+                for start, per_element in elements:
+                    for key, value in per_element.items():
+                        whole = full.setdefault(key, value.new_zeros(math.prod(shape)))
+                        whole[start : start + value.numel()].copy_(value)
+        for parameter, full in state.items():
+            shape = self.parameters[parameter].shape
+            device = self.parameters[parameter].device
+            for key, value in full.items():
+                if isinstance(value, Tensor) and value.dim() == 1 and value.numel() == math.prod(shape):
+                    full[key] = value.view(shape).to(device)
+        return {"state": state, "param_groups": self._packed_groups()}
+
+    def _packed_groups(self) -> list[dict[str, Any]]:
+        packed, start = [], 0
+        for group in self.param_groups:
+            count = len(group["params"])
+            packed.append(
+                {**{k: v for k, v in group.items() if k != "params"}, "params": list(range(start, start + count))}
+            )
+            start += count
+        return packed
+
+    def _slice_state(self, full: dict[str, Any]) -> None:
+        assert self.inner is not None or not self.pieces
+        if self.inner is None:
+            return
+        states = {int(k): v for k, v in full.get("state", {}).items()}
+        for tensor, piece in zip(self.tensors, self.pieces):
+            state = states.get(piece.parameter)
+            if not state:
+                continue
+            numel = self.parameters[piece.parameter].numel()
+            self.inner.state[tensor] = {
+                key: (
+                    value.reshape(-1)[piece.start : piece.start + piece.length].to(tensor.device, copy=True)
+                    if _per_element(value, numel)
+                    else (value.clone() if isinstance(value, Tensor) else value)
+                )
+                for key, value in state.items()
+            }
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gather the full optimizer state on rank 0 for ``state_dict`` (a collective: every rank calls it)."""
+        if self.shards.layout is not None:
+            self.follow_layout()
+        # the same condition on every rank: a rank that owns no piece still takes part in the gather
+        self.gathered = self._full_state(everyone=False) if self.layout is not None else self.pending
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        """The plain optimizer's ``state_dict`` (after ``consolidate_state_dict``, on rank 0)."""
+        gathered, self.gathered = self.gathered, None
+        if gathered is None:
+            gathered = self.pending or {"state": {}, "param_groups": self._packed_groups()}
+        return {"state": gathered["state"], "param_groups": self._packed_groups()}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """A plain optimizer's ``state_dict`` (any world size's): the hyperparameters now, the state at the next
+        layout (or now, when the layout is known)."""
+        for group, loaded in zip(self.param_groups, state_dict["param_groups"]):
+            group.update({k: v for k, v in loaded.items() if k != "params"})
+        self.pending, self.layout, self.inner = state_dict, None, None
+        if self.shards.layout is not None:
+            self.follow_layout()
+
+    # ------------------------------------------------------------------ clipping
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the whole gradient: each rank's chunks hold a part of it, so their
+        norms are combined (one all-reduce of one number) before every gradient is scaled."""
+        self.follow_layout()
+        grads = [
+            self._slice(self.parameters[p.parameter].grad, p)
+            for p in self.pieces
+            if self.parameters[p.parameter].grad is not None
+        ]
+        first = next((p for p in self.parameters if p.grad is not None), None)
+        if first is None:
+            return torch.tensor(0.0)
+        local = torch.zeros((), dtype=torch.float32, device=first.device)
+        if grads:
+            norms = torch.stack([torch.linalg.vector_norm(g.float(), norm_type) for g in grads])
+            local = norms.max() if math.isinf(norm_type) else norms.pow(norm_type).sum()
+        infinite = math.isinf(norm_type)
+        dist.all_reduce(local, op=dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM, group=self.shards.process_group)
+        total = local if infinite else local.pow(1.0 / norm_type)
+        if error_if_nonfinite and not torch.isfinite(total):
+            raise RuntimeError(f"The total norm of order {norm_type} of the gradients is non-finite: {total.item()}.")
+        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for parameter in self.parameters:
+            if parameter.grad is not None:
+                parameter.grad.mul_(coefficient.to(parameter.grad.dtype))
+        return total
+
+    def state_bytes(self) -> int:
+        """Bytes of the optimizer state this rank holds."""
+        if self.inner is None:
+            return 0
+        return sum(
+            value.numel() * value.element_size()
+            for state in self.inner.state.values()
+            for value in state.values()
+            if isinstance(value, Tensor)
+        )
+
+
+def _per_element(value: Any, numel: int) -> bool:
+    """Whether a state value holds one number per element (Adam's moments, SGD's momentum), not one per tensor."""
+    return isinstance(value, Tensor) and value.dim() >= 1 and value.numel() == numel
+
+
+def _to_cpu(value: Any) -> Any:
+    return value.detach().cpu() if isinstance(value, Tensor) else value
+
+
+def route_norm_clipping(precision: Any) -> None:
+    """Make Lightning's precision plugin clip a ``BucketShardedOptimizer``'s gradients by their whole norm (its
+    ``clip_grad_by_norm`` would take one rank's chunks for the whole); other optimizers clip as before."""
+    plain = precision.clip_grad_by_norm
+    if getattr(plain, "routes_sharded_norm", False):
+        return
+
+    def clip_grad_by_norm(optimizer: Optimizer, clip_val: float) -> None:
+        if isinstance(optimizer, BucketShardedOptimizer):
+            optimizer.clip_grad_norm_(float(clip_val))
+        else:
+            plain(optimizer, clip_val)
+
+    clip_grad_by_norm.routes_sharded_norm = True  # type: ignore[attr-defined]
+    precision.clip_grad_by_norm = clip_grad_by_norm

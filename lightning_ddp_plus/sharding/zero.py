@@ -1,0 +1,69 @@
+"""``optimizer_sharding`` in a run: the communication hook its mode needs, its optimizers, and how they clip.
+
+The engine owns one ``ZeroSharding``: it picks DDP's hook (``True``: the reduce-scatter, whose state the optimizers
+share), wraps the optimizers when a front end sets them up, and answers for clipping, which ``"overlap"`` refuses and
+``True`` computes over every rank's chunks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import Tensor
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+
+from lightning_ddp_plus.sharding.optimizer import OptimizerSharding, refuse_clipping, shard_optimizers
+from lightning_ddp_plus.sharding.reduce_scatter import GradientShards, reduce_scatter_hook
+from lightning_ddp_plus.sharding.sharded_step import BucketShardedOptimizer, route_norm_clipping
+
+
+class ZeroSharding:
+    """``optimizer_sharding`` as a run applies it.
+
+    Args:
+        mode: ``optimizer_sharding``.
+        all_reduce_now: whether the running backward must all-reduce in full (a static graph's first).
+        info: how a one-line report reaches the user.
+    """
+
+    def __init__(self, mode: OptimizerSharding, all_reduce_now: Callable[[], bool], info: Callable[[str], None]):
+        self.mode, self._info = mode, info
+        #: ``True``: the reduce-scatter hook's state, shared by the sharded optimizers.
+        self.shards = GradientShards(all_reduce_now=all_reduce_now) if mode is True else None
+
+    def hook(self, comm_hook: Any, comm_state: Any) -> tuple[Any, Any]:
+        """The hook DDP gets, and its state: ``True``'s reduce-scatter, or the user's (``ddp_comm_hook``)."""
+        return (comm_hook, comm_state) if self.shards is None else (reduce_scatter_hook, self.shards)
+
+    def shard(
+        self,
+        optimizers: list[Optimizer],
+        ddp: DistributedDataParallel | None,
+        static_graph: bool,
+        clipping: str | None = None,
+        precision: Any = None,
+    ) -> list[Optimizer]:
+        """Each optimizer sharded as the mode says. ``clipping``: what will clip (refused with ``"overlap"``);
+        ``precision``: Lightning's plugin, which then clips a sharded optimizer by the whole norm."""
+        if clipping is not None:
+            refuse_clipping(self.mode, clipping, "Lightning")
+        if self.shards is not None and precision is not None:
+            route_norm_clipping(precision)
+        return shard_optimizers(optimizers, self.mode, ddp, static_graph, self._info, self.shards)
+
+    def clip_norm(
+        self, clipping: str, precision: Any, optimizer: Optimizer, *args: Any, **kwargs: Any
+    ) -> Tensor | None:
+        """Fabric's clipping by norm: refused with ``"overlap"``; over every rank's chunks for ``True`` (after the
+        precision unscaled the gradients); ``None``: the plain clipping applies."""
+        refuse_clipping(self.mode, clipping, "it")
+        if not isinstance(optimizer, BucketShardedOptimizer):
+            return None
+        precision.unscale_gradients(optimizer)
+        return optimizer.clip_grad_norm_(*args, **kwargs)
+
+    def refuse_clipping(self, clipping: str) -> None:
+        """Fabric's clipping by value: refused with ``"overlap"``; elementwise, it needs nothing else."""
+        refuse_clipping(self.mode, clipping, "it")
