@@ -7,6 +7,7 @@ import torch
 from lightning.fabric.accelerators import CPUAccelerator as FabricCPUAccelerator
 
 from lightning_ddp_plus import DDPPlusFabricStrategy, DDPPlusStrategy
+from lightning_ddp_plus.sharding.bucket_shards import BucketLayout, pieces_of
 from lightning_ddp_plus.sharding.optimizer import check_optimizer_sharding
 from lightning_ddp_plus.sharding.partition import assign_ranks, bytes_per_rank
 from tests.helpers import run_case_job
@@ -15,7 +16,8 @@ from tests.test_strategy_args import FakeCUDAAccelerator, trainer
 
 @pytest.mark.parametrize("value", ["zero1", 1, None, "True"])
 def test_a_bad_value_names_what_is_allowed(value):
-    with pytest.raises(ValueError, match=r"`optimizer_sharding=.*allowed: False, True, 'overlap'.*Fix: use True"):
+    allowed = r"allowed: False, True, 'all_reduce', 'overlap'.*Fix: use True"
+    with pytest.raises(ValueError, match=r"`optimizer_sharding=.*" + allowed):
         DDPPlusStrategy(optimizer_sharding=value)
     assert check_optimizer_sharding(True) is True
 
@@ -40,9 +42,21 @@ def test_overlap_refuses_what_would_act_after_its_step(settings, reason):
 
 def test_sharding_without_overlap_takes_every_other_setting():
     strategy = DDPPlusStrategy(
-        optimizer_sharding=True, ddp_comm_hook="fp16", gradient_accumulation_steps=4, bucket_cap_mb="auto"
+        optimizer_sharding="all_reduce", ddp_comm_hook="fp16", gradient_accumulation_steps=4, bucket_cap_mb="auto"
     )
+    assert strategy.arguments.optimizer_sharding == "all_reduce"
+    strategy = DDPPlusStrategy(optimizer_sharding=True, gradient_accumulation_steps=4, bucket_cap_mb="auto")
     assert strategy.arguments.optimizer_sharding is True
+
+
+def test_the_reduce_scatter_is_the_hook_so_a_comm_hook_is_refused_with_the_way_out():
+    for strategy in (DDPPlusStrategy, DDPPlusFabricStrategy):
+        with pytest.raises(
+            ValueError,
+            match=r"`optimizer_sharding=True` cannot run with these settings: `ddp_comm_hook` is set.*"
+            r"use `optimizer_sharding='all_reduce'`.*Fix: as the reason says",
+        ):
+            strategy(optimizer_sharding=True, ddp_comm_hook="fp16")
 
 
 def test_overlap_on_gloo_is_refused_when_the_trainer_is_built():
@@ -105,10 +119,6 @@ def test_the_partition_is_torchs_sorted_greedy_over_whole_parameters():
         assign_ranks([[1]], 0)
 
 
-def adam_state_bytes(numel: int) -> int:
-    return 2 * 4 * numel + 4  # exp_avg and exp_avg_sq in float32, and the float32 step
-
-
 CASES = [
     {"optimizer": "adam", "resume": True},
     {"optimizer": "adamw", "scheduler": True},
@@ -116,6 +126,8 @@ CASES = [
     {"optimizer": "adamw", "k": 4, "clip": 0.05},
     {"optimizer": "groups", "manual_k": 4, "scheduler": True},
     {"optimizer": "adam", "strategy": {"verify_replicas_every_n_steps": 1, "telemetry": True, "bucket_cap_mb": "auto"}},
+    {"optimizer": "adamw", "k": 2, "clip": 0.05, "strategy": {"static_graph": True, "micro_batch_size": 2}},
+    {"optimizer": "adamw", "k": 2, "clip": 0.05, "mode": "all_reduce"},
     {"fabric": True},
     {"overlap": True},
     {"memory": True},
@@ -134,7 +146,7 @@ def close(a, b, tolerance=1e-6):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("index", range(len(CASES) - 2))
+@pytest.mark.parametrize("index", range(len(CASES) - 3))
 def test_sharded_training_equals_unsharded_training(results, index):
     case = results[index]
     plain, sharded = case["plain"], case["with_sharding"]
@@ -149,15 +161,27 @@ def test_sharded_training_equals_unsharded_training(results, index):
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("index", [0, 4])
-def test_each_rank_keeps_the_state_of_its_share_only(results, index):
+def test_each_rank_keeps_the_state_of_its_chunks_only(results, index):
+    # Adam: two float32 moments per element of a rank's pieces, and one float32 step per piece
     case = results[index]
     plain, sharded = case["plain"], case["with_sharding"]
-    numels = plain["numels"]
-    expected = bytes_per_rank(numels, [[adam_state_bytes(n) for n in group] for group in numels], 2)
-    assert sharded["state_bytes"] == expected
-    assert sum(sharded["state_bytes"]) == plain["state_bytes"][0] == plain["state_bytes"][1]
-    largest = max(adam_state_bytes(n) for group in numels for n in group)
-    assert max(sharded["state_bytes"]) <= plain["state_bytes"][0] / 2 + largest
+    layout = BucketLayout(tuple(tuple(tuple(entry) for entry in bucket) for bucket in sharded["layout"]))
+    pieces = [pieces_of(layout, rank, 2) for rank in range(2)]
+    assert sharded["state_bytes"] == [sum(8 * piece.length + 4 for piece in own) for own in pieces]
+    elements = [sum(piece.length for piece in own) for own in pieces]
+    assert sum(elements) == sum(n for group in plain["numels"] for n in group)
+    assert abs(elements[0] - elements[1]) <= len(layout.buckets)  # even to the element, but the padding
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("index", [1, 2])
+def test_sharding_moves_the_bytes_of_ddps_all_reduce(results, index):
+    # per rank, a ring all-reduce of B bytes sends 2(N-1)/N x B = B on 2 ranks: the bytes DDP's hook was handed
+    sharded = results[index]["with_sharding"]
+    handed = sharded["hook_bytes"]
+    padding = 2 * 4 * len(sharded["layout"]) * sharded["steps"]  # at most one float32 per bucket and collective
+    assert sharded["sent_bytes"][0] == sharded["sent_bytes"][1]
+    assert handed <= sharded["sent_bytes"][0] <= handed + padding
 
 
 @pytest.mark.multiprocess
@@ -184,7 +208,7 @@ def test_a_sharded_checkpoint_is_consolidated_and_portable(results):
 
 @pytest.mark.multiprocess
 def test_fabric_save_and_load_of_a_sharded_optimizer(results):
-    case = results[6]
+    case = results[8]
     assert close(case["plain"]["params"], case["resumed_sharded"]["params"])
     assert case["resumed_sharded"]["steps"] == case["plain"]["steps"] == 6
     assert case["resumed_sharded"]["started_at"] == 3
@@ -194,14 +218,14 @@ def test_fabric_save_and_load_of_a_sharded_optimizer(results):
 
 @pytest.mark.multiprocess
 def test_torch_refuses_the_overlap_on_gloo_as_the_strategy_says_before_launch(results):
-    assert results[7]["error"] == "Gloo backend using Overlapping DDP with ZeRO may meet hangs"
+    assert results[9]["error"] == "Gloo backend using Overlapping DDP with ZeRO may meet hangs"
 
 
 @pytest.mark.multiprocess
 def test_the_plans_buckets_gradients_and_shares_are_what_ddp_and_zero_really_hold(results):
     # a tiny real Llama in DDP on 2 ranks: the bytes the reducer's buckets hold (seen by a comm hook), the gradient
     # bytes outside them, and each rank's real ZeRO-1 state after a step, against the memory plan's figures
-    case = results[8]
+    case = results[10]
     trainable = case["plan_trainable"]
     plain, view = case["bucket_view_False"], case["bucket_view_True"]
     assert plain["bucket_bytes"] == view["bucket_bytes"] == trainable

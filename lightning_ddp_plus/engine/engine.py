@@ -55,7 +55,7 @@ class DDPPlusEngine:
         self.in_effect = SettingsInEffect(arguments.settings, on_rebuilt=self._reducer_rebuilt)
         self.window = AccumulationWindow(arguments.gradient_accumulation_steps, arguments.short_window)
         self.conflicts = ConflictCheck(arguments.checkpointing_conflict, warn=warn, info=info)
-        self.sharding = ZeroSharding(arguments.optimizer_sharding, all_reduce_now=self._must_sync, info=info)
+        self.sharding = ZeroSharding(arguments.optimizer_sharding, info=info)
         hook = self.sharding.hook(arguments.comm_hook, arguments.ddp_comm_state)
         self.hooks = HookAssembly(*hook, arguments.ddp_comm_wrapper)
         self.replica_guard = ReplicaGuard(arguments.verify_replicas_every_n_steps)
@@ -82,7 +82,7 @@ class DDPPlusEngine:
             self.micro_batches.auto,
             on_fault=self._sync_fault,
             before_failure_agreement=self._decide_pending_conflicts,
-            rebuild_reducer=self.in_effect.rebuild,
+            rebuild_reducer=self.sharding.rebuilding(self.in_effect.rebuild),
             stop_requested=self.preemption.requested,
         )
         self.micro_batch_runner = MicroBatchRunner(self.micro_batches, self.agreement, self.items, self._must_sync)

@@ -4,10 +4,12 @@ it, so that each rank receives the average of its own chunk (``bucket_shards``) 
 A reduce-scatter moves (N-1)/N of the bucket per rank, half of what an all-reduce moves; the all-gather of the
 updated parameters after the step moves the other half. So sharded training moves DDP's bytes.
 
-After a window's closing backward, a rank's chunk of every bucket holds the averaged gradient and the rest of its
-gradients hold zeros: the sum of the ranks' gradients is the averaged gradient, and anything linear (a rescale, the
-per-item factor) acts on it as on DDP's. The one backward that must all-reduce although its window goes on (a static
-graph's first, which torch's reducer needs synced) runs a plain all-reduce instead, which keeps accumulation exact.
+After a synced backward, a rank's chunk of every bucket holds the averaged gradient and the rest of its gradients
+hold zeros: the sum of the ranks' gradients is the averaged gradient, and anything linear (a rescale, the per-item
+factor) acts on it as on DDP's. A synced backward that does not end its window (a static graph's first, which torch's
+reducer needs synced) is followed by more accumulation: there the averaged chunks a rank received count ``N`` times in
+the next reduce-scatter (they are one rank's where every rank's local gradient used to be), which keeps the window's
+average exact, whichever rank owns those elements by then.
 """
 
 # real (not string) annotations: torch compares the hook's with dist.GradBucket and Future
@@ -31,8 +33,6 @@ class GradientShards:
 
     process_group: Any = None
     """The group the hook and the optimizers communicate in (``None``: the default group)."""
-    all_reduce_now: Callable[[], bool] = lambda: False
-    """Whether the running backward must all-reduce in full (a static graph's first, whatever its window)."""
     parameters: list[Tensor] = field(default_factory=list)
     """Every parameter a bucket held, in the order first seen: a ``BucketLayout`` names them by position here."""
     layout: BucketLayout | None = None
@@ -43,6 +43,7 @@ class GradientShards:
     _index: dict[int, int] = field(default_factory=dict)
     _seen: dict[int, tuple[tuple[int, int], ...]] = field(default_factory=dict)
     _waiter: ThreadPoolExecutor | None = None
+    _received: dict[int, list[tuple[int, Tensor]]] = field(default_factory=dict)
 
     @property
     def world_size(self) -> int:
@@ -84,13 +85,40 @@ class GradientShards:
             try:
                 work.wait()
                 future.set_result(then())
-            except Exception as error:  # the backward's wait raises it
-                future.set_exception(error)
+            except RuntimeError as error:  # a collective's failure: the backward's wait raises it
+                future.set_exception(cast(Any, error))
 
         if self._waiter is None:
             self._waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddp-plus-reduce-scatter")
         self._waiter.submit(wait_then)
         return future
+
+    def note_received(self, buffer: Tensor, parameters: list[Tensor], begin: int, end: int) -> None:
+        """Keep the averaged elements ``begin .. end`` of this bucket (this rank's chunk), by parameter, until a step
+        uses them (``consumed``)."""
+        offset = 0
+        for parameter in parameters:
+            low, high = max(begin, offset), min(end, offset + parameter.numel())
+            if high > low:
+                self._received.setdefault(self.index_of(parameter), []).append((low - offset, buffer[low:high].clone()))
+            offset += parameter.numel()
+
+    def count_received_again(self, padded: Tensor, parameters: list[Tensor]) -> None:
+        """Before a reduce-scatter (its source divided by N): what this rank received and no step used counts N
+        times, as it would have if every rank had kept its own gradient."""
+        if not self._received:
+            return
+        world, offset = self.world_size, 0
+        for parameter in parameters:
+            for start, values in self._received.pop(self.index_of(parameter), []):
+                padded[offset + start : offset + start + values.numel()].add_(values, alpha=(world - 1) / world)
+            offset += parameter.numel()
+
+    def consumed(self) -> None:
+        """A step used the gradients, or a failed attempt's are discarded: nothing received counts again. (Gradients
+        zeroed without a step after a backward that did not end its window would leave what it received counting
+        in the next window: Lightning's loops and the micro-batch chunks never do that.)"""
+        self._received = {}
 
     def count(self, elements: int, element_size: int, times: int = 1) -> None:
         world = self.world_size
@@ -102,14 +130,12 @@ def reduce_scatter_hook(state: GradientShards, bucket: dist.GradBucket) -> torch
     state.record(bucket)
     buffer = bucket.buffer()
     world, group = state.world_size, state.process_group
-    if state.all_reduce_now():
-        state.count(buffer.numel(), buffer.element_size(), times=2)
-        work = dist.all_reduce(buffer.div_(world), group=group, async_op=True)
-        return cast("torch.futures.Future[Tensor]", work.get_future().then(lambda _: buffer))
     size = buffer.numel()
     chunk = chunk_size(size, world)
     padded = buffer if chunk * world == size else torch.cat([buffer, buffer.new_zeros(chunk * world - size)])
     padded.div_(world)
+    parameters = bucket.parameters()
+    state.count_received_again(padded, parameters)
     shard = buffer.new_empty(chunk)
     state.count(chunk * world, buffer.element_size())
     work = dist.reduce_scatter_tensor(shard, padded, group=group, async_op=True)
@@ -120,6 +146,7 @@ def reduce_scatter_hook(state: GradientShards, bucket: dist.GradBucket) -> torch
         buffer.zero_()
         if end > begin:
             buffer[begin:end].copy_(shard[: end - begin])
+        state.note_received(buffer, parameters, begin, end)
         return buffer
 
     return state.future_of(work, own_chunk_only)

@@ -67,6 +67,7 @@ class BucketShardedOptimizer(Optimizer):
         with torch.no_grad():  # gloo's all-gather writes views of its output
             self.follow_layout()
             self._step_pieces()
+            self.shards.consumed()
             self._all_gather()
         return loss
 

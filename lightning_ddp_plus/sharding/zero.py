@@ -24,14 +24,23 @@ class ZeroSharding:
 
     Args:
         mode: ``optimizer_sharding``.
-        all_reduce_now: whether the running backward must all-reduce in full (a static graph's first).
         info: how a one-line report reaches the user.
     """
 
-    def __init__(self, mode: OptimizerSharding, all_reduce_now: Callable[[], bool], info: Callable[[str], None]):
+    def __init__(self, mode: OptimizerSharding, info: Callable[[str], None]):
         self.mode, self._info = mode, info
         #: ``True``: the reduce-scatter hook's state, shared by the sharded optimizers.
-        self.shards = GradientShards(all_reduce_now=all_reduce_now) if mode is True else None
+        self.shards = GradientShards() if mode is True else None
+
+    def rebuilding(self, rebuild: Callable[[Any], None]) -> Callable[[Any], None]:
+        """``rebuild`` (a new reducer after a failed attempt), which first drops what the failed backward received."""
+
+        def rebuild_after_failure(ddp: Any) -> None:
+            if self.shards is not None:
+                self.shards.consumed()
+            rebuild(ddp)
+
+        return rebuild_after_failure
 
     def hook(self, comm_hook: Any, comm_state: Any) -> tuple[Any, Any]:
         """The hook DDP gets, and its state: ``True``'s reduce-scatter, or the user's (``ddp_comm_hook``)."""

@@ -20,6 +20,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from lightning_ddp_plus import DDPPlusFabricStrategy, DDPPlusStrategy
 from lightning_ddp_plus.sharding.optimizer import ShardedOptimizer, register_overlap, shard, state_bytes
+from lightning_ddp_plus.sharding.sharded_step import BucketShardedOptimizer
 from tests.helpers import QUIET_TRAINER, TinyRegression, job_main, regression_data, tiny_llama
 
 
@@ -103,7 +104,7 @@ def fit(
         strategy: Any = DDPStrategy(process_group_backend="gloo")
     else:
         strategy = DDPPlusStrategy(
-            optimizer_sharding=sharding,
+            optimizer_sharding=case.get("mode", True) if sharding else False,
             gradient_accumulation_steps=k,
             resume_from_last=resume_from_last,
             **case.get("strategy", {}),
@@ -126,9 +127,16 @@ def fit(
     optimizer = trainer.strategy.optimizers[0]
     gathered: list[Any] = [None, None]
     dist.all_gather_object(gathered, model.state_bytes)
+    shards = getattr(getattr(getattr(trainer.strategy, "engine", None), "sharding", None), "shards", None)
+    layout = shards.layout.buckets if shards is not None and shards.layout is not None else None
+    sent: list[Any] = [None, None]
+    dist.all_gather_object(sent, shards.sent_bytes if shards is not None else None)
     return {
         "params": flat_parameters(model),
-        "sharded": isinstance(optimizer, ShardedOptimizer),
+        "sharded": isinstance(optimizer, (ShardedOptimizer, BucketShardedOptimizer)),
+        "layout": layout,
+        "sent_bytes": sent,
+        "hook_bytes": trainer.strategy.engine.hooks.counter.bucket_bytes if not stock else None,
         "state_bytes": gathered,
         "steps": trainer.global_step,
         "started_at": start.step,
@@ -176,7 +184,7 @@ def fabric_fit(sharding: Any, root: Path, save_after: int | None = None, load: b
                 fabric.save(root / "fabric.ckpt", {**state, "step": steps})
     return {
         "params": flat_parameters(model),
-        "sharded": isinstance(optimizer.optimizer, ShardedOptimizer),
+        "sharded": isinstance(optimizer.optimizer, (ShardedOptimizer, BucketShardedOptimizer)),
         "lr": optimizer.param_groups[0]["lr"],
         "state_bytes": state_bytes(optimizer.optimizer),
         "steps": steps,
