@@ -1,16 +1,18 @@
 """Optimizer-state sharding (``optimizer_sharding``): the settings it refuses and why, before any process starts,
 and real 2-rank gloo runs that must match unsharded training to 1e-6 and keep their checkpoints portable."""
 
+import json
+
 import lightning as L
 import pytest
 import torch
 from lightning.fabric.accelerators import CPUAccelerator as FabricCPUAccelerator
 
 from lightning_ddp_plus import DDPPlusFabricStrategy, DDPPlusStrategy
-from lightning_ddp_plus.sharding.bucket_shards import BucketLayout, pieces_of
+from lightning_ddp_plus.sharding.bucket_shards import BucketLayout, chunk_size, pieces_of
 from lightning_ddp_plus.sharding.optimizer import check_optimizer_sharding
 from lightning_ddp_plus.sharding.partition import assign_ranks, bytes_per_rank
-from tests.helpers import run_case_job
+from tests.helpers import python_script, run_case_job, start_ranks
 from tests.test_strategy_args import FakeCUDAAccelerator, trainer
 
 
@@ -232,3 +234,44 @@ def test_the_plans_buckets_gradients_and_shares_are_what_ddp_and_zero_really_hol
     assert plain["gradient_bytes_outside_buckets"] == trainable  # the plan's gradients row without bucket view
     assert view["gradient_bytes_outside_buckets"] == 0  # with it: the gradients are the buckets
     assert case["state_by_rank_False"] == case["state_by_rank_True"] == case["plan_state_by_rank"]
+
+
+def test_each_rank_owns_one_equal_chunk_of_every_bucket_padded_to_the_world_size():
+    layout = BucketLayout((((0, 6), (1, 3)), ((2, 2),)))  # buckets of 9 and 2 elements, on 3 ranks
+    owned = [pieces_of(layout, rank, 3) for rank in range(3)]
+    assert [[(p.parameter, p.start, p.length) for p in own] for own in owned] == [
+        [(0, 0, 3), (2, 0, 1)],
+        [(0, 3, 3), (2, 1, 1)],
+        [(1, 0, 3)],  # the second bucket's third chunk is padding only
+    ]
+    assert sorted((p.parameter, p.start) for own in owned for p in own) == [(0, 0), (0, 3), (1, 0), (2, 0), (2, 1)]
+    assert chunk_size(9, 3) == 3 and chunk_size(10, 3) == 4
+
+
+THREE_RANK_CASES = [
+    {"optimizer": "adamw", "clip": 0.05, "resume": True},
+    {"optimizer": "sgd_momentum", "k": 3, "early_sync": True},
+]
+
+
+@pytest.mark.multiprocess
+def test_three_ranks_train_exactly_and_keep_a_third_of_the_state_each(tmp_path):
+    cases = [{**case, "root": str(tmp_path)} for case in THREE_RANK_CASES]
+    out = tmp_path / "results.json"
+    for done in start_ranks(python_script("bucket_shards_job.py") + [str(out), json.dumps(cases)], world_size=3):
+        assert done.returncode == 0, done.stdout[-4000:]
+    adamw, momentum = json.loads(out.read_text())
+    for case in (adamw, momentum):
+        assert case["world_size"] == 3
+        assert case["difference"] <= 1e-5, case
+        assert case["state_keys_equal"] and case["state_difference"] <= 1e-5, case
+        assert case["buckets"] >= 2  # tiny buckets: parameters straddle chunks
+    assert adamw["resumed_difference"] <= 1e-5  # the consolidated state, loaded sharded, goes on as the plain one
+    # a ring all-reduce sends 2(N-1)/N of each bucket per rank; sharding sends the same, but the padding
+    elements = sum(adamw["bucket_elements"])
+    ddp_bytes = 2 * 2 * 4 * elements // 3 * 4  # 4 steps
+    assert ddp_bytes <= adamw["sent_bytes"] <= ddp_bytes + 2 * 4 * 3 * adamw["buckets"] * 4
+    # SGD's momentum: one float32 per element, split to the element (but the padding) over 3 ranks
+    total = 4 * 440
+    assert sum(momentum["state_bytes"]) == total
+    assert max(momentum["state_bytes"]) - min(momentum["state_bytes"]) <= 4 * momentum["buckets"]
