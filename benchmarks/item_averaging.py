@@ -168,7 +168,7 @@ def reference(case: dict) -> tuple[list[torch.Tensor], float, int]:
 
 
 def fabric_run(case: dict) -> tuple[nn.Module, DDPPlusFabricStrategy]:
-    strategy = DDPPlusFabricStrategy(gradient_accumulation_steps=case["k"], timeout="60s")
+    strategy = DDPPlusFabricStrategy(gradient_accumulation_steps=case["k"], timeout="60s", **case.get("strategy", {}))
     fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy)
     fabric.launch()
     net = make_net(case)

@@ -133,6 +133,28 @@ CASES = [
     case("a transformers causal LM", hf=True, lr=0.1),
     case("a transformers causal LM, stock", hf=True, lr=0.1, stock=True, num_items=False),
     case("Fabric", fabric=True),
+    # ZeRO-1 at DDP's bytes with what splits, re-weights, stops or steps a window its own way
+    case(
+        "sharding, auto after an out-of-memory error",
+        k=1,
+        batch_size=16,
+        rows_that_fit=5,
+        strategy={"micro_batch_size": "auto", "optimizer_sharding": True},
+    ),
+    case(
+        "sharding, join on uneven shards", uneven=True, strategy={"uneven_inputs": "join", "optimizer_sharding": True}
+    ),
+    case(
+        "sharding, chunks, static graph, clipping",
+        clip=0.05,
+        strategy={"optimizer_sharding": True, "static_graph": True, "micro_batch_size": 3},
+    ),
+    case(
+        "sharding, manual optimization",
+        manual=True,
+        strategy={"gradient_accumulation_steps": 2, "optimizer_sharding": True},
+    ),
+    case("sharding, Fabric", fabric=True, strategy={"optimizer_sharding": True}),
 ]
 
 
@@ -158,6 +180,11 @@ EXACT = [
     "equal counts without num_items (control)",
     "a transformers causal LM",
     "Fabric",
+    "sharding, auto after an out-of-memory error",
+    "sharding, join on uneven shards",
+    "sharding, chunks, static graph, clipping",
+    "sharding, manual optimization",
+    "sharding, Fabric",
 ]
 
 
