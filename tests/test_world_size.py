@@ -122,7 +122,7 @@ def resumed(tmp_path_factory):
     one, two = (str(folder / name) for name in ("one.ckpt", "two.ckpt"))
     manual, boundary, sharded = (str(folder / name) for name in ("manual.ckpt", "boundary.ckpt", "sharded.ckpt"))
     wide, knobs, stateful = (str(folder / name) for name in ("two_b4.ckpt", "knobs.ckpt", "stateful.ckpt"))
-    items = str(folder / "items.ckpt")
+    items, one_sharded = str(folder / "items.ckpt"), str(folder / "one_sharded.ckpt")
     # 240 samples: 10 steps of 24 on 2 ranks (4 rows x accumulation 3), and the 192 after 2 steps deal evenly to 3
     four_by_three = {"batch_size": 4, "accumulate": 3, "samples": 240}
     manual_case = {"manual": True, "strategy_accumulate": 2}  # the strategy's window, k = 2 on one rank
@@ -131,6 +131,13 @@ def resumed(tmp_path_factory):
         [
             {"name": "one, stop", "stop_after": 4, "accumulate": 2, "checkpoint": one},
             {"name": "one, manual, stop", "stop_after": 4, "checkpoint": manual, **manual_case},
+            {
+                "name": "one, sharded, stop",
+                "stop_after": 4,
+                "accumulate": 2,
+                "checkpoint": one_sharded,
+                "sharding": True,
+            },
         ],
         folder / "1.json",
     )
@@ -150,6 +157,7 @@ def resumed(tmp_path_factory):
             {"name": "two, items, stop", "stop_after": 4, "checkpoint": items, "items": True},
             {"name": "1 -> 2", "resume": one},
             {"name": "1 -> 2, manual", "resume": manual, **manual_case},
+            {"name": "1 -> 2, sharded", "resume": one_sharded, "sharding": True},
         ],
         folder / "2.json",
     )
@@ -189,6 +197,7 @@ def samples(*results) -> list[int]:
         ("one, stop", "1 -> 2", "reference", 16, 1),
         ("one, manual, stop", "1 -> 2, manual", "reference", 16, 1),  # the strategy's window, manual optimization
         ("two, sharded, stop", "2 -> 1, sharded", "reference", 16, 2),  # ZeRO-1 state consolidated, re-sharded
+        ("one, sharded, stop", "1 -> 2, sharded", "reference", 16, 1),  # a chunk per rank from one rank's state
         ("two, stop at the epoch's end", "2 -> 1, at the epoch boundary", "reference, 2 epochs", 32, 2),
         ("two (4 rows x 3), stop", "2 -> 3", "reference, 4 rows x 3", 10, 2),  # 3 processes
         ("two, knobs, stop", "2 -> 1, knobs", "reference", 16, 2),  # chunks, telemetry, join, replica checks
