@@ -38,7 +38,16 @@ BATCH = 8
 FEATURES = 64
 OUTPUTS = 16
 WARMUP_STEPS = 3
-VARIANTS = ("stock", "ddp_plus", "ddp_plus_sharded", "ddp_plus_overlap")
+VARIANTS = (
+    "compute_only",
+    "stock",
+    "ddp_plus",
+    "ddp_plus_sharded",
+    "ddp_plus_sharded_all_reduce",
+    "ddp_plus_overlap",
+)
+#: Bytes a rank sends per step beyond the ring all-reduce, as fractions of the gradient bytes x (n-1)/n.
+EXTRA_BROADCAST = {"ddp_plus_sharded_all_reduce": 1.0}
 
 
 def build_model(width: int, layers: int, batches: int):
@@ -80,8 +89,24 @@ def strategy_for(variant: str):
 
     if variant == "stock":
         return DDPStrategy(process_group_backend="gloo")
-    sharding = {"ddp_plus": False, "ddp_plus_sharded": True, "ddp_plus_overlap": "overlap"}[variant]
+    if variant == "compute_only":  # the bound's compute: the same step, its gradients never sent
+        return DDPPlusStrategy(process_group_backend="gloo", ddp_comm_hook=no_communication)
+    sharding = {
+        "ddp_plus": False,
+        "ddp_plus_sharded": True,
+        "ddp_plus_sharded_all_reduce": "all_reduce",
+        "ddp_plus_overlap": "overlap",
+    }[variant]
     return DDPPlusStrategy(process_group_backend="gloo", optimizer_sharding=sharding, sync_guard=sharding != "overlap")
+
+
+def no_communication(state, bucket):
+    """A comm hook that keeps each rank's own gradients: a step's compute without its communication."""
+    import torch
+
+    future = torch.futures.Future()
+    future.set_result(bucket.buffer())
+    return future
 
 
 def fit_variant(variant: str, args, interface: str | None, nodes: int) -> dict:
@@ -117,9 +142,12 @@ def fit_variant(variant: str, args, interface: str | None, nodes: int) -> dict:
     state = trainer.strategy.optimizer_state(optimizer)  # what a checkpoint save does: consolidates when sharded
     consolidation_s = time.perf_counter() - started
     del state
+    shards = getattr(getattr(trainer.strategy, "engine", None), "sharding", None)
+    counted = shards.shards.sent_bytes / trainer.global_step if shards is not None and shards.shards else None
     row = {
         "step_ms": clock.median_step_ms(WARMUP_STEPS),
         "steps": trainer.global_step,
+        "hook_bytes_per_step": counted,
         "sent_bytes_per_step": sent,
         "state_bytes": state_bytes(optimizer),
         "consolidation_s": consolidation_s,
@@ -130,6 +158,7 @@ def fit_variant(variant: str, args, interface: str | None, nodes: int) -> dict:
         "step_ms": gathered[0]["step_ms"],
         "steps": gathered[0]["steps"],
         "sent_bytes_per_step_by_node": [r["sent_bytes_per_step"] for r in gathered],
+        "hook_bytes_per_step_by_rank": [r["hook_bytes_per_step"] for r in gathered],
         "state_bytes_by_rank": [r["state_bytes"] for r in gathered],
         "consolidation_s_by_rank": [r["consolidation_s"] for r in gathered],
     }
@@ -201,8 +230,8 @@ def summarize(raw: dict, nodes: int, rate: str | None, gradient_bytes: int) -> d
         if "refused" in runs[0]:
             rows[variant] = {"refused": runs[0]["refused"]}
             continue
-        sharded = variant == "ddp_plus_sharded"
-        expected = ring + ((nodes - 1) / nodes * gradient_bytes if sharded else 0)
+        extra = EXTRA_BROADCAST.get(variant, 0.0) * (nodes - 1) / nodes * gradient_bytes
+        expected = 0.0 if variant == "compute_only" else ring + extra
         sent = (
             None
             if rate is None
@@ -218,12 +247,20 @@ def summarize(raw: dict, nodes: int, rate: str | None, gradient_bytes: int) -> d
             ],
             "expected_bytes_per_step": expected,
             "sent_bytes_per_step_by_node": sent,
+            "hook_bytes_per_step_by_rank": runs[0]["hook_bytes_per_step_by_rank"],
             "link_bound_ms": None if rate is None else 1e3 * expected * 8 / rate_bits(rate),
         }
     base = rows.get("stock", {}).get("step_ms")
+    plain = rows.get("ddp_plus", {}).get("step_ms")
+    compute = rows.get("compute_only", {}).get("step_ms")
     for row in rows.values():
         if "step_ms" in row and base:
             row["ratio_to_stock"] = row["step_ms"] / base
+        if "step_ms" in row and plain:
+            row["ratio_to_ddp_plus"] = row["step_ms"] / plain
+        if "step_ms" in row and compute is not None and row.get("link_bound_ms") is not None:
+            row["overlap_bound_ms"] = max(compute, row["link_bound_ms"])
+            row["ratio_to_bound"] = row["step_ms"] / row["overlap_bound_ms"]
     return {"nodes": nodes, "rate": rate or "loopback", "variants": rows}
 
 
@@ -235,22 +272,27 @@ def markdown(report: dict) -> str:
             f"**{result['rate']}, {result['nodes']} nodes x 1 rank**",
             "",
             (
-                "| variant | ms per step (min-max) | vs stock | optimizer state per rank (MiB) | MiB sent per node per "
-                "step (measured) | MiB a ring needs | link bound ms | consolidation s per rank |"
+                "| variant | ms per step (min-max) | vs stock | vs ddp_plus | vs max(compute, link) | optimizer state "
+                "per rank (MiB) | MiB sent per node per step (measured) | MiB counted by the hook | MiB a ring needs | "
+                "link bound ms | consolidation s per rank |"
             ),
-            "|---|---|---|---|---|---|---|---|",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for variant, row in result["variants"].items():
             if "refused" in row:
-                lines.append(f"| `{variant}` | refused before launch: {row['refused'][:160]}... | | | | | | |")
+                lines.append(f"| `{variant}` | refused before launch: {row['refused'][:160]}... | | | | | | | | | |")
                 continue
             sent = row["sent_bytes_per_step_by_node"]
             sent_text = "-" if sent is None else ", ".join(f"{s / mib:.2f}" for s in sent)
             bound = "-" if row["link_bound_ms"] is None else f"{row['link_bound_ms']:.1f}"
+            hook = row.get("hook_bytes_per_step_by_rank") or []
+            hook_text = ", ".join(f"{h / mib:.2f}" for h in hook if h is not None) or "-"
+            to_bound = f"{row['ratio_to_bound']:.2f}" if "ratio_to_bound" in row else "-"
             lines.append(
                 f"| `{variant}` | {row['step_ms']:.1f} ({row['step_ms_min']:.1f}-{row['step_ms_max']:.1f}) | "
-                f"{row.get('ratio_to_stock', 1):.2f} | {', '.join(f'{s / mib:.2f}' for s in row['state_bytes_by_rank'])} | "
-                f"{sent_text} | {row['expected_bytes_per_step'] / mib:.2f} | {bound} | "
+                f"{row.get('ratio_to_stock', 1):.2f} | {row.get('ratio_to_ddp_plus', 1):.2f} | {to_bound} | "
+                f"{', '.join(f'{s / mib:.2f}' for s in row['state_bytes_by_rank'])} | "
+                f"{sent_text} | {hook_text} | {row['expected_bytes_per_step'] / mib:.2f} | {bound} | "
                 f"{', '.join(f'{s:.3f}' for s in row['consolidation_s_by_rank'])} |"
             )
         lines.append("")

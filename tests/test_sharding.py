@@ -234,6 +234,11 @@ def test_the_plans_buckets_gradients_and_shares_are_what_ddp_and_zero_really_hol
     assert plain["gradient_bytes_outside_buckets"] == trainable  # the plan's gradients row without bucket view
     assert view["gradient_bytes_outside_buckets"] == 0  # with it: the gradients are the buckets
     assert case["state_by_rank_False"] == case["state_by_rank_True"] == case["plan_state_by_rank"]
+    # optimizer_sharding=True: the plan's even split of the elements, but DDP's bucket padding (one element of 8
+    # bytes per bucket and rank), a 4-byte step per piece, and the plan's steps spread over elements (4 bytes per
+    # parameter: fewer than 64 here)
+    for real, planned in zip(case["state_by_rank_chunks"], case["plan_chunks_by_rank"]):
+        assert abs(real - planned) <= 8 * case["chunk_buckets"] + 4 * case["chunk_pieces"] + 4 * 64, (real, planned)
 
 
 def test_each_rank_owns_one_equal_chunk_of_every_bucket_padded_to_the_world_size():

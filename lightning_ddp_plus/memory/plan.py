@@ -2,7 +2,7 @@
 
 Per rank, DDP keeps the parameters (and buffers), their gradients, DDP's gradient buckets (a flat copy of the
 gradients, unless ``gradient_as_bucket_view`` makes the gradients views of them), the optimizer state (all of it, or
-with ``optimizer_sharding`` the share torch's partition gives the fullest rank), and the activations one training
+with ``optimizer_sharding=True`` the fullest rank's chunks of it), and the activations one training
 forward saves for its backward. A step holds more than that at its peak, briefly: the backward's temporaries (the
 gradients of the largest outputs, two logits-sized tensors for a language model's loss) or the optimizer step's
 intermediates, whichever is larger; both are measured (one forward and backward, and one optimizer step on copies,
@@ -51,6 +51,7 @@ from lightning_ddp_plus.memory.measure import (
     tensor_bytes,
 )
 from lightning_ddp_plus.memory.sizes import format_size
+from lightning_ddp_plus.sharding.bucket_shards import BucketLayout, pieces_of
 from lightning_ddp_plus.sharding.partition import bytes_per_rank
 
 #: The layouts the plan computes: (name, title, gradient_as_bucket_view, optimizer_sharding, checkpointing).
@@ -101,7 +102,23 @@ class ModelFigures:
         return sum(p.optimizer_state for group in self.groups for p in group)
 
     def optimizer_state_by_rank(self, world_size: int) -> list[int]:
-        """Each rank's share with ``optimizer_sharding`` (torch's partition of whole parameters)."""
+        """Each rank's share with ``optimizer_sharding=True``: the elements that have state, in the optimizer's order,
+        in N equal chunks (DDP's buckets are chunked one by one, so a rank may hold a few elements more, the padding).
+        """
+        stateful = [p for group in self.groups for p in group if p.optimizer_state and p.numel]
+        layout = BucketLayout((tuple((index, p.numel) for index, p in enumerate(stateful)),))
+        return [
+            round(
+                sum(
+                    piece.length * stateful[piece.parameter].optimizer_state / stateful[piece.parameter].numel
+                    for piece in pieces_of(layout, rank, world_size)
+                )
+            )
+            for rank in range(world_size)
+        ]
+
+    def optimizer_state_by_rank_whole_parameters(self, world_size: int) -> list[int]:
+        """Each rank's share with ``optimizer_sharding="all_reduce"`` (torch's partition of whole parameters)."""
         numels = [[p.numel for p in group] for group in self.groups]
         states = [[p.optimizer_state for p in group] for group in self.groups]
         return bytes_per_rank(numels, states, world_size)
@@ -313,7 +330,7 @@ def _notes(figures: ModelFigures, world_size: int, shares: list[int]) -> tuple[s
             "optimizer state per rank with sharding: "
             + ", ".join(format_size(s) for s in shares[:8])
             + (" ..." if world_size > 8 else "")
-            + f" (whole parameters per rank; 1/{world_size} would be {format_size(figures.optimizer_state / world_size)})"
+            + f" (1/{world_size} of the elements each, to the element but DDP's bucket padding)"
         )
     return tuple(notes)
 

@@ -19,7 +19,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from lightning_ddp_plus import DDPPlusFabricStrategy, DDPPlusStrategy
-from lightning_ddp_plus.sharding.optimizer import ShardedOptimizer, register_overlap, shard, state_bytes
+from lightning_ddp_plus.sharding.optimizer import ShardedOptimizer, bucket_sharded, register_overlap, shard, state_bytes
+from lightning_ddp_plus.sharding.reduce_scatter import GradientShards, reduce_scatter_hook
 from lightning_ddp_plus.sharding.sharded_step import BucketShardedOptimizer
 from tests.helpers import QUIET_TRAINER, TinyRegression, job_main, regression_data, tiny_llama
 
@@ -239,7 +240,8 @@ def run_memory_case(case: dict) -> dict:
     result: dict = {
         **case,
         "plan_trainable": figures.trainable,
-        "plan_state_by_rank": figures.optimizer_state_by_rank(2),
+        "plan_state_by_rank": figures.optimizer_state_by_rank_whole_parameters(2),
+        "plan_chunks_by_rank": figures.optimizer_state_by_rank(2),
     }
     for bucket_view in (False, True):
         ddp = nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=bucket_view, bucket_cap_mb=0.25)
@@ -269,6 +271,19 @@ def run_memory_case(case: dict) -> dict:
         result[f"state_by_rank_{bucket_view}"] = gathered
         model.zero_grad(set_to_none=True)
         del ddp, optimizer
+    # optimizer_sharding=True: DDP's buckets reduce-scattered, each rank's chunks stepped
+    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.25)
+    shards = GradientShards()
+    ddp.register_comm_hook(shards, reduce_scatter_hook)
+    chunked = bucket_sharded(torch.optim.AdamW(model.parameters()), shards)
+    ddp(input_ids=ids, labels=ids).loss.backward()
+    chunked.step()
+    gathered = [None, None]
+    dist.all_gather_object(gathered, state_bytes(chunked))
+    result["state_by_rank_chunks"] = gathered
+    result["chunk_buckets"] = len(shards.layout.buckets) if shards.layout else 0
+    result["chunk_pieces"] = len(chunked.pieces)
+    model.zero_grad(set_to_none=True)
     return result
 
 
