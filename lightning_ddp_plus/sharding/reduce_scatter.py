@@ -2,7 +2,8 @@
 it, so that each rank receives the average of its own chunk (``bucket_shards``) and nothing else.
 
 A reduce-scatter moves (N-1)/N of the bucket per rank, half of what an all-reduce moves; the all-gather of the
-updated parameters after the step moves the other half. So sharded training moves DDP's bytes.
+updated parameters after the step moves the other half. So sharded training moves DDP's bytes. NCCL's collectives do
+that; on gloo, whose reduce-scatter is a full all-reduce, a ring of sends does (``ring``), on one thread of the hook's.
 
 After a synced backward, a rank's chunk of every bucket holds the averaged gradient and the rest of its gradients
 hold zeros: the sum of the ranks' gradients is the averaged gradient, and anything linear (a rescale, the per-item
@@ -24,6 +25,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_ddp_plus.sharding.bucket_shards import BucketLayout, chunk_size
+from lightning_ddp_plus.sharding.ring import ring_reduce_scatter
 
 
 @dataclass(eq=False, kw_only=True)
@@ -72,25 +74,25 @@ class GradientShards:
             self.layout = BucketLayout(tuple(self._seen[index] for index in sorted(self._seen)))
             self._seen = {}
 
-    def future_of(self, work: Any, then: Callable[[], Tensor]) -> torch.futures.Future[torch.Tensor]:
-        """A future of ``then()`` once ``work`` completes. gloo gives no future for a reduce-scatter ("Work::getFuture
-        not implemented"): a thread of this state's waits for it then, so the backward still runs on meanwhile."""
-        try:
-            return cast("torch.futures.Future[Tensor]", work.get_future().then(lambda _: then()))
-        except RuntimeError:
-            pass
+    @property
+    def uses_ring(self) -> bool:
+        """gloo's reduce-scatter is a full all-reduce: the project's ring of sends runs there instead (``ring``)."""
+        return dist.get_backend(self.process_group) == "gloo"
+
+    def in_thread(self, run: Callable[[], Tensor]) -> torch.futures.Future[torch.Tensor]:
+        """A future of ``run()``, run on this state's one thread, in the order submitted (every rank submits the
+        buckets in the same order, so their messages match), while the backward goes on."""
         future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
 
-        def wait_then() -> None:
+        def run_then_set() -> None:
             try:
-                work.wait()
-                future.set_result(then())
+                future.set_result(run())
             except RuntimeError as error:  # a collective's failure: the backward's wait raises it
                 future.set_exception(cast(Any, error))
 
         if self._waiter is None:
             self._waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddp-plus-reduce-scatter")
-        self._waiter.submit(wait_then)
+        self._waiter.submit(run_then_set)
         return future
 
     def note_received(self, buffer: Tensor, parameters: list[Tensor], begin: int, end: int) -> None:
@@ -136,17 +138,20 @@ def reduce_scatter_hook(state: GradientShards, bucket: dist.GradBucket) -> torch
     padded.div_(world)
     parameters = bucket.parameters()
     state.count_received_again(padded, parameters)
-    shard = buffer.new_empty(chunk)
     state.count(chunk * world, buffer.element_size())
-    work = dist.reduce_scatter_tensor(shard, padded, group=group, async_op=True)
     begin = state.rank * chunk
     end = min(begin + chunk, size)
 
-    def own_chunk_only(_: Any = None) -> Tensor:
+    def own_chunk_only(shard: Tensor) -> Tensor:
+        own = shard[: end - begin].clone()  # the ring's shard is a view of its scratch space, which may be the buffer
         buffer.zero_()
         if end > begin:
-            buffer[begin:end].copy_(shard[: end - begin])
+            buffer[begin:end].copy_(own)
         state.note_received(buffer, parameters, begin, end)
         return buffer
 
-    return state.future_of(work, own_chunk_only)
+    if state.uses_ring:
+        return state.in_thread(lambda: own_chunk_only(ring_reduce_scatter(padded, group)))
+    shard = buffer.new_empty(chunk)
+    work = dist.reduce_scatter_tensor(shard, padded, group=group, async_op=True)
+    return cast("torch.futures.Future[Tensor]", work.get_future().then(lambda _: own_chunk_only(shard)))
