@@ -106,12 +106,11 @@ def test_bad_yaml_value_fails_before_training(tmp_path):
     assert not dist.is_initialized()
 
 
-def test_optimizer_sharding_from_yaml(tmp_path):
-    from lightning_ddp_plus.sharding.optimizer import ShardedOptimizer
-
-    strategy = "\n    class_path: lightning_ddp_plus.DDPPlusStrategy\n    init_args: {optimizer_sharding: true}"
+@pytest.mark.parametrize(("written", "kind"), [("true", "BucketShardedOptimizer"), ("all_reduce", "ShardedOptimizer")])
+def test_optimizer_sharding_from_yaml(tmp_path, written, kind):
+    strategy = f"\n    class_path: lightning_ddp_plus.DDPPlusStrategy\n    init_args: {{optimizer_sharding: {written}}}"
     cli = run_cli(tmp_path, strategy)
-    assert isinstance(cli.trainer.strategy.optimizers[0], ShardedOptimizer)
+    assert type(cli.trainer.strategy.optimizers[0]).__name__ == kind
     assert cli.trainer.global_step == 2
 
 

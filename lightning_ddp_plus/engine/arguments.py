@@ -305,14 +305,16 @@ class DDPPlusArguments:
     on."""
 
     optimizer_sharding: OptimizerSharding = argument(False, _value_only(check_optimizer_sharding))
-    """ZeRO stage 1: ``True`` wraps every optimizer in torch's ``ZeroRedundancyOptimizer`` with its class,
-    hyperparameters and parameter groups, so each rank keeps the optimizer state of about 1/N of the parameters
-    (whole parameters, so unevenly on small models) and the updated parameters are broadcast after each step; exact,
-    on every backend. ``"overlap"`` runs the step inside the backward with torch's ``hook_with_zero_step`` (NCCL/HCCL
-    only: refused on gloo before launch; torch applies no update in the first 2 steps, 3 with ``static_graph``;
-    refused with a comm hook, accumulation, ``bucket_cap_mb="auto"``, ``sync_guard``, ``uneven_inputs="join"`` and
-    gradient clipping). Checkpoints hold the consolidated, plain optimizer state (gathered on rank 0 at each save).
-    Default ``False``."""
+    """ZeRO stage 1, each rank keeping the optimizer state of 1/N of the model. ``True``: each gradient bucket is
+    reduce-scattered during the backward, each rank steps its chunk of every bucket (padded to a multiple of the world
+    size), and the updated parameters are all-gathered: the bytes of DDP's all-reduce, exact, on every backend (on
+    gloo through a ring of sends); refused with ``ddp_comm_hook`` (it is the hook). ``"all_reduce"``: torch's
+    ``ZeroRedundancyOptimizer`` after the full all-reduce, whole parameters per rank, the updated parameters broadcast
+    (1.5x DDP's bytes); the one to pick with a compressing comm hook. ``"overlap"`` runs that step inside the backward
+    with torch's ``hook_with_zero_step`` (NCCL/HCCL only: refused on gloo before launch; torch applies no update in
+    the first 2 steps, 3 with ``static_graph``; refused with a comm hook, accumulation, ``bucket_cap_mb="auto"``,
+    ``sync_guard``, ``uneven_inputs="join"`` and gradient clipping). Checkpoints hold the consolidated, plain
+    optimizer state (gathered on rank 0 at each save). Default ``False``."""
 
     stall_report_after: TimeoutLike | Literal["auto"] | None = argument("auto", _stall_threshold)
     """How long a collective may be waited in before the ranks compare what they are doing, through the job's store,

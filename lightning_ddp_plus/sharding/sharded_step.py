@@ -17,6 +17,7 @@ any world size, and a plain file loads here.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -330,9 +331,9 @@ def _to_cpu(value: Any) -> Any:
 def route_norm_clipping(precision: Any) -> None:
     """Make Lightning's precision plugin clip a ``BucketShardedOptimizer``'s gradients by their whole norm (its
     ``clip_grad_by_norm`` would take one rank's chunks for the whole); other optimizers clip as before."""
-    plain = precision.clip_grad_by_norm
-    if getattr(plain, "routes_sharded_norm", False):
+    if precision in ROUTED_PRECISIONS:
         return
+    plain = precision.clip_grad_by_norm
 
     def clip_grad_by_norm(optimizer: Optimizer, clip_val: float) -> None:
         if isinstance(optimizer, BucketShardedOptimizer):
@@ -340,5 +341,9 @@ def route_norm_clipping(precision: Any) -> None:
         else:
             plain(optimizer, clip_val)
 
-    clip_grad_by_norm.routes_sharded_norm = True  # type: ignore[attr-defined]
     precision.clip_grad_by_norm = clip_grad_by_norm
+    ROUTED_PRECISIONS.add(precision)
+
+
+#: The precision plugins ``route_norm_clipping`` changed (each once).
+ROUTED_PRECISIONS: weakref.WeakSet[Any] = weakref.WeakSet()
