@@ -194,7 +194,8 @@ def memory_plan(
     except Exception as error:  # noqa: BLE001 - the plan needs one real forward; say why it could not run
         return None, f"memory plan: not made (one training forward could not run here: {type(error).__name__}: {error})"
     size = requested.world_size or trainer.num_devices * trainer.num_nodes
-    plan = plan_layouts(figures, size, device_memory, configured=configured)
+    whole = engine is not None and engine.arguments.optimizer_sharding == "all_reduce"
+    plan = plan_layouts(figures, size, device_memory, configured=configured, whole_parameters=whole)
     memory = "" if device_memory is None else f" against {source}"
     return (
         plan,

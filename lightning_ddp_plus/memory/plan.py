@@ -361,8 +361,10 @@ def plan_layouts(
     device_memory: int | None = None,
     headroom: float = 0.1,
     configured: tuple[bool, bool] | None = None,
+    whole_parameters: bool = False,
 ) -> MemoryPlan:
     """Per-rank bytes of each layout at ``world_size``, and the decision when ``device_memory`` is known.
+    ``whole_parameters``: sharding shares whole parameters (``optimizer_sharding="all_reduce"``), not elements.
 
     ``configured``: the run's (``gradient_as_bucket_view``, ``optimizer_sharding``), marked in the table (and
     added as a row when no computed layout is it)."""
@@ -370,7 +372,8 @@ def plan_layouts(
         raise ValueError(f"world_size must be at least 1, got {world_size}")
     if not 0 <= headroom < 1:
         raise ValueError(f"headroom must be a fraction in [0, 1), got {headroom}")
-    shares = figures.optimizer_state_by_rank(world_size)
+    by_rank = figures.optimizer_state_by_rank_whole_parameters if whole_parameters else figures.optimizer_state_by_rank
+    shares = by_rank(world_size)
     sharded_state = max(shares, default=0)
     checkpointing_row = figures.activations_checkpointed is not None and not figures.checkpointing_on
     layouts = [_layout(figures, sharded_state, *spec) for spec in LAYOUTS if not spec[4] or checkpointing_row]

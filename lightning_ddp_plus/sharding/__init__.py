@@ -1,8 +1,10 @@
-"""Optimizer-state sharding (ZeRO stage 1): each rank keeps the optimizer state of a share of the parameters.
+"""Optimizer-state sharding (ZeRO stage 1): each rank keeps the optimizer state of 1/N of the model.
 
-``partition``: torch's sorted-greedy assignment of whole parameters to ranks, as plain arithmetic (the memory plan
-uses it); ``optimizer``: wrapping an optimizer in ``ZeroRedundancyOptimizer`` with its class, hyperparameters and
-parameter groups, what each mode refuses and why, and the overlap hook.
+``zero``: the mode as a run applies it (the hook, the optimizers, clipping); ``bucket_shards``: each rank's chunk of
+every gradient bucket, as arithmetic; ``reduce_scatter``: the hook of ``optimizer_sharding=True``; ``sharded_step``:
+the step on a rank's chunks and the all-gather; ``ring``: reduce-scatter and all-gather from sends, for gloo;
+``optimizer``: the modes and what each refuses, torch's ``ZeroRedundancyOptimizer`` for ``"all_reduce"`` and
+``"overlap"``; ``partition``: torch's sorted-greedy assignment of whole parameters to ranks, as arithmetic.
 
 May import: ``config``, ``private_apis``.
 """

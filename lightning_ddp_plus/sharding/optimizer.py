@@ -183,11 +183,8 @@ class ShardedOptimizer(ZeroRedundancyOptimizer):
             self._all_state_dicts: list[dict[str, Any]] = []
 
 
-def shard(optimizer: Optimizer, overlap: bool = False) -> ShardedOptimizer:
-    """Wrap ``optimizer`` in a ``ShardedOptimizer`` of its class, hyperparameters and parameter groups (the process
-    group must exist). State it already has (it stepped before) is carried over, each rank keeping its share."""
-    if isinstance(optimizer, ShardedOptimizer):
-        return optimizer
+def refuse_sharded_twice(optimizer: Optimizer) -> None:
+    """The user's optimizer is already torch's sharded one: the strategy would shard it again."""
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         raise ArgumentTypeError(
             describe_bad_value(
@@ -197,6 +194,14 @@ def shard(optimizer: Optimizer, overlap: bool = False) -> ShardedOptimizer:
                 "return the plain optimizer (e.g. `torch.optim.AdamW(...)`) and let `optimizer_sharding` wrap it.",
             )
         )
+
+
+def shard(optimizer: Optimizer, overlap: bool = False) -> ShardedOptimizer:
+    """Wrap ``optimizer`` in a ``ShardedOptimizer`` of its class, hyperparameters and parameter groups (the process
+    group must exist). State it already has (it stepped before) is carried over, each rank keeping its share."""
+    if isinstance(optimizer, ShardedOptimizer):
+        return optimizer
+    refuse_sharded_twice(optimizer)
     state = optimizer.state_dict() if optimizer.state else None
     if overlap and len(optimizer.param_groups) != 1:
         raise ArgumentValueError(
@@ -232,15 +237,7 @@ def bucket_sharded(optimizer: Optimizer, shards: GradientShards) -> BucketSharde
     """``optimizer`` stepped on this rank's chunks of the gradient buckets (``optimizer_sharding=True``)."""
     if isinstance(optimizer, BucketShardedOptimizer):
         return optimizer
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
-        raise ArgumentTypeError(
-            describe_bad_value(
-                "optimizer_sharding",
-                True,
-                "this optimizer is already a ZeroRedundancyOptimizer, and the strategy would shard it again.",
-                "return the plain optimizer (e.g. `torch.optim.AdamW(...)`) and let `optimizer_sharding` wrap it.",
-            )
-        )
+    refuse_sharded_twice(optimizer)
     defaults = constructor_defaults(optimizer)
     return BucketShardedOptimizer(optimizer, shards, lambda groups: type(optimizer)(groups, **defaults))
 
