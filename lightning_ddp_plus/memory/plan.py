@@ -330,7 +330,7 @@ def _notes(figures: ModelFigures, world_size: int, shares: list[int]) -> tuple[s
             "optimizer state per rank with sharding: "
             + ", ".join(format_size(s) for s in shares[:8])
             + (" ..." if world_size > 8 else "")
-            + f" (1/{world_size} of the elements each, to the element but DDP's bucket padding)"
+            + f" (1/{world_size} would be {format_size(figures.optimizer_state / world_size)})"
         )
     return tuple(notes)
 
