@@ -308,7 +308,7 @@ class DDPPlusArguments:
     """ZeRO stage 1, each rank keeping the optimizer state of 1/N of the model. ``True``: each gradient bucket is
     reduce-scattered during the backward, each rank steps its chunk of every bucket (padded to a multiple of the world
     size), and the updated parameters are all-gathered: the bytes of DDP's all-reduce, exact, on every backend (on
-    gloo through a ring of sends); refused with ``ddp_comm_hook`` (it is the hook). ``"all_reduce"``: torch's
+    gloo through pairwise exchanges); refused with ``ddp_comm_hook`` (it is the hook). ``"all_reduce"``: torch's
     ``ZeroRedundancyOptimizer`` after the full all-reduce, whole parameters per rank, the updated parameters broadcast
     (1.5x DDP's bytes); the one to pick with a compressing comm hook. ``"overlap"`` runs that step inside the backward
     with torch's ``hook_with_zero_step`` (NCCL/HCCL only: refused on gloo before launch; torch applies no update in

@@ -2,7 +2,7 @@
 
 ``zero``: the mode as a run applies it (the hook, the optimizers, clipping); ``bucket_shards``: each rank's chunk of
 every gradient bucket, as arithmetic; ``reduce_scatter``: the hook of ``optimizer_sharding=True``; ``sharded_step``:
-the step on a rank's chunks and the all-gather; ``ring``: reduce-scatter and all-gather from sends, for gloo;
+the step on a rank's chunks and the all-gather; ``exchange``: reduce-scatter and all-gather as pairwise exchanges, for gloo;
 ``optimizer``: the modes and what each refuses, torch's ``ZeroRedundancyOptimizer`` for ``"all_reduce"`` and
 ``"overlap"``; ``partition``: torch's sorted-greedy assignment of whole parameters to ranks, as arithmetic.
 

@@ -3,7 +3,8 @@ it, so that each rank receives the average of its own chunk (``bucket_shards``) 
 
 A reduce-scatter moves (N-1)/N of the bucket per rank, half of what an all-reduce moves; the all-gather of the
 updated parameters after the step moves the other half. So sharded training moves DDP's bytes. NCCL's collectives do
-that; on gloo, whose reduce-scatter is a full all-reduce, a ring of sends does (``ring``), on one thread of the hook's.
+that; on gloo, whose reduce-scatter is a full all-reduce, pairwise exchanges in pieces do (``exchange``), on one thread of
+the hook's.
 
 After a synced backward, a rank's chunk of every bucket holds the averaged gradient and the rest of its gradients
 hold zeros: the sum of the ranks' gradients is the averaged gradient, and anything linear (a rescale, the per-item
@@ -25,7 +26,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_ddp_plus.sharding.bucket_shards import BucketLayout, chunk_size
-from lightning_ddp_plus.sharding.ring import ring_reduce_scatter
+from lightning_ddp_plus.sharding.exchange import exchange_reduce_scatter
 
 
 @dataclass(eq=False, kw_only=True)
@@ -40,8 +41,8 @@ class GradientShards:
     layout: BucketLayout | None = None
     """The buckets of the latest backward that reduce-scattered every bucket."""
     sent_bytes: int = 0
-    """Bytes this rank's reduce-scatters, all-reduces and all-gathers sent (ring algorithm: (N-1)/N of each
-    collective's full size, twice for an all-reduce)."""
+    """Bytes this rank's reduce-scatters and all-gathers sent: (N-1)/N of each one's full size, as a ring or a
+    pairwise exchange sends."""
     _index: dict[int, int] = field(default_factory=dict)
     _seen: dict[int, tuple[tuple[int, int], ...]] = field(default_factory=dict)
     _waiter: ThreadPoolExecutor | None = None
@@ -75,8 +76,8 @@ class GradientShards:
             self._seen = {}
 
     @property
-    def uses_ring(self) -> bool:
-        """gloo's reduce-scatter is a full all-reduce: the project's ring of sends runs there instead (``ring``)."""
+    def uses_exchange(self) -> bool:
+        """gloo's reduce-scatter is a full all-reduce: pairwise exchanges run there instead (``exchange``)."""
         return dist.get_backend(self.process_group) == "gloo"
 
     def in_thread(self, run: Callable[[], Tensor]) -> torch.futures.Future[torch.Tensor]:
@@ -143,15 +144,15 @@ def reduce_scatter_hook(state: GradientShards, bucket: dist.GradBucket) -> torch
     end = min(begin + chunk, size)
 
     def own_chunk_only(shard: Tensor) -> Tensor:
-        own = shard[: end - begin].clone()  # the ring's shard is a view of its scratch space, which may be the buffer
+        own = shard[: end - begin].clone()  # the shard may be a view of the buffer
         buffer.zero_()
         if end > begin:
             buffer[begin:end].copy_(own)
         state.note_received(buffer, parameters, begin, end)
         return buffer
 
-    if state.uses_ring:
-        return state.in_thread(lambda: own_chunk_only(ring_reduce_scatter(padded, group)))
+    if state.uses_exchange:
+        return state.in_thread(lambda: own_chunk_only(exchange_reduce_scatter(padded, group)))
     shard = buffer.new_empty(chunk)
     work = dist.reduce_scatter_tensor(shard, padded, group=group, async_op=True)
     return cast("torch.futures.Future[Tensor]", work.get_future().then(lambda _: own_chunk_only(shard)))

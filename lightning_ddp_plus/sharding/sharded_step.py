@@ -29,8 +29,8 @@ from typing_extensions import override
 
 from lightning_ddp_plus.private_apis.torch_distributed import mark_stepped
 from lightning_ddp_plus.sharding.bucket_shards import BucketLayout, Piece, chunk_size, pieces_of
+from lightning_ddp_plus.sharding.exchange import exchange_all_gather
 from lightning_ddp_plus.sharding.reduce_scatter import GradientShards
-from lightning_ddp_plus.sharding.ring import ring_all_gather
 
 #: One rank's optimizer state for the full state: parameter -> (per-element state by start, the rest of its state).
 StateParts = dict[int, tuple[list[tuple[int, dict[str, Tensor]]], dict[str, Any]]]
@@ -114,10 +114,10 @@ class BucketShardedOptimizer(Optimizer):
             full = first.new_empty(chunk * world)
             self.shards.count(chunk * world, first.element_size())
             transfers.append((bucket, full, shard))
-        if self.shards.uses_ring:
-            ring_all_gather([(full, shard) for _, full, shard in transfers], group)
+        if self.shards.uses_exchange:
+            exchange_all_gather([(full, shard) for _, full, shard in transfers], group)
         works = [
-            None if self.shards.uses_ring else dist.all_gather_into_tensor(full, shard, group=group, async_op=True)
+            None if self.shards.uses_exchange else dist.all_gather_into_tensor(full, shard, group=group, async_op=True)
             for _, full, shard in transfers
         ]
         for (bucket, full, _), work in zip(transfers, works):
