@@ -1,7 +1,7 @@
 """The decision table: which layout to train with, given which ones fit, as frozen data read in order.
 
 It follows the Hugging Face multi-GPU guide: a model that fits on one device trains with DDP or ZeRO (try both:
-sharding frees memory for a larger batch, at one parameter broadcast per step); one that does not fit needs its
+sharding frees memory for a larger batch, at DDP's bytes but with its all-gather after the step); one that does not fit needs its
 parameters and gradients sharded too (ZeRO-3: Lightning's ``FSDPStrategy`` or ``DeepSpeedStrategy(stage=3)``), or
 pipeline / tensor parallelism when even its largest layer does not fit.
 """
@@ -26,7 +26,8 @@ DECISIONS: tuple[Decision, ...] = (
         "ddp",
         "fits with plain DDP",
         "train with DDP as configured. Optimizer sharding (`optimizer_sharding=True`) would free {sharding_saves} "
-        "per rank for a larger batch, at one parameter broadcast ({parameters}) per optimizer step: measure both.",
+        "per rank for a larger batch, at DDP's bytes (a reduce-scatter and an all-gather of {parameters} instead of "
+        "the all-reduce), the all-gather after the step: measure both.",
     ),
     Decision(
         "ddp_bucket_view",
