@@ -280,3 +280,18 @@ def test_three_ranks_train_exactly_and_keep_a_third_of_the_state_each(tmp_path):
     total = 4 * 440
     assert sum(momentum["state_bytes"]) == total
     assert max(momentum["state_bytes"]) - min(momentum["state_bytes"]) <= 4 * momentum["buckets"]
+
+
+def test_fp16_gradient_scaling_is_refused_with_its_way_out_and_bf16_is_taken():
+    # each rank would look for inf in its own chunks only, and skip its step alone
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from lightning_ddp_plus.sharding.zero import ZeroSharding
+
+    sharding = ZeroSharding(True, info=print)
+    with pytest.raises(ValueError, match=r"gradient scaler.*Fix: use `precision='bf16-mixed'`.*'all_reduce'"):
+        sharding.shard([], None, False, precision=MixedPrecision("16-mixed", "cpu"))
+    assert sharding.shard([], None, False, precision=MixedPrecision("bf16-mixed", "cpu")) == []
+    assert (
+        ZeroSharding("all_reduce", info=print).shard([], None, False, precision=MixedPrecision("16-mixed", "cpu")) == []
+    )

@@ -188,7 +188,7 @@ class DDPPlusFabricStrategy(DDPPlusFrontEnd, DDPStrategy):
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         """With ``optimizer_sharding``: the optimizer as a ``ShardedOptimizer``. A learning-rate scheduler built on
         the optimizer before ``fabric.setup`` keeps working (they share the parameter groups)."""
-        return self.engine.shard_optimizers([super().setup_optimizer(optimizer)], None, None)[0]
+        return self.engine.shard_optimizers([super().setup_optimizer(optimizer)], None, self.precision)[0]
 
     @override
     def clip_gradients_norm(self, module: Module, optimizer: Optimizer, *args: Any, **kwargs: Any) -> Tensor:

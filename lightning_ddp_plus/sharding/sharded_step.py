@@ -239,6 +239,12 @@ class BucketShardedOptimizer(Optimizer):
         if self.inner is None:
             return
         states = {int(k): v for k, v in full.get("state", {}).items()}
+        on_device = {  # torch keeps "step" with the parameters for capturable and fused steps, else on the CPU
+            id(tensor)
+            for group in self.inner.param_groups
+            if group.get("capturable") or group.get("fused")
+            for tensor in group["params"]
+        }
         for tensor, piece in zip(self.tensors, self.pieces):
             state = states.get(piece.parameter)
             if not state:
@@ -248,7 +254,7 @@ class BucketShardedOptimizer(Optimizer):
                 key: (
                     value.reshape(-1)[piece.start : piece.start + piece.length].to(tensor.device, copy=True)
                     if _per_element(value, numel)
-                    else (value.clone() if isinstance(value, Tensor) else value)
+                    else _scalar_state(value, tensor.device if id(tensor) in on_device else None)
                 )
                 for key, value in state.items()
             }
@@ -322,6 +328,13 @@ class BucketShardedOptimizer(Optimizer):
 def _per_element(value: Any, numel: int) -> bool:
     """Whether a state value holds one number per element (Adam's moments, SGD's momentum), not one per tensor."""
     return isinstance(value, Tensor) and value.dim() >= 1 and value.numel() == numel
+
+
+def _scalar_state(value: Any, device: torch.device | None) -> Any:
+    """A copy of a per-tensor state value (Adam's ``step``), on ``device`` when the step needs it there."""
+    if not isinstance(value, Tensor):
+        return value
+    return value.to(device, copy=True) if device is not None else value.clone()
 
 
 def _to_cpu(value: Any) -> Any:

@@ -14,6 +14,7 @@ from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
+from lightning_ddp_plus.config.messages import ArgumentValueError, describe_bad_value
 from lightning_ddp_plus.sharding.optimizer import OptimizerSharding, refuse_clipping, shard_optimizers
 from lightning_ddp_plus.sharding.reduce_scatter import GradientShards, reduce_scatter_hook
 from lightning_ddp_plus.sharding.sharded_step import BucketShardedOptimizer, route_norm_clipping
@@ -55,10 +56,25 @@ class ZeroSharding:
         precision: Any = None,
     ) -> list[Optimizer]:
         """Each optimizer sharded as the mode says. ``clipping``: what will clip (refused with ``"overlap"``);
-        ``precision``: Lightning's plugin, which then clips a sharded optimizer by the whole norm."""
+        ``precision``: the front end's precision plugin (refused with ``True`` when it scales fp16 gradients;
+        Lightning's then clips a sharded optimizer by the whole norm)."""
         if clipping is not None:
             refuse_clipping(self.mode, clipping, "Lightning")
-        if self.shards is not None and precision is not None:
+        if self.shards is not None and getattr(precision, "scaler", None) is not None:
+            raise ArgumentValueError(
+                describe_bad_value(
+                    "optimizer_sharding",
+                    True,
+                    "fp16 mixed precision's gradient scaler checks each rank's own gradients for inf and skips the "
+                    "step where it finds one, and with sharding each rank holds only its chunks: ranks would "
+                    "disagree on the step (and wait for each other's all-gather forever).",
+                    "use `precision='bf16-mixed'` (no scaler), or `optimizer_sharding='all_reduce'` (every rank holds "
+                    "the whole gradient).",
+                )
+            )
+        if self.shards is not None and hasattr(
+            precision, "clip_grad_by_norm"
+        ):  # Lightning's plugin (Fabric's clips here)
             route_norm_clipping(precision)
         return shard_optimizers(optimizers, self.mode, ddp, static_graph, self._info, self.shards)
 
