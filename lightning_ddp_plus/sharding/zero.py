@@ -7,6 +7,7 @@ share), wraps the optimizers when a front end sets them up, and answers for clip
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -34,14 +35,14 @@ class ZeroSharding:
         self.shards = GradientShards() if mode is True else None
 
     def rebuilding(self, rebuild: Callable[[Any], None]) -> Callable[[Any], None]:
-        """``rebuild`` (a new reducer after a failed attempt), which first drops what the failed backward received."""
+        """``rebuild`` (a new reducer after a failed attempt), which first drops what the failed backward received
+        (a partial of a method: the strategy is pickled for ``ddp_spawn``)."""
+        return functools.partial(self._rebuild_after_failure, rebuild)
 
-        def rebuild_after_failure(ddp: Any) -> None:
-            if self.shards is not None:
-                self.shards.consumed()
-            rebuild(ddp)
-
-        return rebuild_after_failure
+    def _rebuild_after_failure(self, rebuild: Callable[[Any], None], ddp: Any) -> None:
+        if self.shards is not None:
+            self.shards.consumed()
+        rebuild(ddp)
 
     def hook(self, comm_hook: Any, comm_state: Any) -> tuple[Any, Any]:
         """The hook DDP gets, and its state: ``True``'s reduce-scatter, or the user's (``ddp_comm_hook``)."""
