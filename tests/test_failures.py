@@ -128,7 +128,9 @@ def test_a_hung_rank_is_named_while_the_collectives_run_behind_the_host():
     """As on NCCL: rank 0's gradient all-reduce returns before it completes and its host blocks later, at the
     batch's host sync, outside any collective's call. Its record stays open until the work completes, so the stall
     is still named, with the hung rank's line, well before the collective timeout."""
-    code, output, since_failure, survivors = run_failing_job("hang_behind_host", 1, step=3, timeout_s=8, stall="1s")
+    code, output, since_failure, survivors = run_failing_job(
+        "hang_behind_host", 1, step=3, timeout_s=8, stall="1s", setup_timeout=SETUP_TIMEOUT
+    )
     assert not survivors, f"processes left behind: {survivors}"
     assert code != 0, output[-3000:]
     assert "a collective has waited longer than 1 s" in output, output[-4000:]
