@@ -96,16 +96,14 @@ class GradientShards:
         self._waiter.submit(run_then_set)
         return future
 
-    def note_received(self, own: Tensor, parameters: list[Tensor], begin: int) -> None:
-        """Keep what this rank received (``own``, its chunk, from element ``begin`` of the bucket), by parameter, until
-        a step uses it (``consumed``): views, no copy."""
-        end, offset = begin + own.numel(), 0
+    def note_received(self, buffer: Tensor, parameters: list[Tensor], begin: int, end: int) -> None:
+        """Keep the averaged elements ``begin .. end`` of this bucket (this rank's chunk), by parameter, until a step
+        uses them (``consumed``)."""
+        offset = 0
         for parameter in parameters:
             low, high = max(begin, offset), min(end, offset + parameter.numel())
             if high > low:
-                self._received.setdefault(self.index_of(parameter), []).append(
-                    (low - offset, own[low - begin : high - begin])
-                )
+                self._received.setdefault(self.index_of(parameter), []).append((low - offset, buffer[low:high].clone()))
             offset += parameter.numel()
 
     def count_received_again(self, padded: Tensor, parameters: list[Tensor]) -> None:
@@ -125,9 +123,9 @@ class GradientShards:
         in the next window: Lightning's loops and the micro-batch chunks never do that.)"""
         self._received = {}
 
-    def count(self, elements: int, element_size: int) -> None:
+    def count(self, elements: int, element_size: int, times: int = 1) -> None:
         world = self.world_size
-        self.sent_bytes += elements * element_size * (world - 1) // world
+        self.sent_bytes += times * elements * element_size * (world - 1) // world
 
 
 def reduce_scatter_hook(state: GradientShards, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -145,12 +143,12 @@ def reduce_scatter_hook(state: GradientShards, bucket: dist.GradBucket) -> torch
     begin = state.rank * chunk
     end = min(begin + chunk, size)
 
-    def own_chunk_only(shard: Tensor) -> Tensor:  # a tensor of its own: the next backward does not write it
-        own = shard[: end - begin]
+    def own_chunk_only(shard: Tensor) -> Tensor:
+        own = shard[: end - begin].clone()  # the shard may be a view of the buffer
         buffer.zero_()
         if end > begin:
             buffer[begin:end].copy_(own)
-        state.note_received(own, parameters, begin)
+        state.note_received(buffer, parameters, begin, end)
         return buffer
 
     if state.uses_exchange:

@@ -53,7 +53,6 @@ class BucketShardedOptimizer(Optimizer):
         self.layout: BucketLayout | None = None
         self.pieces: list[Piece] = []  # this rank's pieces of this optimizer's parameters (``Piece.parameter`` local)
         self.tensors: list[Tensor] = []  # the inner optimizer's parameter for each piece
-        self.buckets_to_gather: dict[int, list[Piece]] = {}  # bucket -> this rank's pieces of it, for the all-gather
         self.inner_groups: list[int] = []  # the parameter group of each inner group
         self.pending = optimizer.state_dict() if optimizer.state else None  # a full state to slice at the next layout
         self.gathered: dict[str, Any] | None = None
@@ -100,13 +99,16 @@ class BucketShardedOptimizer(Optimizer):
         together, and each bucket is copied into its parameters as it arrives."""
         assert self.layout is not None
         world, group = self.shards.world_size, self.shards.process_group
+        mine = {self.shards.index_of(p) for p in self.parameters}
+        owned = pieces_of(self.layout, self.shards.rank, world)
         transfers = []
-        for index, owned in self.buckets_to_gather.items():
-            bucket = self.layout.buckets[index]
+        for index, bucket in enumerate(self.layout.buckets):
+            if not any(parameter in mine for parameter, _ in bucket):
+                continue
             chunk = chunk_size(self.layout.size(index), world)
             first = self.shards.parameters[bucket[0][0]]
             shard = first.new_zeros(chunk)
-            for piece in owned:
+            for piece in (p for p in owned if p.bucket == index):
                 start = piece.offset - self.shards.rank * chunk
                 shard[start : start + piece.length].copy_(self._slice(self.shards.parameters[piece.parameter], piece))
             full = first.new_empty(chunk * world)
@@ -141,9 +143,11 @@ class BucketShardedOptimizer(Optimizer):
         full = self._full_state(everyone=True) if self.layout is not None else self.pending
         self.layout, self.pending = layout, None
         local = {self.shards.index_of(p): i for i, p in enumerate(self.parameters)}
-        in_buckets = {parameter for bucket in layout.buckets for parameter, _ in bucket}
         missing = [
-            i for i, p in enumerate(self.parameters) if p.requires_grad and self.shards.index_of(p) not in in_buckets
+            i
+            for i, p in enumerate(self.parameters)
+            if p.requires_grad
+            and self.shards.index_of(p) not in {parameter for bucket in layout.buckets for parameter, _ in bucket}
         ]
         if missing:
             raise ValueError(
@@ -151,16 +155,9 @@ class BucketShardedOptimizer(Optimizer):
                 "are not in the DDP-wrapped module. Fix: give the optimizer the module's parameters only, or set "
                 "`optimizer_sharding='all_reduce'`."
             )
-        owned = pieces_of(layout, self.shards.rank, self.shards.world_size)
-        # the buckets holding one of this optimizer's parameters, each with this rank's pieces of it (any optimizer's)
-        self.buckets_to_gather = {
-            index: [piece for piece in owned if piece.bucket == index]
-            for index, bucket in enumerate(layout.buckets)
-            if any(parameter in local for parameter, _ in bucket)
-        }
         self.pieces = [
             Piece(local[piece.parameter], piece.start, piece.length, piece.bucket, piece.offset)
-            for piece in owned
+            for piece in pieces_of(layout, self.shards.rank, self.shards.world_size)
             if piece.parameter in local
         ]
         self.tensors = [self._slice(self.parameters[p.parameter].detach(), p).clone() for p in self.pieces]
