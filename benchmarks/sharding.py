@@ -38,6 +38,7 @@ BATCH = 8
 FEATURES = 64
 OUTPUTS = 16
 WARMUP_STEPS = 3
+AUTO_WARMUP_STEPS = 14  # bucket_cap_mb="auto" times 4 sizes for 3 steps each, then rebuilds once more
 VARIANTS = (
     "compute_only",
     "stock",
@@ -46,6 +47,13 @@ VARIANTS = (
     "ddp_plus_sharded_all_reduce",
     "ddp_plus_overlap",
 )
+#: Also runnable (``benchmarks/overlap_bound.py`` runs them): ``ddp_plus`` with ``bucket_cap_mb="auto"``, and
+#: ``step_in_hook``, a prototype measured here (not a feature): ``ddp_plus`` with a comm hook that steps the optimizer
+#: for each bucket's parameters as soon as that bucket's all-reduce is done (Lightning's own step then only runs the
+#: closure), so the step overlaps the later buckets' communication.
+ALL_VARIANTS = (*VARIANTS, "ddp_plus_bucket_auto", "step_in_hook")
+#: The variants whose bytes are one ring all-reduce of the gradients, bucket by bucket: the overlap bound is theirs.
+ALL_REDUCE_VARIANTS = ("stock", "ddp_plus", "ddp_plus_bucket_auto", "step_in_hook")
 #: Bytes a rank sends per step beyond the ring all-reduce, as fractions of the gradient bytes x (n-1)/n.
 EXTRA_BROADCAST = {"ddp_plus_sharded_all_reduce": 1.0}
 
@@ -91,6 +99,10 @@ def strategy_for(variant: str):
         return DDPStrategy(process_group_backend="gloo")
     if variant == "compute_only":  # the bound's compute: the same step, its gradients never sent
         return DDPPlusStrategy(process_group_backend="gloo", ddp_comm_hook=no_communication)
+    if variant == "ddp_plus_bucket_auto":
+        return DDPPlusStrategy(process_group_backend="gloo", bucket_cap_mb="auto")
+    if variant == "step_in_hook":
+        return DDPPlusStrategy(process_group_backend="gloo", ddp_comm_hook=all_reduce_then_step, bucket_cap_mb=1)
     sharding = {
         "ddp_plus": False,
         "ddp_plus_sharded": True,
@@ -109,22 +121,105 @@ def no_communication(state, bucket):
     return future
 
 
+class StepInHook:
+    """The optimizer ``all_reduce_then_step`` steps with (set for a ``step_in_hook`` fit by ``step_in_hook_callback``)."""
+
+    optimizer = None
+
+
+def all_reduce_then_step(state, bucket):
+    """A comm hook that averages the bucket, then steps the optimizer for the bucket's parameters only, in the
+    all-reduce's callback (while the backward and the later buckets go on).
+
+    Exact for an optimizer that acts per parameter (Adam, SGD) when every parameter is used and nothing rescales the
+    gradients after the backward (no clipping, no GradScaler): what this prototype's MLP does.
+    """
+    import copy
+
+    import torch.distributed as dist
+
+    buffer = bucket.buffer()
+    buffer.div_(dist.get_world_size())
+    grads, params = bucket.gradients(), bucket.parameters()
+
+    def step(future):
+        optimizer = StepInHook.optimizer
+        for param, grad in zip(params, grads, strict=True):  # views of the buffer, averaged in place
+            param.grad = grad
+        mine = {id(param) for param in params}
+        part = copy.copy(optimizer)  # shares the optimizer's state: the same per-parameter entries get updated
+        part.param_groups = [
+            {**group, "params": [p for p in group["params"] if id(p) in mine]} for group in optimizer.param_groups
+        ]
+        part.step()
+        return future.value()[0]
+
+    return dist.all_reduce(buffer, async_op=True).get_future().then(step)
+
+
+def step_in_hook_callback():
+    """For a ``step_in_hook`` fit: hands the hook the optimizer, and makes Lightning's step run only its closure."""
+    import lightning as L
+
+    class _StepInHook(L.Callback):
+        def on_train_start(self, trainer, pl_module) -> None:
+            optimizer = StepInHook.optimizer = trainer.optimizers[0]
+            optimizer.step = lambda closure=None: closure() if closure is not None else None
+
+        def on_train_end(self, trainer, pl_module) -> None:
+            del trainer.optimizers[0].step
+            StepInHook.optimizer = None
+
+    return _StepInHook()
+
+
+def bucket_layout_at_end():
+    """A callback that keeps, at the end of training (Lightning unwraps DDP at teardown), the sizes of DDP's buckets
+    and, for ``ddp_plus``, rank 0's median milliseconds per step in each phase its straggler watch times."""
+    import lightning as L
+    from torch.nn.parallel import DistributedDataParallel
+
+    from lightning_ddp_plus.diagnostics.phase_timings import TIMED_PHASES
+    from lightning_ddp_plus.diagnostics.telemetry import bucket_layout
+    from lightning_ddp_plus.private_apis.torch_ddp import logging_data
+
+    class _BucketLayoutAtEnd(L.Callback):
+        buckets: list[int] | None = None
+        phases: dict[str, float] | None = None
+
+        def on_train_end(self, trainer, pl_module) -> None:
+            ddp = trainer.strategy.model
+            if isinstance(ddp, DistributedDataParallel):
+                self.buckets = bucket_layout(logging_data(ddp))
+            watch = getattr(getattr(trainer.strategy, "engine", None), "stragglers", None)
+            if watch is not None:
+                times = watch.clock.medians(trainer.global_rank)
+                self.phases = {phase: times.of(phase) for phase in TIMED_PHASES}
+
+    return _BucketLayoutAtEnd()
+
+
+#: Rank 0's parameters after the first ``ddp_plus`` fit of this process.
+FINAL_PARAMETERS: dict = {}
+
+
 def fit_variant(variant: str, args, interface: str | None, nodes: int) -> dict:
     import lightning as L
+    import torch
     import torch.distributed as dist
 
     from lightning_ddp_plus.sharding.optimizer import state_bytes
 
     try:
         strategy = strategy_for(variant)
-        clock = StepClock()
+        clock, layout = StepClock(), bucket_layout_at_end()
         trainer = L.Trainer(
             strategy=strategy,
             accelerator="cpu",
             devices=1,
             num_nodes=nodes,
             max_epochs=1,
-            callbacks=[clock.callback],
+            callbacks=[clock.callback, layout] + ([step_in_hook_callback()] if variant == "step_in_hook" else []),
             logger=False,
             enable_checkpointing=False,
             enable_progress_bar=False,
@@ -135,6 +230,12 @@ def fit_variant(variant: str, args, interface: str | None, nodes: int) -> dict:
     model = build_model(args.width, args.layers, args.batches)
     sent_before = sent_bytes(interface) if interface else None
     trainer.fit(model)
+    # same seed, same data: each variant's parameters after its fit, against the first ddp_plus fit's
+    final = torch.cat([parameter.detach().reshape(-1) for parameter in model.parameters()])
+    reference = (
+        FINAL_PARAMETERS.setdefault(variant, final) if variant == "ddp_plus" else FINAL_PARAMETERS.get("ddp_plus")
+    )
+    difference = None if reference is None else float((final - reference).abs().max())
     sent = None if interface is None else (sent_bytes(interface) - sent_before) / trainer.global_step
     optimizer = trainer.strategy.optimizers[0]
     dist.barrier()
@@ -145,18 +246,28 @@ def fit_variant(variant: str, args, interface: str | None, nodes: int) -> dict:
     shards = getattr(getattr(trainer.strategy, "engine", None), "sharding", None)
     counted = shards.shards.sent_bytes / trainer.global_step if shards is not None and shards.shards else None
     row = {
-        "step_ms": clock.median_step_ms(WARMUP_STEPS),
+        "step_ms": clock.median_step_ms(AUTO_WARMUP_STEPS if variant == "ddp_plus_bucket_auto" else WARMUP_STEPS),
+        # in the order the reducer sends them: the last is what is left to send when the backward ends
+        "bucket_bytes": layout.buckets,
+        "phase_ms": layout.phases,
         "steps": trainer.global_step,
         "hook_bytes_per_step": counted,
         "sent_bytes_per_step": sent,
         "state_bytes": state_bytes(optimizer),
         "consolidation_s": consolidation_s,
+        "max_abs_difference_to_ddp_plus": difference,
     }
     gathered: list = [None] * nodes
     dist.all_gather_object(gathered, row)
     return {
         "step_ms": gathered[0]["step_ms"],
         "steps": gathered[0]["steps"],
+        "bucket_bytes": gathered[0]["bucket_bytes"],
+        "phase_ms": gathered[0]["phase_ms"],
+        "max_abs_difference_to_ddp_plus": max(
+            (r["max_abs_difference_to_ddp_plus"] for r in gathered if r["max_abs_difference_to_ddp_plus"] is not None),
+            default=None,
+        ),
         "sent_bytes_per_step_by_node": [r["sent_bytes_per_step"] for r in gathered],
         "hook_bytes_per_step_by_rank": [r["hook_bytes_per_step"] for r in gathered],
         "state_bytes_by_rank": [r["state_bytes"] for r in gathered],
@@ -249,7 +360,23 @@ def summarize(raw: dict, nodes: int, rate: str | None, gradient_bytes: int) -> d
             "sent_bytes_per_step_by_node": sent,
             "hook_bytes_per_step_by_rank": runs[0]["hook_bytes_per_step_by_rank"],
             "link_bound_ms": None if rate is None else 1e3 * expected * 8 / rate_bits(rate),
+            "bucket_bytes": runs[0].get("bucket_bytes"),
+            "max_abs_difference_to_ddp_plus": max(
+                (
+                    r["max_abs_difference_to_ddp_plus"]
+                    for r in runs
+                    if r.get("max_abs_difference_to_ddp_plus") is not None
+                ),
+                default=None,
+            ),
+            "phase_ms": None
+            if not runs[0].get("phase_ms")
+            else {phase: statistics.median(r["phase_ms"][phase] for r in runs) for phase in runs[0]["phase_ms"]},
         }
+        buckets = rows[variant]["bucket_bytes"]
+        if rate is not None and buckets and variant in ALL_REDUCE_VARIANTS:
+            # the ring all-reduce of the last bucket cannot start before the backward ends
+            rows[variant]["last_bucket_ms"] = 1e3 * 2 * (nodes - 1) / nodes * buckets[-1] * 8 / rate_bits(rate)
     base = rows.get("stock", {}).get("step_ms")
     plain = rows.get("ddp_plus", {}).get("step_ms")
     compute = rows.get("compute_only", {}).get("step_ms")
@@ -261,6 +388,9 @@ def summarize(raw: dict, nodes: int, rate: str | None, gradient_bytes: int) -> d
         if "step_ms" in row and compute is not None and row.get("link_bound_ms") is not None:
             row["overlap_bound_ms"] = max(compute, row["link_bound_ms"])
             row["ratio_to_bound"] = row["step_ms"] / row["overlap_bound_ms"]
+            if "last_bucket_ms" in row:
+                row["overlap_bound_with_last_bucket_ms"] = row["overlap_bound_ms"] + row["last_bucket_ms"]
+                row["ratio_to_bound_with_last_bucket"] = row["step_ms"] / row["overlap_bound_with_last_bucket_ms"]
     return {"nodes": nodes, "rate": rate or "loopback", "variants": rows}
 
 
@@ -325,7 +455,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rate", default="1gbit")
     parser.add_argument("--nodes", nargs="+", type=int, default=[2, 3, 4], help="node counts of the scaling table")
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=ALL_VARIANTS)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--as-node", action="store_true", help=argparse.SUPPRESS)

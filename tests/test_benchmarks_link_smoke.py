@@ -52,7 +52,7 @@ def _namespaces() -> list[str]:
 def test_sharding_benchmark_runs_with_its_bytes_and_shares(tmp_path):
     script = str(REPO_ROOT / "benchmarks" / "sharding.py")
     args = ["--width", "64", "--layers", "1", "--batches", "6", "--repeats", "1", "--nodes", "2"]
-    variants = ["ddp_plus", "ddp_plus_sharded", "ddp_plus_sharded_all_reduce", "ddp_plus_overlap"]
+    variants = ["ddp_plus", "ddp_plus_sharded", "ddp_plus_sharded_all_reduce", "ddp_plus_overlap", "step_in_hook"]
     command = [sys.executable, script, *args, "--variants", *variants, "--out", str(tmp_path), "--timeout", "240"]
     result = run_job(command, timeout=400)
     assert result.returncode == 0, result.stdout[-3000:]
@@ -68,6 +68,10 @@ def test_sharding_benchmark_runs_with_its_bytes_and_shares(tmp_path):
     ring = plain["expected_bytes_per_step"]
     assert all(ring <= counted <= ring + 64 for counted in sharded["hook_bytes_per_step_by_rank"])
     assert "overlap hook refuses the gloo backend" in loopback["ddp_plus_overlap"]["refused"]
+    # the same fit, each variant's parameters against ddp_plus's: sharded and the step in the hook are exact
+    assert sharded["max_abs_difference_to_ddp_plus"] < 1e-6
+    assert loopback["step_in_hook"]["max_abs_difference_to_ddp_plus"] < 1e-6
+    assert len(loopback["step_in_hook"]["bucket_bytes"]) >= 1
     sys.path.insert(0, str(REPO_ROOT))
     from benchmarks.netns import unavailable_reason
 
@@ -99,12 +103,27 @@ def test_the_sharding_summary_gives_each_variant_its_ratios_and_the_bound():
     raw = {name: runs(ms) for name, ms in [("compute_only", 10.0), ("stock", 40.0), ("ddp_plus", 50.0)]}
     raw["ddp_plus_sharded_all_reduce"] = runs(100.0)
     gradient = 125_000_000 // 8  # 1 Gbit: the ring's 2(n-1)/n x G = G on 2 nodes takes 125 ms
+    last = gradient // 5  # the last bucket DDP sends: its all-reduce (25 ms) starts when the backward ends
+    raw["ddp_plus"][0]["bucket_bytes"] = [gradient - last, last]
+    raw["ddp_plus_sharded_all_reduce"][0]["bucket_bytes"] = [gradient]  # not a plain all-reduce: no such bound
     report = summarize(raw, nodes=2, rate="1gbit", gradient_bytes=gradient)["variants"]
     assert report["compute_only"]["expected_bytes_per_step"] == 0
     assert report["ddp_plus"]["ratio_to_stock"] == 1.25 and report["ddp_plus"]["ratio_to_ddp_plus"] == 1.0
     assert report["ddp_plus"]["link_bound_ms"] == pytest.approx(125.0)
     assert report["ddp_plus"]["overlap_bound_ms"] == pytest.approx(125.0)  # max(10, 125)
+    assert report["ddp_plus"]["overlap_bound_with_last_bucket_ms"] == pytest.approx(150.0)
+    assert report["ddp_plus"]["ratio_to_bound_with_last_bucket"] == pytest.approx(50.0 / 150.0)
+    assert "last_bucket_ms" not in report["stock"]  # its layout unknown
+    assert "last_bucket_ms" not in report["ddp_plus_sharded_all_reduce"]
     assert report["ddp_plus_sharded_all_reduce"]["expected_bytes_per_step"] == 1.5 * gradient  # the broadcast too
+    # overlap_bound's table: DDP's schedule floor from the compute-only run's phases, and the ratios
+    from benchmarks.overlap_bound import add_schedule_floor, markdown
+
+    raw["compute_only"][0]["phase_ms"] = {"data fetch": 1.0, "compute": 4.0, "optimizer step": 5.0}
+    result = add_schedule_floor({"model": "m", **summarize(raw, nodes=2, rate="1gbit", gradient_bytes=gradient)})
+    assert result["variants"]["ddp_plus"]["schedule_floor_ms"] == pytest.approx(131.0)  # max(10, 125 + 1 + 5)
+    row = next(line for line in markdown([result]).splitlines() if "`ddp_plus`" in line)
+    assert "| 150.0 | 0.40 | 0.33 | 131.0 | 0.38 |" in row
 
 
 def test_the_link_allreduce_benchmark_runs_at_a_tiny_size(tmp_path):
