@@ -2,8 +2,9 @@
 
 Per rank, DDP keeps the parameters (and buffers), their gradients, DDP's gradient buckets (a flat copy of the
 gradients, unless ``gradient_as_bucket_view`` makes the gradients views of them), the optimizer state (all of it, or
-with ``optimizer_sharding=True`` the fullest rank's chunks of it), and the activations one training
-forward saves for its backward. A step holds more than that at its peak, briefly: the backward's temporaries (the
+with ``optimizer_sharding=True`` the fullest rank's chunks of it, and then also, among the gradients, the averaged
+chunk it received, kept from the backward to the step), and the activations one training forward saves for its
+backward. A step holds more than that at its peak, briefly: the backward's temporaries (the
 gradients of the largest outputs, two logits-sized tensors for a language model's loss) or the optimizer step's
 intermediates, whichever is larger; both are measured (one forward and backward, and one optimizer step on copies,
 counted tensor by tensor) and shown as ``transient``, so ``step peak`` is the most one step holds. The step is
@@ -287,6 +288,7 @@ def optimizer_temporaries_on_rank(figures: ModelFigures, sharded_state: int | No
 def _layout(
     figures: ModelFigures,
     sharded_state: int,
+    received: int,
     name: str,
     title: str,
     bucket_view: bool,
@@ -301,7 +303,7 @@ def _layout(
         name,
         title,
         parameters=figures.parameters + figures.buffers,
-        gradients=0 if bucket_view else figures.trainable,
+        gradients=(0 if bucket_view else figures.trainable) + (received if sharded else 0),
         buckets=figures.trainable,
         optimizer_state=sharded_state if sharded else figures.optimizer_state,
         activations=activations,
@@ -335,7 +337,7 @@ def _notes(figures: ModelFigures, world_size: int, shares: list[int]) -> tuple[s
     return tuple(notes)
 
 
-def _decided(plan: MemoryPlan, sharded_state: int) -> MemoryPlan:
+def _decided(plan: MemoryPlan) -> MemoryPlan:
     """``plan`` with the decision table's verdict for its device memory, and the advice filled in."""
     figures, world_size = plan.figures, plan.world_size
     decision = decide({layout.name: bool(plan.fits(layout.name)) for layout in plan.layouts})
@@ -346,7 +348,7 @@ def _decided(plan: MemoryPlan, sharded_state: int) -> MemoryPlan:
     advice = decision.advice.format(
         micro_batch_size=micro.micro_batch_size if micro is not None else "",
         micro_batch_layout=micro.title.rsplit(",", 1)[0] if micro is not None else "",
-        sharding_saves=format_size(figures.optimizer_state - sharded_state),
+        sharding_saves=format_size(plan.layout("ddp_bucket_view").total - plan.layout("sharded").total),
         parameters=format_size(figures.trainable),
         bucket_view_saves=format_size(plan.layout("ddp").gradients),
         world_size=world_size,
@@ -376,14 +378,17 @@ def plan_layouts(
     shares = by_rank(world_size)
     sharded_state = max(shares, default=0)
     checkpointing_row = figures.activations_checkpointed is not None and not figures.checkpointing_on
-    layouts = [_layout(figures, sharded_state, *spec) for spec in LAYOUTS if not spec[4] or checkpointing_row]
+    # optimizer_sharding=True keeps the averaged chunk a rank received from the backward to the step (a synced
+    # backward that does not end its window counts it again in the next one); "all_reduce" keeps no such copy
+    received = 0 if whole_parameters else -(-figures.trainable // world_size)
+    layouts = [_layout(figures, sharded_state, received, *spec) for spec in LAYOUTS if not spec[4] or checkpointing_row]
     configured_name = None
     if configured is not None:
         bucket_view, sharded = configured
         match = next((spec for spec in LAYOUTS if spec[2:4] == (bucket_view, sharded) and not spec[4]), None)
         if match is None:
             title = "configured: ZeRO-1, no bucket view"
-            layouts.append(_layout(figures, sharded_state, "configured", title, bucket_view, sharded, False))
+            layouts.append(_layout(figures, sharded_state, received, "configured", title, bucket_view, sharded, False))
             configured_name = "configured"
         else:
             configured_name = match[0]
@@ -394,7 +399,7 @@ def plan_layouts(
     micro = _micro_batch_layout(plan)
     if micro is not None:
         plan = dataclasses.replace(plan, layouts=(*plan.layouts, micro))
-    return _decided(plan, sharded_state)
+    return _decided(plan)
 
 
 def _micro_batch_layout(plan: MemoryPlan) -> Layout | None:

@@ -45,17 +45,22 @@ def exchange_reduce_scatter(padded: Tensor, group: Any = None) -> Tensor:
     return chunk
 
 
-def exchange_all_gather(pairs: list[tuple[Tensor, Tensor]], group: Any = None) -> None:
-    """For each ``(full, shard)``: every rank's ``shard`` into its chunk of ``full``; every piece travels together."""
+def post_all_gather(full: Tensor, shard: Tensor, group: Any = None) -> list[tuple[Tensor, Tensor, Any]]:
+    """Start gathering every rank's ``shard`` into its chunk of ``full``, in pieces posted together; hand the result
+    to ``finish_all_gather``."""
     world = dist.get_world_size(group)
+    rows = full.view(world, -1)
     transfers = []
-    for full, shard in pairs:
-        rows = full.view(world, -1)
-        for start, end in _spans(shard.numel(), shard.element_size()):
-            outgoing = shard[start:end].expand(world, end - start).contiguous()
-            incoming = torch.empty_like(outgoing)
-            work = dist.all_to_all_single(incoming, outgoing, group=group, async_op=True)
-            transfers.append((rows[:, start:end], incoming, work))
+    for start, end in _spans(shard.numel(), shard.element_size()):
+        outgoing = shard[start:end].expand(world, end - start).contiguous()
+        incoming = torch.empty_like(outgoing)
+        work = dist.all_to_all_single(incoming, outgoing, group=group, async_op=True)
+        transfers.append((rows[:, start:end], incoming, work))
+    return transfers
+
+
+def finish_all_gather(transfers: list[tuple[Tensor, Tensor, Any]]) -> None:
+    """Wait for the pieces ``post_all_gather`` started and copy them into place."""
     for target, incoming, work in transfers:
         work.wait()
         target.copy_(incoming)

@@ -3,8 +3,9 @@ all-gathered, so every replica holds the same parameters after every step (ZeRO-
 
 ``BucketShardedOptimizer`` wraps the user's optimizer. It keeps the optimizer's class, hyperparameters and parameter
 groups (the same dicts: a learning-rate scheduler built on the original keeps working), and builds an inner optimizer
-of that class over this rank's pieces only (``bucket_shards``): the optimizer state is 1/N of the model's, padding
-apart. The hook (``reduce_scatter``) leaves each rank's chunk of the averaged gradient in the parameters' ``.grad``.
+of that class over this rank's pieces only (``bucket_shards``), views of the parameters that it updates in place: the
+optimizer state is 1/N of the model's, padding apart, and no copy of the pieces is kept. The hook
+(``reduce_scatter``) leaves each rank's chunk of the averaged gradient in the parameters' ``.grad``.
 
 DDP may rebuild its buckets (after the first step, and with ``bucket_cap_mb="auto"``); the pieces then move, and the
 state moves with them: the first step on a new layout gathers the state and slices it again, once per layout.
@@ -18,7 +19,9 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections import deque
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -29,9 +32,13 @@ from typing_extensions import override
 
 from lightning_ddp_plus.private_apis.torch_distributed import mark_stepped
 from lightning_ddp_plus.sharding.bucket_shards import BucketLayout, Piece, chunk_size, pieces_of
-from lightning_ddp_plus.sharding.exchange import exchange_all_gather
+from lightning_ddp_plus.sharding.exchange import finish_all_gather, post_all_gather
 from lightning_ddp_plus.sharding.reduce_scatter import GradientShards
 
+#: Buckets whose all-gather is in flight at once: the next bucket's transfers start while one arrives, and the
+#: gathered copies take two buckets' bytes, not the model's (all at once, a 2-rank step peaked at 3.5x the parameters'
+#: bytes above a plain DDP step).
+GATHER_WINDOW = 2
 #: One rank's optimizer state for the full state: parameter -> (per-element state by start, the rest of its state).
 StateParts = dict[int, tuple[list[tuple[int, dict[str, Tensor]]], dict[str, Any]]]
 
@@ -52,7 +59,7 @@ class BucketShardedOptimizer(Optimizer):
         self.inner: Optimizer | None = None
         self.layout: BucketLayout | None = None
         self.pieces: list[Piece] = []  # this rank's pieces of this optimizer's parameters (``Piece.parameter`` local)
-        self.tensors: list[Tensor] = []  # the inner optimizer's parameter for each piece
+        self.tensors: list[Tensor] = []  # the inner optimizer's parameter for each piece: a view of the parameter
         self.inner_groups: list[int] = []  # the parameter group of each inner group
         self.pending = optimizer.state_dict() if optimizer.state else None  # a full state to slice at the next layout
         self.gathered: dict[str, Any] | None = None
@@ -74,20 +81,22 @@ class BucketShardedOptimizer(Optimizer):
         return loss
 
     def _step_pieces(self) -> None:
-        """The inner optimizer's step on this rank's pieces, with the gradients' chunks and the groups' current
-        hyperparameters; the pieces are then written back into the parameters."""
+        """The inner optimizer's step on this rank's pieces (views of the parameters), with the gradients' chunks and
+        the groups' current hyperparameters."""
 
         if self.inner is None:
             return
         for tensor, piece in zip(self.tensors, self.pieces):
             parameter = self.parameters[piece.parameter]
-            tensor.copy_(self._slice(parameter, piece))
+            current = self._slice(parameter.detach(), piece)
+            if current.data_ptr() != tensor.data_ptr():  # the parameter's storage was replaced (``param.data = ...``)
+                # the same tensor object: the inner optimizer's state stays keyed to it
+                tensor.set_(current.untyped_storage(), current.storage_offset(), current.size(), current.stride())
             tensor.grad = None if parameter.grad is None else self._slice(parameter.grad, piece)
         for inner_group, group in zip(self.inner.param_groups, self.inner_groups):
             inner_group.update({k: v for k, v in self.param_groups[group].items() if k != "params"})
         self.inner.step()
-        for tensor, piece in zip(self.tensors, self.pieces):
-            self._slice(self.parameters[piece.parameter], piece).copy_(tensor)
+        for tensor in self.tensors:
             tensor.grad = None
 
     @staticmethod
@@ -95,16 +104,18 @@ class BucketShardedOptimizer(Optimizer):
         return tensor.view(-1)[piece.start : piece.start + piece.length]
 
     def _all_gather(self) -> None:
-        """Every bucket holding one of this optimizer's parameters, gathered from its owners; the transfers run
-        together, and each bucket is copied into its parameters as it arrives."""
+        """Every bucket holding one of this optimizer's parameters, gathered from its owners, ``GATHER_WINDOW``
+        buckets in flight at once; each bucket is copied into its parameters as it arrives."""
         assert self.layout is not None
         world, group = self.shards.world_size, self.shards.process_group
         mine = {self.shards.index_of(p) for p in self.parameters}
         owned = pieces_of(self.layout, self.shards.rank, world)
-        transfers = []
+        in_flight: deque[tuple[tuple[tuple[int, int], ...], Tensor, Callable[[], Any]]] = deque()
         for index, bucket in enumerate(self.layout.buckets):
             if not any(parameter in mine for parameter, _ in bucket):
                 continue
+            if len(in_flight) == GATHER_WINDOW:
+                self._gathered(*in_flight.popleft())
             chunk = chunk_size(self.layout.size(index), world)
             first = self.shards.parameters[bucket[0][0]]
             shard = first.new_zeros(chunk)
@@ -113,20 +124,22 @@ class BucketShardedOptimizer(Optimizer):
                 shard[start : start + piece.length].copy_(self._slice(self.shards.parameters[piece.parameter], piece))
             full = first.new_empty(chunk * world)
             self.shards.count(chunk * world, first.element_size())
-            transfers.append((bucket, full, shard))
-        if self.shards.uses_exchange:
-            exchange_all_gather([(full, shard) for _, full, shard in transfers], group)
-        works = [
-            None if self.shards.uses_exchange else dist.all_gather_into_tensor(full, shard, group=group, async_op=True)
-            for _, full, shard in transfers
-        ]
-        for (bucket, full, _), work in zip(transfers, works):
-            if work is not None:
-                work.wait()
-            offset = 0
-            for parameter, numel in bucket:
-                self.shards.parameters[parameter].detach().view(-1).copy_(full[offset : offset + numel])
-                offset += numel
+            if self.shards.uses_exchange:
+                wait: Callable[[], Any] = partial(finish_all_gather, post_all_gather(full, shard, group))
+            else:
+                work = dist.all_gather_into_tensor(full, shard, group=group, async_op=True)
+                assert work is not None
+                wait = work.wait
+            in_flight.append((bucket, full, wait))
+        while in_flight:
+            self._gathered(*in_flight.popleft())
+
+    def _gathered(self, bucket: tuple[tuple[int, int], ...], full: Tensor, wait: Callable[[], Any]) -> None:
+        wait()
+        offset = 0
+        for parameter, numel in bucket:
+            self.shards.parameters[parameter].detach().view(-1).copy_(full[offset : offset + numel])
+            offset += numel
 
     # ------------------------------------------------------------------ the layout
 
@@ -160,7 +173,8 @@ class BucketShardedOptimizer(Optimizer):
             for piece in pieces_of(layout, self.shards.rank, self.shards.world_size)
             if piece.parameter in local
         ]
-        self.tensors = [self._slice(self.parameters[p.parameter].detach(), p).clone() for p in self.pieces]
+        # views: the inner optimizer updates the parameters in place, and a rank holds no copy of its pieces
+        self.tensors = [self._slice(self.parameters[p.parameter].detach(), p) for p in self.pieces]
         self._build_inner()
         if full is not None:
             self._slice_state(full)

@@ -30,7 +30,8 @@ def optimizer_for(name: str, module: nn.Module) -> torch.optim.Optimizer:
 
 
 def train(case: dict, sharded: bool, steps: int, module: nn.Module | None = None, state: Any = None) -> dict:
-    """``steps`` optimizer steps of ``k`` micro-batches each (the first all-reduced early when ``early_sync``)."""
+    """``steps`` optimizer steps of ``k`` micro-batches each (the first all-reduced early when ``early_sync``; the
+    parameters' storage replaced before the second when ``replace_storage``)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     module = module or model()
     ddp = nn.parallel.DistributedDataParallel(module, bucket_cap_mb=case.get("bucket_mb", 0.0005))
@@ -44,6 +45,9 @@ def train(case: dict, sharded: bool, steps: int, module: nn.Module | None = None
     generator = torch.Generator().manual_seed(100 + rank)
     k = case.get("k", 1)
     for step in range(steps):
+        if case.get("replace_storage") and step == 1:
+            for parameter in module.parameters():  # as ``module.to(...)`` does: the same Parameter, a new storage
+                parameter.data = parameter.data.clone()
         for micro in range(k):
             x, y = torch.randn(8, 7, generator=generator), torch.randn(8, 1, generator=generator)
             closes = micro == k - 1
@@ -63,8 +67,11 @@ def train(case: dict, sharded: bool, steps: int, module: nn.Module | None = None
     full = optimizer.state_dict() if rank == 0 or not sharded else None
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, optimizer.state_bytes() if sharded else None)
+    storages = {parameter.untyped_storage().data_ptr() for parameter in module.parameters()}
     return {
         "module": module,
+        # the inner optimizer steps views of the parameters, never copies of them
+        "pieces_are_views": sharded and all(t.untyped_storage().data_ptr() in storages for t in optimizer.tensors),
         "params": torch.cat([p.detach().flatten() for p in module.parameters()]).tolist(),
         "state": full,
         "state_bytes": gathered,
@@ -96,6 +103,7 @@ def run_case(case: dict) -> dict:
         "sent_bytes": sharded["sent_bytes"],
         "buckets": sharded["buckets"],
         "bucket_elements": sharded["bucket_elements"],
+        "pieces_are_views": sharded["pieces_are_views"],
     }
     if dist.get_rank() == 0:
         result["state_keys_equal"] = plain["state"]["state"].keys() == sharded["state"]["state"].keys()
