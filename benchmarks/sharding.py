@@ -199,6 +199,16 @@ def bucket_layout_at_end():
     return _BucketLayoutAtEnd()
 
 
+def largest_difference(rows: list[dict]) -> float | None:
+    """The largest ``max_abs_difference_to_ddp_plus`` of ``rows`` (ranks or runs), ``None`` where none has one.
+
+    >>> largest_difference([{"max_abs_difference_to_ddp_plus": None}, {"max_abs_difference_to_ddp_plus": 2e-7}])
+    2e-07
+    """
+    known = [r["max_abs_difference_to_ddp_plus"] for r in rows if r.get("max_abs_difference_to_ddp_plus") is not None]
+    return max(known, default=None)
+
+
 #: Rank 0's parameters after the first ``ddp_plus`` fit of this process.
 FINAL_PARAMETERS: dict = {}
 
@@ -264,10 +274,7 @@ def fit_variant(variant: str, args, interface: str | None, nodes: int) -> dict:
         "steps": gathered[0]["steps"],
         "bucket_bytes": gathered[0]["bucket_bytes"],
         "phase_ms": gathered[0]["phase_ms"],
-        "max_abs_difference_to_ddp_plus": max(
-            (r["max_abs_difference_to_ddp_plus"] for r in gathered if r["max_abs_difference_to_ddp_plus"] is not None),
-            default=None,
-        ),
+        "max_abs_difference_to_ddp_plus": largest_difference(gathered),
         "sent_bytes_per_step_by_node": [r["sent_bytes_per_step"] for r in gathered],
         "hook_bytes_per_step_by_rank": [r["hook_bytes_per_step"] for r in gathered],
         "state_bytes_by_rank": [r["state_bytes"] for r in gathered],
@@ -361,14 +368,7 @@ def summarize(raw: dict, nodes: int, rate: str | None, gradient_bytes: int) -> d
             "hook_bytes_per_step_by_rank": runs[0]["hook_bytes_per_step_by_rank"],
             "link_bound_ms": None if rate is None else 1e3 * expected * 8 / rate_bits(rate),
             "bucket_bytes": runs[0].get("bucket_bytes"),
-            "max_abs_difference_to_ddp_plus": max(
-                (
-                    r["max_abs_difference_to_ddp_plus"]
-                    for r in runs
-                    if r.get("max_abs_difference_to_ddp_plus") is not None
-                ),
-                default=None,
-            ),
+            "max_abs_difference_to_ddp_plus": largest_difference(runs),
             "phase_ms": None
             if not runs[0].get("phase_ms")
             else {phase: statistics.median(r["phase_ms"][phase] for r in runs) for phase in runs[0]["phase_ms"]},

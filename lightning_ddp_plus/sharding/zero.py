@@ -73,9 +73,8 @@ class ZeroSharding:
                     "the whole gradient).",
                 )
             )
-        if self.shards is not None and hasattr(
-            precision, "clip_grad_by_norm"
-        ):  # Lightning's plugin (Fabric's clips here)
+        # Lightning's plugin clips through the precision; Fabric's clips through the strategy (``clip_norm``)
+        if self.shards is not None and hasattr(precision, "clip_grad_by_norm"):
             route_norm_clipping(precision)
         return shard_optimizers(optimizers, self.mode, ddp, static_graph, self._info, self.shards)
 
