@@ -225,7 +225,11 @@ def keywords_text() -> str:
     def typed_dict(name: str, bases: list[str], doc: str, arguments: list[str]) -> list[str]:
         body = [f"class {name}({', '.join(bases)}, total=False):", f'    """{doc}"""', ""]
         for argument in arguments:
-            body += [f"    {argument}: {annotations[argument]}", f'    """{docs[argument]}"""', ""]
+            body += [
+                f"    {argument}: {double_quoted_literals(annotations[argument])}",
+                f'    """{docs[argument]}"""',
+                "",
+            ]
         return ["", *body, ""]
 
     # each argument is declared once, in the part of the front ends that takes it
@@ -270,9 +274,28 @@ def keywords_text() -> str:
         [],
     )
     lines += ["", "#: Each argument's docstring, whitespace folded.", "ARGUMENT_DOCS: dict[str, str] = {"]
-    lines += [f"    {name!r}: {docs[name]!r}," for name in ARGUMENT_FIELDS]
+    lines += [f"    {quoted(name)}: {quoted(docs[name])}," for name in ARGUMENT_FIELDS]
     lines.append("}")
     return "\n".join(lines).replace("\n\n\n\n", "\n\n\n") + "\n"
+
+
+def quoted(text: str) -> str:
+    """``text`` as a Python string literal in the package's style, as ``ruff format`` writes it: double quotes,
+    unless the text holds more double quotes than single ones (fewer escapes). Written here, so that the generated
+    text does not depend on which formatter is installed (``tests/test_generated.py`` checks it with ruff).
+
+    >>> print(quoted('a "b"'), quoted("it's"), quoted('"it\\'s" "x"'))
+    'a "b"' "it's" '"it\\'s" "x"'
+    """
+    body = text.replace("\\", "\\\\").replace("\n", "\\n")
+    if text.count('"') > text.count("'"):
+        return "'" + body.replace("'", "\\'") + "'"
+    return '"' + body.replace('"', '\\"') + '"'
+
+
+def double_quoted_literals(annotation: str) -> str:
+    """An annotation's string literals (``Literal['auto']``) in double quotes, as the package writes them."""
+    return re.sub(r"'([^'\"\\]*)'", r'"\1"', annotation)
 
 
 def generated_files() -> dict[Path, str]:
@@ -281,26 +304,8 @@ def generated_files() -> dict[Path, str]:
     for name, (path, make) in MARKDOWN.items():
         files[path] = with_block(files.get(path, path.read_text()), name, make())
     files[CONFIG] = config_text(CONFIG.read_text())
-    files[KEYWORDS] = formatted(keywords_text())
+    files[KEYWORDS] = keywords_text()
     return files
-
-
-def formatted(text: str) -> str:
-    """``text`` as ``ruff format`` leaves it (the package's style), where ruff is installed."""
-    import shutil
-    import subprocess
-
-    ruff = shutil.which("ruff")
-    if ruff is None:
-        return text
-    done = subprocess.run(
-        [ruff, "format", "--stdin-filename", str(KEYWORDS), "-"],
-        input=text,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    return done.stdout if done.returncode == 0 else text
 
 
 def stale_files() -> list[Path]:

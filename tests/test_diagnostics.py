@@ -94,6 +94,8 @@ STRAGGLER_CASES.append(
     }
 )
 CASES += [{"straggler": case, "name": case["name"]} for case in STRAGGLER_CASES]
+# a feature added to the step pipeline from outside the package (tests/scripts/pipeline_job.py)
+CASES.append({"name": "a component added", "pipeline": {"steps": 4, "news_at_step": 3}})
 
 
 @pytest.fixture(scope="module")
@@ -207,3 +209,19 @@ def test_auto_buffers(results):
     # the contrast: without the broadcast, running statistics differ across ranks
     assert batch_norm_off["buffers_equal_after_forward"] is False
     assert all(r["error"] is None for r in (layer_norm, batch_norm, batch_norm_off))
+
+
+@pytest.mark.multiprocess
+def test_a_component_added_to_the_pipeline_is_called_in_order_and_its_flag_is_agreed_by_name(results):
+    """A new feature is a ``StepComponent`` and one line: the pipeline calls it at every point of the fit in order,
+    and the flag it declares travels in the step's one agreement. Rank 1 has news at step 3 only: rank 0 reads it
+    by name there, and the ranks exchange flags at that step alone (through the store, nothing on quiet steps)."""
+    outcome = next(case for case in results if case["name"] == "a component added")
+    step = ["forward_starts {}", "before_backward", "after_backward", "agreed", "step_done {}"]
+    expected = ["fit_starts"]
+    for number in range(4):
+        expected += [call.format(number) if "forward" in call else call.format(number + 1) for call in step]
+    expected += ["epoch_ends 4 training_ends", "fit_ends failed=False"]
+    assert outcome["calls"] == expected
+    assert outcome["agreed_news"] == {"1": 0, "2": 0, "3": 1, "4": 0}
+    assert outcome["guard"] == "on (store)" and outcome["flag_exchanges_at_steps"] == [2]  # during step 3

@@ -4,6 +4,8 @@ front ends' signatures, the docs' arguments table, the example config, and the s
 import dataclasses
 import importlib.util
 import inspect
+import subprocess
+import sys
 import typing
 from pathlib import Path
 
@@ -27,6 +29,25 @@ def load_generator():
 def test_the_committed_tables_and_the_config_are_current():
     generator = load_generator()
     assert [str(path.relative_to(ROOT)) for path in generator.stale_files()] == []
+
+
+def test_the_generated_keywords_are_written_in_the_package_style_without_a_formatter(monkeypatch):
+    """The generator writes ``ruff format``'s text itself: with nothing on PATH (a venv's python called without
+    activating it, a docs-only install) the committed file is still current, and ruff leaves it as it is."""
+    monkeypatch.setenv("PATH", "")
+    generator = load_generator()
+    text = generator.keywords_text()
+    assert text == generator.KEYWORDS.read_text()
+    assert 'Literal["auto"]' in text and "Literal['auto']" not in text  # the test can fail: ruff's quotes are kept
+    done = subprocess.run(
+        [sys.executable, "-m", "ruff", "format", "--stdin-filename", str(generator.KEYWORDS), "-"],
+        input=text,
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+    )
+    assert done.stdout == text
 
 
 def test_the_arguments_table_has_a_row_per_argument_with_its_docstring():

@@ -9,6 +9,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from lightning_ddp_plus.config.messages import ArgumentTypeError, ArgumentValueError, describe_bad_value
+from lightning_ddp_plus.pipeline.component import ForwardStart, StepComponent
 from lightning_ddp_plus.private_apis.torch_distributed import set_group_timeout
 
 #: torch's and Lightning's default for non-NCCL process groups, and ours for every backend.
@@ -152,7 +153,7 @@ def check_setup_timeout(
         )
 
 
-class GroupTimeouts:
+class GroupTimeouts(StepComponent):
     """The default group's timeout over a fit, where ``setup_timeout`` makes it differ from ``timeout``: the setup
     timeout until the first training step, ``timeout`` from there to the end of the fit, then the setup timeout
     again for whatever sets up next.
@@ -166,6 +167,13 @@ class GroupTimeouts:
         self.step, self.setup = step, setup
         #: The fit has run a training step (so ``timeout`` is in effect).
         self.steps_started = False
+
+    def forward_starts(self, forward: ForwardStart) -> None:
+        if forward.training:  # setup is over: a step waits `timeout`
+            self.first_step()
+
+    def fit_ends(self, failed: bool) -> None:  # what comes next (another fit) sets up again
+        self.fit_ended()
 
     def first_step(self) -> None:
         """At each training forward: the first one of a fit switches to ``timeout``."""

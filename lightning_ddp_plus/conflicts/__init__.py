@@ -2,5 +2,5 @@
 pure function, named by ``RuleId``), the check that applies them and agrees across ranks, every rule decision (R1-R7:
 at the first backward, and R6 when the per-step guard in ``sync`` finds a fault later), and ``DDPConflictError``.
 
-May import: ``config``, ``private_apis``.
+May import: ``config``, ``pipeline``, ``private_apis``.
 """

@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 ConflictMode = Literal["error", "warn", "resolve", "off"]
 
 _KINDS = ("non_reentrant", "reentrant")
+from lightning_ddp_plus.pipeline.component import FitStart, StepComponent
 
 
 def pack_facts(facts: ModelFacts, parameters: list[str], buffers: list[str]) -> list[int]:
@@ -91,7 +92,7 @@ def _make_output_require_grad(module: Module, args: Any, output: Any) -> None:
         output.requires_grad_(True)
 
 
-class ConflictCheck:
+class ConflictCheck(StepComponent):
     """Owns the probe, the findings and the fixes of one fit.
 
     Args:
@@ -118,6 +119,12 @@ class ConflictCheck:
     def pending(self) -> bool:
         """A forward is being observed and the decision is due at the next backward."""
         return self._probe is not None
+
+    def fit_starts(self, fit: FitStart) -> None:
+        self.attach(fit.ddp, fit.module)
+
+    def fit_ends(self, failed: bool) -> None:
+        self.detach()
 
     def attach(self, ddp: Module, module: Module) -> None:
         """Start a fit: observe ``ddp``'s first training forward (``module`` is the bare model inside)."""

@@ -2,5 +2,5 @@
 what a stall means (``collective_ledger``, ``call_sites``, ``stalls``), ``ddp-plus report`` and ``ddp-plus check``
 (the conflict checks and the memory plan).
 
-May import: ``config``, ``sync``, ``conflicts``, ``memory``, ``processes``, ``private_apis``.
+May import: ``config``, ``sync``, ``conflicts``, ``memory``, ``processes``, ``pipeline``, ``private_apis``.
 """

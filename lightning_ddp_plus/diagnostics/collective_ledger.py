@@ -31,6 +31,7 @@ import torch
 from lightning_ddp_plus.diagnostics.call_sites import CallSite, caller_site
 from lightning_ddp_plus.diagnostics.phase_timings import PhaseClock, TimedPhase
 from lightning_ddp_plus.memory.sizes import format_size
+from lightning_ddp_plus.pipeline.component import BackwardEnd, BackwardStart, FitStart, ForwardStart, StepComponent
 
 #: Where in a training step the main thread is.
 Phase = Literal["setup", "data fetch", "forward", "backward", "optimizer step", "validation", "checkpoint save"]
@@ -79,7 +80,7 @@ class CollectiveRecord:
         return cls(**{**data, "call_site": CallSite(**site) if site else None})
 
 
-class CollectiveLedger:
+class CollectiveLedger(StepComponent):
     """The last ``length`` collectives of this rank, the phase and the step the main thread is in, and when it last
     made progress (entered or left a collective, or changed phase).
 
@@ -121,6 +122,19 @@ class CollectiveLedger:
             self.device_completion = stream_completion
         if self.clock is not None:
             self.clock.follow_device(device)
+
+    def forward_starts(self, forward: ForwardStart) -> None:
+        if forward.training:
+            self.enter_phase("forward", step=forward.step)
+
+    def before_backward(self, backward: BackwardStart) -> None:
+        self.enter_phase("backward")
+
+    def after_backward(self, backward: BackwardEnd) -> None:
+        self.enter_phase("optimizer step" if backward.synced else "data fetch")
+
+    def step_done(self, step: int) -> None:
+        self.enter_phase("data fetch", step=step)
 
     @property
     def current(self) -> CollectiveRecord | None:
@@ -204,7 +218,7 @@ def stream_completion() -> Callable[[], bool]:
     return event.query
 
 
-class BufferBroadcastRecord:
+class BufferBroadcastRecord(StepComponent):
     """DDP's buffer broadcast (``broadcast_buffers``) in the ledger: it runs between DDP's own forward pre-hooks and
     the module's, so the record opens in the wrapper's pre-hook (``forward_starts``) and closes in the module's."""
 
@@ -212,13 +226,26 @@ class BufferBroadcastRecord:
         self.ledger = ledger
         self.broadcasts = False
         self._open = ExitStack()
+        self._handles: list[Any] = []
+
+    def fit_starts(self, fit: FitStart) -> None:
+        self._handles = self.attach(fit.ddp, fit.module, fit.broadcast_buffers)
+
+    def forward_starts(self, forward: ForwardStart) -> None:  # every forward: DDP broadcasts in evaluation too
+        self.record_broadcast(forward.ddp)
+
+    def fit_ends(self, failed: bool) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self.close()
 
     def attach(self, ddp: Any, module: Any, broadcasts: bool) -> list[Any]:
         """Start recording for a new wrapper; returns the hook handle to remove at the end of the fit."""
         self.broadcasts = broadcasts and any(True for _ in module.buffers())
         return [module.register_forward_pre_hook(self._broadcast_done)] if self.broadcasts else []
 
-    def forward_starts(self, ddp: Any) -> None:
+    def record_broadcast(self, ddp: Any) -> None:
         if self.broadcasts and ddp.require_forward_param_sync:  # DDP's condition to broadcast buffers
             self._open.enter_context(self.ledger.collective("buffer broadcast", users_call=False))
 

@@ -30,7 +30,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
+from lightning_ddp_plus.pipeline.component import BackwardStart, EpochEnd, FitStart, StepComponent
 from lightning_ddp_plus.private_apis.torch_distributed import queue_backward_callback
+from lightning_ddp_plus.sync.side_channel import SideChannel
 
 TimedPhase = Literal["data fetch", "compute", "collective wait", "optimizer step"]
 TIMED_PHASES: tuple[TimedPhase, ...] = ("data fetch", "compute", "collective wait", "optimizer step")
@@ -253,7 +255,7 @@ class PhaseClock:
 MIN_STEPS_COMPARED = 8
 
 
-class StragglerWatch:
+class StragglerWatch(StepComponent):
     """Every ``every_n_steps`` optimizer steps, the ranks exchange their phase medians (one gather of four integers
     per rank on the side channel) and a straggler is warned about, once per rank and phase every
     ``repeat_after_seconds``.
@@ -261,12 +263,17 @@ class StragglerWatch:
     Args:
         every_n_steps: steps between comparisons, and the window of the medians.
         warn: how a finding reaches the user (rank 0 only: every rank decides alike).
+        channel: the side channel the ranks compare on, in a run (``None``: ``compare`` is given the gather).
     """
 
     def __init__(
-        self, every_n_steps: int, warn: Callable[[str], None], repeat_after_seconds: float = REPEAT_AFTER_SECONDS
+        self,
+        every_n_steps: int,
+        warn: Callable[[str], None],
+        repeat_after_seconds: float = REPEAT_AFTER_SECONDS,
+        channel: SideChannel | None = None,
     ) -> None:
-        self.every_n_steps = every_n_steps
+        self.every_n_steps, self.channel = every_n_steps, channel
         self.clock = PhaseClock(window=every_n_steps)
         self._warn = warn
         self.repeat_after_seconds = repeat_after_seconds
@@ -275,6 +282,21 @@ class StragglerWatch:
         self.last_times: list[PhaseTimes] = []
         self.last_finding: StragglerFinding | None = None
         self._compared_at = 0
+
+    def fit_starts(self, fit: FitStart) -> None:
+        self.reset()
+
+    def before_backward(self, backward: BackwardStart) -> None:
+        if backward.forward_synced:
+            self.backward_starts(backward.loss)
+
+    def step_done(self, step: int) -> None:
+        assert self.channel is not None
+        self.close_step(step, self.channel.rank, self.channel.gather)
+
+    def epoch_ends(self, end: EpochEnd) -> None:
+        assert self.channel is not None
+        self.compare_since_last(end.step, self.channel.rank, self.channel.gather)
 
     def backward_starts(self, loss: Any) -> None:
         """Before a synced backward: once its graph is computed, the rest of it is waiting for the gradient
@@ -291,7 +313,7 @@ class StragglerWatch:
         self.last_times, self.last_finding = [], None
         self._compared_at = 0
 
-    def step_done(self, step: int, rank: int, gather: Callable[[Sequence[int]], list[list[int]]]) -> None:
+    def close_step(self, step: int, rank: int, gather: Callable[[Sequence[int]], list[list[int]]]) -> None:
         """Close the step; on every ``every_n_steps``-th, compare the ranks (a collective: every rank calls it at the
         same steps) and warn about a straggler."""
         self.clock.end_step()

@@ -20,6 +20,7 @@ from torch import Tensor
 from torch.nn import Module
 
 from lightning_ddp_plus.config.checks import require_positive_int_or_none
+from lightning_ddp_plus.pipeline.component import EpochEnd, FitStart, StepComponent
 
 #: Integers a tensor is folded into.
 LANES = 64
@@ -130,7 +131,7 @@ def verify_replicas(named_tensors: list[tuple[str, Tensor]], step: int) -> None:
     )
 
 
-class ReplicaGuard:
+class ReplicaGuard(StepComponent):
     """Schedules the checks: after every N-th optimizer step, at the start of the next training forward (parameters
     as the step left them, buffers just broadcast), or at the end of training (parameters only)."""
 
@@ -156,6 +157,16 @@ class ReplicaGuard:
             self._handle.remove()
             self._handle = None
         self._due_step = None
+
+    def fit_starts(self, fit: FitStart) -> None:
+        self.attach(fit.ddp, fit.module, with_buffers=fit.broadcast_buffers)
+
+    def fit_ends(self, failed: bool) -> None:
+        self.detach()
+
+    def epoch_ends(self, end: EpochEnd) -> None:
+        if end.training_ends:  # no forward follows: parameters only (buffers are not broadcast yet)
+            self.check_due(with_buffers=False)
 
     def step_done(self, step: int) -> None:
         if self.every_n_steps is not None and step % self.every_n_steps == 0:

@@ -43,6 +43,7 @@ import torch.distributed as dist
 from lightning_ddp_plus.diagnostics.call_sites import collective_in_progress, stack_text, user_call_site
 from lightning_ddp_plus.diagnostics.collective_ledger import CollectiveLedger
 from lightning_ddp_plus.diagnostics.stalls import RankState, StallReport, explain_stall, state_of
+from lightning_ddp_plus.pipeline.component import FitStart, StepComponent
 from lightning_ddp_plus.private_apis.torch_distributed import default_store
 from lightning_ddp_plus.processes.launcher import end_process_now
 from lightning_ddp_plus.processes.restart import restart_attempt, store_client
@@ -82,7 +83,7 @@ def main_thread_frame() -> Any:
     return sys._current_frames().get(threading.main_thread().ident or -1)
 
 
-class StallWatchdog:
+class StallWatchdog(StepComponent):
     """The thread of one rank, for one fit.
 
     Args:
@@ -90,6 +91,7 @@ class StallWatchdog:
         threshold: how long a collective may be waited in before the ranks compare states.
         end_process: ends this process (out of step: rank 0 ends, which ends the job).
         say: how a report reaches the user.
+        warn: how a warning reaches the user at a fit's start (no client of the store could be made).
     """
 
     def __init__(
@@ -98,9 +100,10 @@ class StallWatchdog:
         threshold: timedelta,
         end_process: Callable[[int], None] = end_process_now,
         say: Callable[[str], None] | None = None,
+        warn: Callable[[str], None] | None = None,
     ) -> None:
         self.ledger, self.threshold = ledger, threshold.total_seconds()
-        self._end_process, self._say = end_process, say or _to_stderr
+        self._end_process, self._say, self._warn = end_process, say or _to_stderr, warn or _to_stderr
         #: The last report this rank took part in (``None``: no stall yet), for the timeout's error.
         self.last_report: StallReport | None = None
         self._stop = threading.Event()
@@ -111,6 +114,12 @@ class StallWatchdog:
         self._server: Any = None
         self._rank, self._world_size, self._prefix = 0, 1, ""
         self._mine: RankState | None = None  # this rank's state in the episode it answered
+
+    def fit_starts(self, fit: FitStart) -> None:
+        start_for_fit(self, self._warn)
+
+    def fit_ends(self, failed: bool) -> None:
+        self.stop(orderly=not failed)
 
     def __getstate__(self) -> dict[str, Any]:
         """A spawned worker gets the watchdog unstarted (threads, events and store clients do not cross)."""

@@ -19,6 +19,7 @@ import lightning.pytorch as pl
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_ddp_plus.diagnostics.phase_timings import TIMED_PHASES, PhaseTimes
+from lightning_ddp_plus.pipeline.component import BackwardEnd, FitStart, StepComponent
 from lightning_ddp_plus.private_apis.torch_ddp import logging_data, set_timing_sample_rate
 from lightning_ddp_plus.sync.comm_hooks import CommHook, HookAssembly
 
@@ -99,15 +100,15 @@ def phase_metrics(times: list[PhaseTimes], prefix: str = "ddp/") -> dict[str, fl
     }
 
 
-class SyncTelemetry:
+class SyncTelemetry(StepComponent):
     """Collects the figures of the current optimizer step; ``end_step`` closes it.
 
     Args:
         sample_rate: torch records timings for the first 10 synced iterations, then every ``sample_rate``-th.
     """
 
-    def __init__(self, sample_rate: int = 1) -> None:
-        self.sample_rate = sample_rate
+    def __init__(self, hooks: HookAssembly | None = None, sample_rate: int = 1) -> None:
+        self.sample_rate, self.hooks = sample_rate, hooks
         self.current = StepTelemetry()
         self.last: StepTelemetry | None = None
         self.totals = StepTelemetry()
@@ -119,10 +120,20 @@ class SyncTelemetry:
 
     def attach(self, ddp: DistributedDataParallel, hooks: HookAssembly) -> None:
         """Start a new fit on a new wrapper."""
-        self.__init__(self.sample_rate)  # type: ignore[misc]  # every counter back to a new fit's
+        self.__init__(hooks, self.sample_rate)  # type: ignore[misc]  # every counter back to a new fit's
         self._ddp, self._hooks = weakref.ref(ddp), hooks
         self._calls, self._handed = hooks.counter.calls, hooks.counter.bucket_bytes
         set_timing_sample_rate(ddp, self.sample_rate)
+
+    def fit_starts(self, fit: FitStart) -> None:
+        assert self.hooks is not None, "SyncTelemetry(hooks=...) counts the hook's calls"
+        self.attach(fit.ddp, self.hooks)
+
+    def after_backward(self, backward: BackwardEnd) -> None:
+        self.count_backward(backward.synced)
+
+    def step_done(self, step: int) -> None:
+        self.end_step(step)
 
     def reducer_rebuilt(self, ddp: DistributedDataParallel) -> None:
         """The wrapper has a new reducer (``bucket_cap_mb="auto"``): new bucket layout, iterations counted from 0."""
@@ -133,7 +144,7 @@ class SyncTelemetry:
         ddp = self._ddp() if self._ddp is not None else None
         return logging_data(ddp) if ddp is not None else {}
 
-    def after_backward(self, synced: bool) -> None:
+    def count_backward(self, synced: bool) -> None:
         if not synced:
             self.current.skipped_backwards += 1
             return

@@ -1,6 +1,7 @@
 """The engine: ``arguments`` declares every argument of both front ends once (``DDPPlusArguments``: type, default,
-docstring, check); ``DDPPlusEngine`` owns one DDP run and one component per concern and applies their decisions in
-order; ``setup_line`` is the line rank 0 logs at setup.
+docstring, check); ``components`` builds one component per concern from them (``RunComponents``, with what a front
+end reads of them); ``engine`` (``DDPPlusEngine``) holds them in one ordered list, the step pipeline, and walks a
+training step through it; ``setup_line`` is the line rank 0 logs at setup.
 
 May import: every package but ``frontends``.
 """

@@ -2,21 +2,23 @@
 built from the declared arguments, read-only views of it, the backend's checks, wrapping and the setup line.
 
 ``DDPPlusFrontEnd`` defines no method that Lightning's strategies define, and calls no ``super()``: each front end
-subclasses its framework's ``DDPStrategy`` and overrides Lightning's hooks itself, thinly, calling the engine (the
-collectives in the ledger, the atomic saves, the environment). A batch's backward runs through
-``engine.guarded_backward``, a batch in chunks through the engine's ``MicroBatchRunner``.
+subclasses its framework's ``DDPStrategy`` and overrides Lightning's hooks itself, thinly, calling the engine's
+actions (``engine.backward``, ``engine.run_micro_batches``, ``engine.step_done``, ...). What both do around
+Lightning's collectives and checkpoint IO is one helper, ``FrontEndIO``, which each override calls with the
+framework's own method.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
+from typing import TYPE_CHECKING, Any, ClassVar, NoReturn, TypeVar
 
 import torch
+from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.nn import Module
@@ -50,6 +52,44 @@ def tensor_bytes(tensor: Any) -> int:
     return int(tensor.numel() * tensor.element_size()) if isinstance(tensor, Tensor) else 0
 
 
+T = TypeVar("T")
+
+
+class FrontEndIO:
+    """What both front ends do around their framework's collectives and checkpoint IO, written once: each override
+    passes the framework's own method (``super().barrier``, ...), which runs inside the ledger's record, and a save
+    runs in the ledger's ``checkpoint save`` phase through an atomic view of the checkpoint IO.
+
+    Args:
+        engine: the front end's engine (its ledger).
+        atomic_checkpoints: ``atomic_checkpoints``: saves through the IO you passed are made atomic.
+    """
+
+    def __init__(self, engine: DDPPlusEngine, atomic_checkpoints: bool) -> None:
+        self.engine = engine
+        self.atomic_saves = AtomicSaves(atomic_checkpoints)
+
+    def collective(self, op: str, size_bytes: int, call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``call(*args, **kwargs)``, a collective of ``size_bytes``, recorded in the ledger as ``op``."""
+        with self.engine.collective(op, size_bytes):
+            return call(*args, **kwargs)
+
+    def save(self, io: CheckpointIO, call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``call`` (the framework's ``save_checkpoint``) in the save's phase, writing through an atomic view of
+        ``io``."""
+        with self.engine.in_phase("checkpoint save"), self.atomic_saves.saving(io):
+            return call(*args, **kwargs)
+
+    def checkpoint_io(self, passed: CheckpointIO | None) -> CheckpointIO | None:
+        """The IO the framework keeps: the one you passed, as passed, or an atomic default."""
+        return self.atomic_saves.default_io(passed)
+
+    @property
+    def saving_view(self) -> CheckpointIO | None:
+        """During a save: the atomic view the framework writes through."""
+        return self.atomic_saves.saving_view
+
+
 class DDPPlusFrontEnd:
     """The part of a front end that does not depend on its framework (see the module's docstring)."""
 
@@ -58,7 +98,7 @@ class DDPPlusFrontEnd:
     #: How the registered names describe the front end.
     registry_label: ClassVar[str]
     engine: DDPPlusEngine
-    atomic_saves: AtomicSaves
+    io: FrontEndIO
     _process_group_backend: str | None
 
     if TYPE_CHECKING:  # Lightning's DDPStrategy of either framework provides these
@@ -78,7 +118,7 @@ class DDPPlusFrontEnd:
         self.engine = DDPPlusEngine(
             DDPPlusArguments.for_front_end(self.front_end, keywords), warn=rank_zero_warn, info=rank_zero_info
         )
-        self.atomic_saves = AtomicSaves(self.engine.arguments.atomic_checkpoints)
+        self.io = FrontEndIO(self.engine, self.engine.arguments.atomic_checkpoints)
         return self.engine.arguments
 
     # ------------------------------------------------------------------ read-only views of the engine
@@ -106,8 +146,7 @@ class DDPPlusFrontEnd:
     @property
     def phase_times(self) -> list[PhaseTimes]:
         """Every rank's median phase times at the last comparison (``find_stragglers_every_n_steps``)."""
-        stragglers = self.engine.stragglers
-        return stragglers.last_times if stragglers is not None else []
+        return self.engine.phase_times
 
     @property
     def comm_hook(self) -> CommHook | HookFunction | None:
@@ -117,39 +156,39 @@ class DDPPlusFrontEnd:
     @property
     def gradient_accumulation_steps(self) -> int:
         """Micro-batches per optimizer step in effect (with the Trainer: settled with its setting when ``fit`` starts)."""
-        return self.engine.window.steps
+        return self.engine.accumulation_steps
 
     @property
     def loss_per_item(self) -> float | None:
         """With ``num_items``: the last optimizer step's loss per item over its whole window on every rank (the
         number one device training the global batch would print); ``None`` before a step, or without counts."""
-        return self.engine.items.loss_per_item
+        return self.engine.loss_per_item
 
     def give_num_items(self, backward_keywords: dict[str, Any]) -> None:
         """``manual_backward(loss, num_items=n)``, ``fabric.backward(loss, num_items=n)``: the count of the items the
         loss is a mean over, for that backward (taken out of the keywords torch's backward gets)."""
         if "num_items" in backward_keywords:
-            self.engine.items.pending = backward_keywords.pop("num_items")
+            self.engine.give_num_items(backward_keywords.pop("num_items"))
 
     def items_of_training_step(self, output: Any) -> Any:
         """A training step's output in automatic optimization: its ``num_items``, if any, for its backward."""
-        self.engine.items.pending = output.get("num_items") if isinstance(output, dict) else None
+        self.engine.give_num_items(output.get("num_items") if isinstance(output, dict) else None)
         return output
 
     @property
     def sync_stats(self) -> SyncStats:
         """Synced and skipped backward passes and optimizer steps on this rank."""
-        return self.engine.window.stats
+        return self.engine.sync_stats
 
     @property
     def findings(self) -> list[Finding]:
         """What the conflict check found at the first training forward (empty before, or with ``"off"``)."""
-        return self.engine.conflicts.findings
+        return self.engine.findings
 
     @property
     def comm_hook_counter(self) -> HookCallCounter:
         """Calls of the registered communication hook (one per gradient bucket all-reduced) on this rank."""
-        return self.engine.hooks.counter
+        return self.engine.comm_hook_counter
 
     @property
     def telemetry(self) -> SyncTelemetry | None:
@@ -159,12 +198,12 @@ class DDPPlusFrontEnd:
     @property
     def bucket_choice(self) -> BucketChoice | None:
         """With ``bucket_cap_mb="auto"``: the sizes timed, their times and the one kept (``None`` until chosen)."""
-        return self.engine.buckets.choice if self.engine.buckets is not None else None
+        return self.engine.bucket_choice
 
     @property
     def replica_check_seconds(self) -> list[float]:
         """Seconds each replica check took on this rank."""
-        return self.engine.replica_guard.check_seconds
+        return self.engine.replica_check_seconds
 
     # ------------------------------------------------------------------ backend and environment
 
@@ -210,7 +249,7 @@ class DDPPlusFrontEnd:
         inner = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer wraps the Trainer's
         if not hasattr(inner, "consolidate_state_dict"):
             return nullcontext()
-        return self.engine.ledger.collective("optimizer state consolidation", users_call=False)
+        return self.engine.collective("optimizer state consolidation", users_call=False)
 
     # ------------------------------------------------------------------ preemption
 
@@ -219,12 +258,12 @@ class DDPPlusFrontEnd:
         """Set when every rank agreed to stop for a termination notice (``preemption_signals``), at the synced
         backward of the step to stop after. The Trainer saves and ends by itself; a Fabric loop checks it after
         its optimizer step, saves, and calls ``end_preempted`` (the preemption guide shows the loop)."""
-        return self.engine.preemption.decision
+        return self.engine.preemption_decision
 
     def end_preempted(self, saved: str | None = None, save_seconds: float = 0.0) -> NoReturn:
         """On every rank, after the agreed step was saved at ``saved``: rank 0 prints the one line, and
         ``Preempted`` (exit code 128 + the signal's number) ends the loop."""
-        decision = self.engine.preemption.decision
+        decision = self.engine.preemption_decision
         if decision is None:
             raise RuntimeError("end_preempted: no preemption was agreed; check `strategy.preemption_agreed` first.")
         report = PreemptionReport(decision, saved, save_seconds, "load it and continue from its step")

@@ -26,7 +26,6 @@ from torch.optim import Optimizer
 from typing_extensions import Unpack, override
 
 from lightning_ddp_plus.engine.arguments import takes_declared_arguments
-from lightning_ddp_plus.engine.guarded_backward import guarded_backward
 from lightning_ddp_plus.engine.keywords import DDPPlusFabricStrategyKeywords
 from lightning_ddp_plus.frontends.common import DDPPlusFrontEnd, tensor_bytes
 from lightning_ddp_plus.frontends.fabric_loop import FabricWindow, FirstStaticBackwardSynced, chunk_result
@@ -86,7 +85,6 @@ class DDPPlusFabricStrategy(DDPPlusFrontEnd, DDPStrategy):
         )
         self.window = FabricWindow(self.engine)
         self.engine.before_training_forward = self.window.before_forward
-        self.engine.watch_stalls = True  # Fabric has no end of a fit: the process's exit stops the watchdog
         self._backward_sync_control = FirstStaticBackwardSynced(self.engine)
 
     @property
@@ -110,7 +108,7 @@ class DDPPlusFabricStrategy(DDPPlusFrontEnd, DDPStrategy):
 
     @override
     def setup_environment(self) -> None:
-        self.engine.preemption.start()  # the notice handlers, until `teardown`
+        self.engine.watch_notices()  # the notice handlers, until `teardown`
         self._prepare_environment()
         super().setup_environment()
         self._environment_ready()
@@ -121,7 +119,7 @@ class DDPPlusFabricStrategy(DDPPlusFrontEnd, DDPStrategy):
 
     @override
     def teardown(self) -> None:
-        self.engine.preemption.end(pass_on=not self.engine.failed)
+        self.engine.end_notices()
         self.engine.teardown()
         super().teardown()
 
@@ -134,8 +132,8 @@ class DDPPlusFabricStrategy(DDPPlusFrontEnd, DDPStrategy):
     @override
     def checkpoint_io(self) -> CheckpointIO:
         """The checkpoint IO you passed, as passed, or an atomic default (``atomic_checkpoints``)."""
-        self._checkpoint_io = self.atomic_saves.default_io(self._checkpoint_io)
-        return self.atomic_saves.saving_view or super().checkpoint_io
+        self._checkpoint_io = self.io.checkpoint_io(self._checkpoint_io)
+        return self.io.saving_view or super().checkpoint_io
 
     @checkpoint_io.setter
     def checkpoint_io(self, io: CheckpointIO) -> None:
@@ -143,28 +141,24 @@ class DDPPlusFabricStrategy(DDPPlusFrontEnd, DDPStrategy):
 
     @override
     def save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
-        with self.engine.ledger.in_phase("checkpoint save"), self.atomic_saves.saving(self.checkpoint_io):
-            super().save_checkpoint(*args, **kwargs)
+        self.io.save(self.checkpoint_io, super().save_checkpoint, *args, **kwargs)
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
-        with self.engine.ledger.collective("barrier"):
-            super().barrier(*args, **kwargs)
+        self.io.collective("barrier", 0, super().barrier, *args, **kwargs)
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        with self.engine.ledger.collective(f"broadcast from rank {src}"):
-            return super().broadcast(obj, src)
+        received: TBroadcast = self.io.collective(f"broadcast from rank {src}", 0, super().broadcast, obj, src)
+        return received
 
     @override
     def all_gather(self, tensor: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-        with self.engine.ledger.collective("all_gather", tensor_bytes(tensor)):
-            return super().all_gather(tensor, *args, **kwargs)
+        return self.io.collective("all_gather", tensor_bytes(tensor), super().all_gather, tensor, *args, **kwargs)
 
     @override
     def all_reduce(self, tensor: Tensor, *args: Any, **kwargs: Any) -> Tensor:  # `fabric.all_reduce`
-        with self.engine.ledger.collective("all_reduce", tensor_bytes(tensor)):
-            return super().all_reduce(tensor, *args, **kwargs)
+        return self.io.collective("all_reduce", tensor_bytes(tensor), super().all_reduce, tensor, *args, **kwargs)
 
     @override
     def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
@@ -192,12 +186,12 @@ class DDPPlusFabricStrategy(DDPPlusFrontEnd, DDPStrategy):
 
     @override
     def clip_gradients_norm(self, module: Module, optimizer: Optimizer, *args: Any, **kwargs: Any) -> Tensor:
-        clipped = self.engine.sharding.clip_norm("`fabric.clip_gradients`", self.precision, optimizer, *args, **kwargs)
+        clipped = self.engine.clip_norm("`fabric.clip_gradients`", self.precision, optimizer, *args, **kwargs)
         return clipped if clipped is not None else super().clip_gradients_norm(module, optimizer, *args, **kwargs)
 
     @override
     def clip_gradients_value(self, module: Module, optimizer: Optimizer, *args: Any, **kwargs: Any) -> None:
-        self.engine.sharding.refuse_clipping("`fabric.clip_gradients`")
+        self.engine.refuse_clipping("`fabric.clip_gradients`")
         super().clip_gradients_value(module, optimizer, *args, **kwargs)
 
     def micro_batches(self, iterable: Iterable[T]) -> Iterator[T]:
@@ -214,10 +208,10 @@ class DDPPlusFabricStrategy(DDPPlusFrontEnd, DDPStrategy):
         ddp = self.window.ddp
         if ddp is None:
             raise RuntimeError("train_micro_batches needs the module set up first: `fabric.setup(model, optimizer)`.")
-        position = self.engine.window.peek(is_last=self.window.next_is_last)
-        synced = self.engine.window.syncs(position, self.settings.static_graph)
-        with self.engine.out_of_memory_reports.explained(batch, self.global_rank, self.world_size):
-            done = self.engine.micro_batch_runner.run(
+        position = self.engine.next_position(is_last=self.window.next_is_last)
+        synced = self.engine.syncs(position)
+        with self.engine.out_of_memory_explained(batch, self.global_rank, self.world_size):
+            done = self.engine.run_micro_batches(
                 ddp,
                 batch,
                 step=lambda chunk: chunk_result(loss_of(module, chunk)),
@@ -257,8 +251,8 @@ class DDPPlusFabricStrategy(DDPPlusFrontEnd, DDPStrategy):
             with fabric_backward(as_fabric_backward):
                 super(DDPPlusFabricStrategy, self).backward(loss, module, *args, **kwargs)
 
-        done = guarded_backward(
-            self.engine,
+        restore = lambda: self.window.sync_back_on(ddp)
+        done = self.engine.backward(
             ddp,
             loss,
             position,
@@ -266,7 +260,7 @@ class DDPPlusFabricStrategy(DDPPlusFrontEnd, DDPStrategy):
             divided_by_steps=False,
             post_forward=True,
             run=run,
-            restore=lambda: self.window.sync_back_on(ddp),
+            restore=restore,
             last_chunk=last_chunk,
         )
         return done.agreed
@@ -275,5 +269,5 @@ class DDPPlusFabricStrategy(DDPPlusFrontEnd, DDPStrategy):
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         scale_gradients(optimizer, self.window.gradient_rescale())
         output = super().optimizer_step(optimizer, **kwargs)
-        self.engine.after_optimizer_step()
+        self.engine.step_done()
         return output

@@ -16,7 +16,7 @@ from typing_extensions import override
 from lightning_ddp_plus.engine.engine import DDPPlusEngine
 from lightning_ddp_plus.private_apis.lightning import DDPBackwardSyncControl
 from lightning_ddp_plus.sync.accumulation import WindowPosition
-from lightning_ddp_plus.sync.uneven import PaddedBatches, RankBatches, items_marked_last
+from lightning_ddp_plus.sync.uneven import RankBatches, items_marked_last
 
 T = TypeVar("T")
 
@@ -35,7 +35,7 @@ class FirstStaticBackwardSynced(DDPBackwardSyncControl):
 
     @override
     def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager[Any]:
-        if enabled and self.engine.window.must_sync_first_backward(self.engine.settings.static_graph):
+        if enabled and self.engine.must_sync_first_backward():
             return nullcontext()
         return super().no_backward_sync(module, enabled)
 
@@ -71,34 +71,31 @@ class FabricWindow:
         """The items of one epoch, each rank saying before each whether it is its last (see the strategy's
         ``micro_batches``)."""
         self.epoch += 1
-        uneven = self.engine.uneven
-        joined = uneven.mode == "join" and self.ddp is not None
-        batches = PaddedBatches(iterable, uneven.padding_state) if joined else iterable
-        length = len(iterable) if isinstance(iterable, Sized) and not joined else None
+        batches = self.engine.padded(iterable) if self.ddp is not None else iterable
+        length = len(iterable) if isinstance(iterable, Sized) and batches is iterable else None
         try:
             for item, last in items_marked_last(batches, self._ends_here, length):
                 self.next_is_last = last
                 yield item
         finally:
             self.next_is_last = False
-            uneven.padding = False
+            self.engine.padding_ends()
 
     def _ends_here(self, state: RankBatches) -> bool:
-        return self.ddp is not None and self.engine.agreement.batch_starts(state, self.epoch, one_synced_backward=False)
+        return self.ddp is not None and self.engine.batch_starts(state, self.epoch, one_synced_backward=False)
 
     def before_forward(self, ddp: DistributedDataParallel) -> None:
         """At a training forward (the engine's ``before_training_forward``): a micro-batch that does not close its
         window runs without gradient sync."""
-        window = self.engine.window
-        if window.steps == 1:
+        if self.engine.accumulation_steps == 1:
             return
-        self.position = window.peek(is_last=self.next_is_last)
-        if ddp.require_backward_grad_sync and not window.syncs(self.position, self.engine.settings.static_graph):
+        self.position = self.engine.next_position(is_last=self.next_is_last)
+        if ddp.require_backward_grad_sync and not self.engine.syncs(self.position):
             ddp.require_backward_grad_sync = False
             self.turned_sync_off = True
 
     def backward_position(self) -> WindowPosition:
-        return self.position or self.engine.window.peek(is_last=self.next_is_last)
+        return self.position or self.engine.next_position(is_last=self.next_is_last)
 
     def sync_back_on(self, ddp: DistributedDataParallel) -> None:
         if self.turned_sync_off:
@@ -106,16 +103,15 @@ class FabricWindow:
             self.turned_sync_off = False
 
     def moves_on(self, position: WindowPosition) -> None:
-        if self.engine.window.steps > 1:
-            self.engine.window.advance(position)
+        self.engine.moved_on(position)
         self.last_position, self.position = position, None
 
     @property
     def closes_window(self) -> bool:
         """The last backward closed its window (or there is no window): time to step."""
         last = self.last_position
-        return last is None or last.closes_window or self.engine.window.steps == 1
+        return last is None or last.closes_window or self.engine.accumulation_steps == 1
 
     def gradient_rescale(self) -> float:
         """A window that closed early: its gradients need k/length (``"mean"``)."""
-        return 1.0 if self.last_position is None else self.engine.window.gradient_rescale(self.last_position)
+        return 1.0 if self.last_position is None else self.engine.gradient_rescale(self.last_position)

@@ -110,8 +110,9 @@ class DDPPlusStrategy(DDPPlusFrontEnd, DDPStrategy):
             start_method=declared.start_method,
             **ddp_kwargs(self.engine.settings),
         )
-        self.resume = ResumeCoordinator(declared, self, rank_zero_warn, rank_zero_info, self.engine.window.set_steps)
-        self.engine.watch_stalls = True  # every fit ends with teardown, which stops the watchdog
+        self.resume = ResumeCoordinator(
+            declared, self, rank_zero_warn, rank_zero_info, self.engine.resume_with_accumulation
+        )
         self._backward_syncs, self._static_graph_flushed = True, False
         self._chunks = TrainerChunks(self.engine)
 
@@ -156,21 +157,21 @@ class DDPPlusStrategy(DDPPlusFrontEnd, DDPStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
         loaded = self.resume.load_checkpoint(checkpoint_path, super().load_checkpoint, *args, **kwargs)
-        return self._chunks.loaded(loaded)
+        return self.engine.load_micro_batch_size(loaded)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], *args: Any, **kwargs: Any) -> None:
-        sizes = self.gradient_accumulation_steps, self.engine.micro_batches.size
+        sizes = self.gradient_accumulation_steps, self.engine.micro_batch_size
         self.resume.saving(checkpoint, self.lightning_module, *sizes)
-        with self.engine.ledger.in_phase("checkpoint save"), self.atomic_saves.saving(self.checkpoint_io):
-            super().save_checkpoint(self._chunks.saving(checkpoint), *args, **kwargs)
+        checkpoint = self.engine.save_micro_batch_size(checkpoint)
+        self.io.save(self.checkpoint_io, super().save_checkpoint, checkpoint, *args, **kwargs)
 
     @property
     @override
     def checkpoint_io(self) -> CheckpointIO:
         """The checkpoint IO you passed, as passed, or an atomic default (``atomic_checkpoints``)."""
-        self._checkpoint_io = self.atomic_saves.default_io(self._checkpoint_io)
-        return self.atomic_saves.saving_view or super().checkpoint_io
+        self._checkpoint_io = self.io.checkpoint_io(self._checkpoint_io)
+        return self.io.saving_view or super().checkpoint_io
 
     @checkpoint_io.setter
     def checkpoint_io(self, io: CheckpointIO) -> None:
@@ -250,29 +251,26 @@ class DDPPlusStrategy(DDPPlusFrontEnd, DDPStrategy):
     @override
     def teardown(self) -> None:
         remove_leftover_forward_redirection(self.lightning_module)
-        self.engine.preemption.end(pass_on=not self.engine.failed)
+        self.engine.end_notices()
         self.engine.teardown()
         super().teardown()
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
-        with self.engine.ledger.collective("barrier"):
-            super().barrier(*args, **kwargs)
+        self.io.collective("barrier", 0, super().barrier, *args, **kwargs)
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        with self.engine.ledger.collective(f"broadcast from rank {src}"):
-            return super().broadcast(obj, src)
+        received: TBroadcast = self.io.collective(f"broadcast from rank {src}", 0, super().broadcast, obj, src)
+        return received
 
     @override
     def all_gather(self, tensor: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-        with self.engine.ledger.collective("all_gather", tensor_bytes(tensor)):
-            return super().all_gather(tensor, *args, **kwargs)
+        return self.io.collective("all_gather", tensor_bytes(tensor), super().all_gather, tensor, *args, **kwargs)
 
     @override
     def reduce(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:  # what self.log(..., sync_dist=True) calls
-        with self.engine.ledger.collective("all_reduce", tensor_bytes(tensor)):
-            return super().reduce(tensor, *args, **kwargs)
+        return self.io.collective("all_reduce", tensor_bytes(tensor), super().reduce, tensor, *args, **kwargs)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
@@ -281,18 +279,18 @@ class DDPPlusStrategy(DDPPlusFrontEnd, DDPStrategy):
 
     @override
     def on_validation_start(self) -> None:
-        self.engine.ledger.enter_phase("validation")
+        self.engine.enter_phase("validation")
         super().on_validation_start()
 
     @override
     def on_validation_end(self) -> None:
-        self.engine.ledger.enter_phase("data fetch")
+        self.engine.enter_phase("data fetch")
         super().on_validation_end()
 
     def _position(self) -> WindowPosition:
         assert self.lightning_module is not None
         trainer = self.lightning_module.trainer
-        forced = self.engine.uneven.forced_length(trainer.current_epoch)
+        forced = self.engine.forced_epoch_length(trainer.current_epoch)
         return position_in_window(trainer, self.gradient_accumulation_steps, forced)
 
     @override
@@ -304,10 +302,9 @@ class DDPPlusStrategy(DDPPlusFrontEnd, DDPStrategy):
         if module is None or not isinstance(self.model, DistributedDataParallel):
             return
         trainer = module.trainer
-        if self.engine.uneven.even_by_construction(trainer.current_epoch, training_loaders(trainer)):
-            return
         one_synced_backward = module.automatic_optimization and self.gradient_accumulation_steps == 1
-        if self.engine.agreement.batch_starts(rank_batches(trainer), trainer.current_epoch, one_synced_backward):
+        epoch, loaders = trainer.current_epoch, training_loaders(trainer)
+        if self.engine.batch_starts(rank_batches(trainer), epoch, one_synced_backward, loaders):
             end_epoch_here(trainer)
 
     @property
@@ -321,7 +318,7 @@ class DDPPlusStrategy(DDPPlusFrontEnd, DDPStrategy):
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[Any, None, None]:
-        if self.engine.window.must_sync_first_backward(self.settings.static_graph):
+        if self.engine.must_sync_first_backward():
             yield None
             return
         with super().block_backward_sync():
@@ -330,9 +327,9 @@ class DDPPlusStrategy(DDPPlusFrontEnd, DDPStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self._chunks.batch = args[0] if args else None
-        with self.engine.out_of_memory_reports.explained(self._chunks.batch, self.global_rank, self.world_size):
+        with self.engine.out_of_memory_explained(self._chunks.batch, self.global_rank, self.world_size):
             ddp, module = self.model, self.lightning_module
-            if not (self.engine.micro_batches.active and isinstance(ddp, DistributedDataParallel) and module):
+            if not (self.engine.chunks_batches and isinstance(ddp, DistributedDataParallel) and module):
                 output = super().training_step(*args, **kwargs)  # its `num_items` go to its backward
                 return self.items_of_training_step(output) if module and module.automatic_optimization else output
             optimizer = module.trainer.optimizers[0] if module.trainer.optimizers else None
@@ -374,13 +371,13 @@ class DDPPlusStrategy(DDPPlusFrontEnd, DDPStrategy):
         lightning_module = self.lightning_module
         if lightning_module is not None and self.gradient_accumulation_steps > 1:
             if not lightning_module.automatic_optimization and not self.sync_gradients:
-                rank_zero_warn(self.engine.window.step_mid_window_warning())
-            rescale = lambda: self.engine.window.gradient_rescale(self._position())
+                rank_zero_warn(self.engine.step_mid_window_warning())
+            rescale = lambda: self.engine.gradient_rescale(self._position())
             closure = rescaling_closure(closure, optimizer, rescale)
-        explained = self.engine.out_of_memory_reports.explained(self._chunks.batch, self.global_rank, self.world_size)
+        explained = self.engine.out_of_memory_explained(self._chunks.batch, self.global_rank, self.world_size)
         with explained:  # the closure runs the training step and the backward
             output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        step = self.engine.after_optimizer_step()
+        step = self.engine.step_done()
         if lightning_module is not None:
             log_sync_stats_every_n_steps(lightning_module.trainer, step, self.sync_stats)
         return output

@@ -17,18 +17,16 @@ from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_ddp_plus.engine.engine import DDPPlusEngine
-from lightning_ddp_plus.engine.guarded_backward import guarded_backward
 from lightning_ddp_plus.frontends.trainer_loop import end_epoch_here
 from lightning_ddp_plus.sync.accumulation import WindowPosition
-from lightning_ddp_plus.sync.micro_batches import CHECKPOINT_KEY
 
 
 class TrainerChunks:
     """The Trainer strategy's side of ``micro_batch_size``: the batch's gradients kept aside between the chunks'
-    backwards (in ``training_step``) and the closure's ``backward``, and the size in checkpoints.
+    backwards (in ``training_step``) and the closure's ``backward``.
 
     Args:
-        engine: the strategy's engine (its ``MicroBatchRunner`` runs the chunks).
+        engine: the strategy's engine (``run_micro_batches`` runs the chunks).
     """
 
     def __init__(self, engine: DDPPlusEngine) -> None:
@@ -36,16 +34,6 @@ class TrainerChunks:
         self._kept: list[tuple[Tensor, Tensor | None]] | None = None
         #: The training batch running now (the out-of-memory error names its rows).
         self.batch: Any = None
-
-    def saving(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
-        """The checkpoint with the size in effect, so that a resume starts from it."""
-        if self.engine.micro_batches.active:
-            checkpoint[CHECKPOINT_KEY] = self.engine.micro_batches.state_dict()
-        return checkpoint
-
-    def loaded(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
-        self.engine.micro_batches.load_state_dict(checkpoint.get(CHECKPOINT_KEY, {}))
-        return checkpoint
 
     def run_training_step(
         self,
@@ -73,24 +61,21 @@ class TrainerChunks:
             return (loss if isinstance(loss, Tensor) else None), output
 
         def chunk_backward(loss: Tensor, synced: bool, last: bool) -> Any:
-            run = lambda scaled: backward(scaled)
-            done = guarded_backward(
-                engine,
+            done = engine.backward(
                 ddp,
                 loss / divisor,
                 position,
                 synced,
                 divided_by_steps=True,
                 post_forward=True,
-                run=run,
-                restore=lambda: None,
+                run=backward,
                 last_chunk=last,
             )
             if done.ends_epoch:  # a held uneven-inputs flag ends the epoch on this batch
                 end_epoch_here(trainer)
             return done.agreed
 
-        done = engine.micro_batch_runner.run(
+        done = engine.run_micro_batches(
             ddp,
             batch,
             step=chunk_step,

@@ -16,14 +16,13 @@ from torch.optim import Optimizer
 
 from lightning_ddp_plus.diagnostics.telemetry import DDPTelemetry
 from lightning_ddp_plus.engine.engine import DDPPlusEngine
-from lightning_ddp_plus.engine.guarded_backward import guarded_backward
 from lightning_ddp_plus.frontends.trainer_preemption import PreemptionSave
 from lightning_ddp_plus.persistence.resume import ResumeCoordinator
 from lightning_ddp_plus.private_apis.lightning import trainer_of
 from lightning_ddp_plus.private_apis.torch_ddp import flush_static_graph
 from lightning_ddp_plus.sync.accumulation import SyncStats, WindowPosition, scale_gradients, window_position
 from lightning_ddp_plus.sync.micro_batches import refuse_micro_batches
-from lightning_ddp_plus.sync.uneven import PaddedBatches, RankBatches, even_by_construction
+from lightning_ddp_plus.sync.uneven import RankBatches, even_by_construction
 
 
 def position_in_window(trainer: Any, steps: int, forced_length: int | None) -> WindowPosition:
@@ -92,7 +91,7 @@ def backward_in_window(
     forward (``block_backward_sync``); in manual optimization it is decided here, before Lightning's
     ``pre_backward`` prepares the reducer, and switched back on afterwards."""
     automatic = module.automatic_optimization
-    syncs = ddp.require_backward_grad_sync if automatic else engine.window.syncs(position, engine.settings.static_graph)
+    syncs = ddp.require_backward_grad_sync if automatic else engine.syncs(position)
     if not syncs:
         ddp.require_backward_grad_sync = False
 
@@ -100,8 +99,8 @@ def backward_in_window(
         if not automatic:
             ddp.require_backward_grad_sync = True
 
-    done = guarded_backward(
-        engine, ddp, loss, position, syncs, divided_by_steps=automatic, post_forward=automatic, run=run, restore=restore
+    done = engine.backward(
+        ddp, loss, position, syncs, divided_by_steps=automatic, post_forward=automatic, run=run, restore=restore
     )
     if done.ends_epoch:
         end_epoch_here(module.trainer)
@@ -112,7 +111,7 @@ def settle_accumulation(engine: DDPPlusEngine, module: Any, trainer: Any) -> Non
     """In every process, before anything starts: k settled once with the Trainer's ``accumulate_grad_batches``,
     which then says what Lightning's loop must do (k in automatic optimization, where the loop accumulates; 1 in
     manual, where Lightning refuses it and the engine accumulates), and what ``micro_batch_size`` refuses."""
-    steps = engine.window.reconcile(trainer.accumulate_grad_batches)
+    steps = engine.settle_accumulation(trainer.accumulate_grad_batches)
     manual = module is not None and not module.automatic_optimization
     refuse_micro_batches(engine.arguments.micro_batch_size, manual, steps, module)
     trainer.accumulate_grad_batches = 1 if manual else steps
@@ -125,9 +124,7 @@ def training_dataloader(dataloader: Any, module: Any, engine: DDPPlusEngine, res
     if trainer is None or trainer.state.stage != RunningStage.TRAINING:
         return dataloader
     dataloader = resume.dataloader(dataloader, trainer)
-    if engine.arguments.uneven_inputs == "join" and not even_by_construction([dataloader]):
-        dataloader = PaddedBatches(dataloader, engine.uneven.padding_state)
-    return dataloader
+    return dataloader if even_by_construction([dataloader]) else engine.padded(dataloader)
 
 
 def log_sync_stats_every_n_steps(trainer: Any, step: int, stats: SyncStats) -> None:
@@ -150,10 +147,11 @@ def add_strategy_callbacks(trainer: Any, engine: DDPPlusEngine) -> None:
     """The strategy's callbacks, each once (a second fit finds them there): ``DDPTelemetry`` with ``telemetry``,
     ``PreemptionSave`` with ``preemption_signals``, ``StragglersAtEpochEnd`` with ``find_stragglers_every_n_steps``."""
     callbacks: list[Callback] = trainer.callbacks  # set by Lightning's callback connector
+    arguments = engine.arguments
     added = [
-        DDPTelemetry() if engine.telemetry is not None else None,
-        PreemptionSave(engine.preemption) if engine.preemption.on else None,
-        StragglersAtEpochEnd(engine) if engine.stragglers is not None else None,
+        DDPTelemetry() if arguments.telemetry else None,
+        PreemptionSave(engine) if arguments.preemption_signals else None,
+        StragglersAtEpochEnd(engine) if arguments.find_stragglers_every_n_steps is not None else None,
     ]
     for callback in added:
         if callback is not None and not any(type(present) is type(callback) for present in callbacks):

@@ -24,6 +24,7 @@ import lightning.pytorch as pl
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
+from lightning_ddp_plus.engine.engine import DDPPlusEngine
 from lightning_ddp_plus.persistence.resume import NO_CHECKPOINT_CALLBACK_PATH
 from lightning_ddp_plus.preemption.report import Preempted, PreemptionReport
 from lightning_ddp_plus.preemption.slurm import requeue
@@ -80,15 +81,15 @@ def end_preempted(trainer: pl.Trainer, decision: StopDecision) -> None:
 class PreemptionSave(Callback):
     """Saves the agreed step where ``ModelCheckpoint`` saves mid-epoch, and ends the fit (added by the strategy)."""
 
-    def __init__(self, preemption: PreemptionStop) -> None:
-        self.preemption = preemption
+    def __init__(self, engine: DDPPlusEngine) -> None:
+        self.engine = engine
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        decision = self.preemption.before_first_step()
+        decision = self.engine.notice_before_first_step()
         if decision is not None:
             end_preempted(trainer, decision)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        decision = self.preemption.decision  # agreed at this batch's synced backward; its step is applied
+        decision = self.engine.preemption_decision  # agreed at this batch's synced backward; its step is applied
         if decision is not None and decision.stop_after is not None:
             end_preempted(trainer, decision)

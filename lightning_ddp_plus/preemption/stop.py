@@ -6,7 +6,7 @@ The decision rides on the agreement the per-step guard already makes after each 
 - On gloo, the ranks agree through the job's store: a rank with news sets a key before its backward sends its
   buckets, and a rank whose backward finished can only have finished after those buckets arrived, so one look-up
   tells every rank whether to join the flag all-reduce. A rank that has a notice announces it that way before its
-  next synced backward (``announce``), and its flag travels in that all-reduce.
+  next synced backward (``agreement_requested``), and its flag travels in that all-reduce.
 - On NCCL the guard all-reduces its flags every step; the notice is one more integer there.
 - With the guard off (``sync_guard=False``), one all-reduce of one integer per step on the side channel.
 
@@ -22,9 +22,12 @@ import signal
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from lightning_ddp_plus.pipeline.component import AgreedStep, StepComponent
 from lightning_ddp_plus.preemption.notice import Notice, NoticeWatch
 from lightning_ddp_plus.sync.side_channel import SideChannel
-from lightning_ddp_plus.sync.step_guard import SyncGuard
+
+#: The agreement flag of a termination notice: some rank got one.
+STOP = "stop"
 
 
 @dataclass(frozen=True)
@@ -55,18 +58,18 @@ class StopDecision:
         return "; ".join(parts)
 
 
-class PreemptionStop:
+class PreemptionStop(StepComponent):
     """The notice watch of a run and the ranks' agreement to stop.
 
     Args:
         signals: ``preemption_signals`` (empty: off).
-        guard: the per-step guard, whose agreement the stop flag rides on.
         channel: the side channel (the flag all-reduce without the guard, and the gather after a stop).
     """
 
-    def __init__(self, signals: Sequence[str], guard: SyncGuard, channel: SideChannel) -> None:
+    def __init__(self, signals: Sequence[str], channel: SideChannel) -> None:
         self.watch = NoticeWatch(signals)
-        self.guard, self.channel = guard, channel
+        self.channel = channel
+        self.agreement_flags = (STOP,) if self.on else ()
         #: Set once the ranks agreed to stop; the front end saves and ends the fit.
         self.decision: StopDecision | None = None
 
@@ -95,17 +98,21 @@ class PreemptionStop:
             if pass_on and self.decision is None:
                 self.watch.pass_on()
 
-    def requested(self) -> bool | None:
-        """This rank's flag in the agreement after a synced backward (``None``: notices are off)."""
-        return self.watch.pending if self.on else None
-
-    def announce(self) -> None:
+    def agreement_requested(self) -> bool:
         """Before a synced backward: a rank with a notice makes every rank take the agreeing all-reduce."""
-        if self.watch.pending and self.guard.active:
-            self.guard.request_agreement()
+        return self.watch.pending
 
-    def step_done(self, steps: int) -> None:
-        self.watch.steps_done = steps
+    def agreement_values(self) -> dict[str, int]:
+        """This rank's flag in the agreement after a synced backward."""
+        return {STOP: int(self.watch.pending)} if self.on else {}
+
+    def agreed(self, agreed: AgreedStep) -> None:
+        """A termination notice on some rank: every rank stops after this step (the front end saves it)."""
+        if agreed.flags.get(STOP) and not agreed.out_of_memory:
+            self.stop_decided(stop_after=agreed.step)
+
+    def step_done(self, step: int) -> None:
+        self.watch.steps_done = step
 
     def agree_without_guard(self) -> bool:
         """After a synced backward when the guard does not run: one flag all-reduce (only when notices are on)."""
@@ -113,7 +120,7 @@ class PreemptionStop:
             return False
         return bool(self.channel.maximum([int(self.watch.pending)])[0]) if self.channel.open else self.watch.pending
 
-    def agreed(self, stop_after: int | None) -> StopDecision:
+    def stop_decided(self, stop_after: int | None) -> StopDecision:
         """Every rank, once the flag said stop: every rank's notice (one gather, after a notice only)."""
         mine = self.watch.notice(self.channel.rank)
         row = [mine.exit_code - 128, mine.step] if mine is not None else [0, 0]
@@ -129,5 +136,5 @@ class PreemptionStop:
         """At the start of training, once per fit: whether some rank got a notice during setup (one all-reduce of
         one integer; nothing has been trained, so there is nothing to save)."""
         if self.agree_without_guard():
-            return self.agreed(None)
+            return self.stop_decided(None)
         return None

@@ -3,5 +3,5 @@ all-reduce per optimizer step), bucket sizes, communication hooks, uneven inputs
 (``wrapper``), the per-step guard that every synced backward all-reduced every bucket (``step_guard``) and the small
 gloo group it and uneven inputs agree on (``side_channel``). DDP's private API is reached through ``private_apis``.
 
-May import: ``config``, ``private_apis``.
+May import: ``config``, ``pipeline``, ``private_apis``.
 """

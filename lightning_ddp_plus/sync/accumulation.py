@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 from lightning_ddp_plus.config.messages import ArgumentValueError, describe_bad_value
+from lightning_ddp_plus.pipeline.component import BackwardEnd, FitStart, StepComponent
 
 #: ``"mean"``: a short last window's gradient is the mean over the micro-batches it really had (as the HF Trainer).
 #: ``"lightning"``: Lightning's rule, every window's gradient sum is divided by k, so a short window is shrunk by r/k.
@@ -164,7 +165,7 @@ class SyncStats:
         return {f"{prefix}{name}": float(value) for name, value in asdict(self).items()}
 
 
-class AccumulationWindow:
+class AccumulationWindow(StepComponent):
     """Owns k and decides, per micro-batch, its loss scale and whether its backward all-reduces.
 
     Args:
@@ -203,6 +204,12 @@ class AccumulationWindow:
         self._synced_backward_seen = False
         self._micro_batches = 0
         self.per_item = False
+
+    def fit_starts(self, fit: FitStart) -> None:
+        self.reset()
+
+    def after_backward(self, backward: BackwardEnd) -> None:
+        self.record_backward(backward.synced)
 
     def must_sync_first_backward(self, static_graph: bool) -> bool:
         # torch's reducer asserts (expect_autograd_hooks_) when the very first backward of a static graph runs under

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_ddp_plus.config.messages import ArgumentValueError, describe_bad_value
+from lightning_ddp_plus.pipeline.component import FitStart, StepComponent
 from lightning_ddp_plus.private_apis.torch_ddp import logging_data, record_runtime_stats, set_bucket_cap
 from lightning_ddp_plus.sync.comm_hooks import CommHook
 
@@ -94,7 +95,7 @@ class BucketChoice:
 
 
 @dataclass
-class BucketTuner:
+class BucketTuner(StepComponent):
     """Gives each candidate ``1 + TIMED_ITERATIONS`` optimizer steps, then keeps the fastest for the rest of the fit.
 
     ``step_done`` is called after every optimizer step on every rank (the choice is a collective at the same step).
@@ -109,17 +110,25 @@ class BucketTuner:
     _iterations: int = 0
     _times_ns: list[list[int]] = field(default_factory=list)
 
-    def attach(self) -> None:
+    _ddp: DistributedDataParallel | None = None
+
+    def fit_starts(self, fit: FitStart) -> None:
         """A new fit on a wrapper built with the first candidate (torch's default)."""
         self.choice, self._index, self._iterations = None, 0, 0
         self._times_ns = [[] for _ in self.candidates]
+        self._ddp = fit.ddp
+
+    def fit_ends(self, failed: bool) -> None:
+        self.stop()
+        self._ddp = None
 
     @property
     def tuning(self) -> bool:
         return self.choice is None and self._index < len(self.candidates)
 
-    def step_done(self, ddp: DistributedDataParallel) -> None:
-        if not self.tuning:
+    def step_done(self, step: int) -> None:
+        ddp = self._ddp
+        if ddp is None or not self.tuning:
             return
         self._iterations += 1
         if self._iterations > 1:  # the first iteration of a reducer buckets in parameter order: not timed

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
 from lightning_ddp_plus.config.messages import ArgumentTypeError, ArgumentValueError, closest_name, describe_bad_value
+from lightning_ddp_plus.pipeline.component import FitStart, StepComponent
 
 HookFunction = Callable[[Any, "torch.distributed.GradBucket"], "torch.futures.Future[torch.Tensor]"]
 
@@ -205,7 +206,7 @@ def bucket_ordered_hook(hook: HookFunction) -> HookFunction:
     return ddp_plus_bucket_ordered_hook
 
 
-class HookAssembly:
+class HookAssembly(StepComponent):
     """The communication hook a wrapper gets: the named hook or callable, its state (PowerSGD gets a default one),
     the optional wrapper, and a counter of its calls. Registered on every backend, gloo included.
 
@@ -232,6 +233,9 @@ class HookAssembly:
         if self.hook is not None:
             return getattr(self.hook, "__qualname__", repr(self.hook))
         return "none"
+
+    def fit_starts(self, fit: FitStart) -> None:
+        self.register(fit.ddp)
 
     def register(self, ddp: "torch.nn.parallel.DistributedDataParallel") -> None:
         """Register the hook on a new wrapper (a fresh default state each time, like a fresh reducer)."""

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_ddp_plus.config.messages import ArgumentTypeError, ArgumentValueError, describe_bad_value
+from lightning_ddp_plus.pipeline.component import AgreedStep, BackwardStart, FitStart, StepComponent
 from lightning_ddp_plus.sync.accumulation import AccumulationWindow
 
 _ALLOWED = "a non-negative integer or a one-element integer tensor: the number of items the loss is a mean over."
@@ -104,7 +105,7 @@ class WindowItems:
         return None
 
 
-class ItemAveraging:
+class ItemAveraging(StepComponent):
     """The window's item counts and the rescale at its end (see the module's docstring).
 
     Args:
@@ -131,6 +132,9 @@ class ItemAveraging:
         self.record = record or (lambda op, size: nullcontext())
         #: A count given for the next backward (a training step's output, ``manual_backward``, ``fabric.backward``).
         self.pending: Any = None
+        #: The trainable parameters and the group of the wrapper whose backward closes the window.
+        self._parameters: list[Tensor] = []
+        self._group: Any = None
         self.reset()
 
     @classmethod
@@ -146,6 +150,20 @@ class ItemAveraging:
         first, hooked = counts_first(arguments)
         return cls(window, arguments.average_items_across_ranks, first, hooked, record=record, info=info)
 
+    def fit_starts(self, fit: FitStart) -> None:
+        self.reset()
+
+    def before_backward(self, backward: BackwardStart) -> None:
+        self._closing = backward.closes_window
+        if self._closing:
+            self._parameters = [p for p in backward.ddp.module.parameters() if p.requires_grad]
+            self._group = backward.ddp.process_group
+
+    def agreed(self, agreed: AgreedStep) -> None:
+        """After the backward that closed the window (every rank agreed, and no rank ran out of memory)."""
+        if self._closing and not agreed.out_of_memory:
+            self.window_closed(self._parameters, self._group)
+
     def reset(self) -> None:
         """A new fit: the first training step decides again whether counts are given (and a count an earlier fit
         left unused is dropped)."""
@@ -154,6 +172,8 @@ class ItemAveraging:
         self.unit, self.first_window = 1.0, True
         #: The last window's loss per item over every rank (what one device would print); ``None`` before one.
         self.loss_per_item: float | None = None
+        #: The running backward closes the window; the trainable parameters and the group of its wrapper.
+        self._closing = False
         self._clear()
 
     def _clear(self) -> None:

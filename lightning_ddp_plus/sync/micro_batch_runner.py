@@ -30,6 +30,7 @@ from torch import Tensor
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_ddp_plus.pipeline.component import FitStart, StepComponent
 from lightning_ddp_plus.private_apis.torch_distributed import tensor_version
 from lightning_ddp_plus.sync.item_averaging import ItemAveraging, check_num_items
 from lightning_ddp_plus.sync.micro_batches import MicroBatchSizer, OutOfMemory, free_memory, is_out_of_memory
@@ -131,7 +132,7 @@ class BufferSnapshot:
         return restored
 
 
-class MicroBatchRunner:
+class MicroBatchRunner(StepComponent):
     """Owns a batch's chunks, its attempts, the buffer snapshot, the agreement after an out-of-memory error and the
     retry (see the module's docstring).
 
@@ -149,7 +150,7 @@ class MicroBatchRunner:
         self.sizer, self.recovery, self.items, self.must_sync = sizer, recovery, items, must_sync
         self.buffers = BufferSnapshot()
 
-    def reset(self) -> None:
+    def fit_starts(self, fit: FitStart) -> None:
         """A new fit: the buffers a batch changes are learnt again."""
         self.buffers = BufferSnapshot()
 

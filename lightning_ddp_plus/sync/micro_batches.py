@@ -26,9 +26,12 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
 from lightning_ddp_plus.config.messages import ArgumentTypeError, ArgumentValueError, describe_bad_value
+from lightning_ddp_plus.pipeline.component import StepComponent
 
 #: ``DDPPlusStrategy(micro_batch_size=...)``: rows per chunk, ``"auto"``, or ``None`` (the whole batch at once).
 MicroBatchSize = int | Literal["auto"] | None
+#: The agreement flag of ``"auto"``: some rank ran out of memory in this batch's attempt.
+OUT_OF_MEMORY = "out of memory"
 
 #: What the messages of the CPU allocator, cuBLAS and cuDNN say when an allocation fails (torch raises a plain
 #: ``RuntimeError`` for them; CUDA's caching allocator raises ``torch.OutOfMemoryError``).
@@ -337,7 +340,7 @@ class SizeChange:
     attempt_seconds: float
 
 
-class MicroBatchSizer:
+class MicroBatchSizer(StepComponent):
     """Owns ``micro_batch_size``: the size in effect, how a batch is split, and the size after an out-of-memory
     error that every rank agreed on.
 
@@ -353,6 +356,14 @@ class MicroBatchSizer:
         self._info = info
         #: Every change ``"auto"`` made.
         self.changes: list[SizeChange] = []
+        #: ``"auto"``: every agreement carries whether some rank ran out of memory in the batch's attempt (the
+        #: setting is the same on every rank, so the flags are the same everywhere).
+        self.agreement_flags = (OUT_OF_MEMORY,) if self.auto else ()
+        #: This rank's out-of-memory error in the running attempt, for the agreement (``None``: none).
+        self.failure: OutOfMemory | None = None
+
+    def agreement_values(self) -> dict[str, int]:
+        return {OUT_OF_MEMORY: int(self.failure is not None)} if self.auto else {}
 
     @property
     def active(self) -> bool:

@@ -10,16 +10,29 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_ddp_plus.pipeline.component import FitStart, StepComponent
 
-class SideChannel:
+
+class SideChannel(StepComponent):
     """A small gloo group of the job's ranks for the guard's flags, separate from the group that carries the
     gradients: that one may hold bucket all-reduces in flight that a flag all-reduce would be paired with, and an
-    NCCL group carries no CPU tensors."""
+    NCCL group carries no CPU tensors. Opened at each fit's start with ``timeout``, closed at its end."""
 
-    def __init__(self, record: Callable[[str, int], AbstractContextManager[Any]] | None = None) -> None:
+    def __init__(
+        self,
+        record: Callable[[str, int], AbstractContextManager[Any]] | None = None,
+        timeout: timedelta = timedelta(minutes=30),
+    ) -> None:
         self._group: Any = None
+        self.timeout = timeout
         #: Called around each collective with its name and size (the engine's collective ledger).
         self.record = record or (lambda op, size: nullcontext())
+
+    def fit_starts(self, fit: FitStart) -> None:
+        self.start(self.timeout)
+
+    def fit_ends(self, failed: bool) -> None:
+        self.stop()
 
     @property
     def open(self) -> bool:

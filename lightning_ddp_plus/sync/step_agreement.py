@@ -9,19 +9,24 @@ others ride on, so they cost no collective of their own:
   gather, which ranks, in which phase, at how many rows;
 - whether some rank got a termination notice (``preemption_signals``), so that every rank stops after this step.
 
-``StepAgreement.after_synced_backward`` returns what was agreed as a ``StepAgreed`` record; a fault of the guard (a
-bucket some rank never all-reduced) goes to ``on_fault``, which the conflict rules decide (rule R6).
+Each flag is declared by the component that owns it (``StepComponent.agreement_flags``: ``uneven``'s two,
+``micro_batches``' out-of-memory flag, ``preemption``'s stop) and read back by name; the pipeline lays them out in
+one exchange. ``StepAgreement.after_synced_backward`` returns what was agreed as a ``StepAgreed`` record; a fault of
+the guard (a bucket some rank never all-reduced) goes to the run's ``sync_fault``, which the conflict rules decide
+(rule R6).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Protocol
 
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_ddp_plus.pipeline.agreement import AgreedFlags
+from lightning_ddp_plus.pipeline.component import StepPipeline
 from lightning_ddp_plus.sync.accumulation import AccumulationWindow
-from lightning_ddp_plus.sync.micro_batches import PHASES, OutOfMemory
+from lightning_ddp_plus.sync.micro_batches import OUT_OF_MEMORY, PHASES, MicroBatchSizer, OutOfMemory
 from lightning_ddp_plus.sync.side_channel import SideChannel
 from lightning_ddp_plus.sync.step_guard import SyncFault, SyncGuard
 from lightning_ddp_plus.sync.uneven import RankBatches, UnevenInputsCheck, uneven_flags
@@ -30,48 +35,53 @@ from lightning_ddp_plus.sync.uneven import RankBatches, UnevenInputsCheck, uneve
 @dataclass(frozen=True)
 class StepAgreed:
     """What the ranks agreed after a synced backward: whether this batch ends the epoch on every rank (a held
-    uneven-inputs flag), every rank's out-of-memory error in this batch's attempt (empty: none), and whether some
-    rank got a termination notice (every rank stops after this step)."""
+    uneven-inputs flag), every rank's out-of-memory error in this batch's attempt (empty: none), and every declared
+    flag by name (``flags``: the components read theirs, such as preemption's stop)."""
 
     ends_epoch: bool = False
     out_of_memory: tuple[OutOfMemory, ...] = ()
-    stop: bool = False
+    flags: AgreedFlags = field(default_factory=AgreedFlags)
+
+
+class AgreementParty(Protocol):
+    """What the agreement asks of the run that owns it (the engine): its pipeline, whose components declare the
+    flags and give their values, and its answers to a fault, a failed rank's first backward and a failed attempt."""
+
+    pipeline: StepPipeline
+
+    def sync_fault(self, ddp: DistributedDataParallel, fault: SyncFault) -> None:
+        """Some rank's reducer did not all-reduce every bucket (now completed on every rank): rule R6 decides."""
+
+    def decide_pending_conflicts(self, ddp: DistributedDataParallel) -> None:
+        """A rank that failed before its first backward joins the conflict check's decision (a collective)."""
+
+    def rebuild_reducer(self, ddp: DistributedDataParallel) -> None:
+        """A new reducer for the wrapper, after an attempt that failed."""
 
 
 class StepAgreement:
     """The agreement after every synced backward, and the uneven-inputs decision before every training batch.
 
     Args:
+        party: the run (its pipeline's declared flags travel in the agreement; see ``AgreementParty``).
         guard: the per-step guard, whose check carries the agreement.
-        uneven: the uneven-inputs check.
+        uneven: the uneven-inputs check (its held flag, and its decision).
+        micro_batches: ``micro_batch_size`` (with ``"auto"``, this rank's failure in the attempt).
         channel: the small gloo group the ranks agree on.
         window: the accumulation window (the step number the guard reports).
-        carries_out_of_memory: ``micro_batch_size="auto"``: every agreement carries an out-of-memory flag (the
-            setting is the same on every rank, so the flags have the same length everywhere).
-        on_fault: what a fault of the guard leads to (raise, or resolve and train on).
-        before_failure_agreement: what a rank that failed must still do before it agrees (the others' first
-            backward may decide the conflict check with a collective).
-        rebuild_reducer: a new reducer for the wrapper, after an attempt that failed.
-        stop_requested: this rank's termination-notice flag (announced before the backward, see
-            ``preemption.stop``), ``None`` when notices are off.
     """
 
     def __init__(
         self,
+        party: AgreementParty,
         guard: SyncGuard,
         uneven: UnevenInputsCheck,
+        micro_batches: MicroBatchSizer,
         channel: SideChannel,
         window: AccumulationWindow,
-        carries_out_of_memory: bool,
-        on_fault: Callable[[DistributedDataParallel, SyncFault], None],
-        before_failure_agreement: Callable[[DistributedDataParallel], None],
-        rebuild_reducer: Callable[[DistributedDataParallel], None],
-        stop_requested: Callable[[], bool | None] = lambda: None,
     ) -> None:
-        self.guard, self.uneven, self.channel, self.window = guard, uneven, channel, window
-        self.carries_out_of_memory = carries_out_of_memory
-        self.on_fault, self.before_failure_agreement = on_fault, before_failure_agreement
-        self.rebuild_reducer, self.stop_requested = rebuild_reducer, stop_requested
+        self.party, self.guard, self.uneven, self.micro_batches = party, guard, uneven, micro_batches
+        self.channel, self.window = channel, window
         #: The wrapper of the running fit (set by the engine's ``start_fit``).
         self.ddp: DistributedDataParallel | None = None
         self.epoch = 0
@@ -98,57 +108,51 @@ class StepAgreement:
             return False
         return uneven.decide(state, channel.maximum(uneven_flags(state.last)), channel.gather, epoch)
 
-    def after_synced_backward(
-        self,
-        ddp: DistributedDataParallel,
-        failed: bool,
-        out_of_memory: OutOfMemory | None = None,
-        started: bool = True,
-    ) -> StepAgreed:
-        """The guard's check with the flags that ride on it (``failed``: this rank's backward raised what the guard
-        takes over; ``out_of_memory``: this rank's attempt failed, ``started`` saying whether its synced backward
-        had begun)."""
-        if not self.guard.active:  # no check to ride on: one flag all-reduce per step, only with notices on
-            mine = self.stop_requested()
-            return StepAgreed(stop=mine is not None and bool(self.channel.maximum([int(mine)])[0]))
+    def after_synced_backward(self, ddp: DistributedDataParallel, failed: bool, started: bool = True) -> StepAgreed:
+        """The guard's check with the declared flags riding on it (``failed``: this rank's backward raised what the
+        guard takes over; with ``micro_batches.failure`` set, this rank's attempt ran out of memory, ``started``
+        saying whether its synced backward had begun)."""
+        flags, values = self.party.pipeline.flags, self.party.pipeline.agreement_values()
+        if not self.guard.active:  # no check to ride on: the flags' own all-reduce, only where a notice can come
+            if not any(name not in self.uneven.agreement_flags for name in flags.names):
+                return StepAgreed(flags=flags.zeros())
+            return StepAgreed(flags=flags.read(self.channel.maximum(flags.pack(values))))
+        failure, self.micro_batches.failure = self.micro_batches.failure, None
         deferred = self.uneven.take_deferred()
-        flags = uneven_flags(deferred.last) if deferred else [0, 0]
-        if self.carries_out_of_memory:
-            flags.append(int(out_of_memory is not None))
-        flags.append(int(bool(self.stop_requested())))
         outcome = self.guard.check(
             ddp,
             self.window.stats.optimizer_steps + 1,
-            flags,
-            aborted=failed or out_of_memory is not None,
-            never_started=out_of_memory is not None and not started,
+            flags.pack(values),
+            aborted=failed or failure is not None,
+            never_started=failure is not None and not started,
         )
-        stop = bool(outcome.flag_maximums[-1])
-        if self.carries_out_of_memory and outcome.flag_maximums[-2]:
+        agreed = flags.read(outcome.flag_maximums)
+        if agreed.get(OUT_OF_MEMORY):
             if deferred is not None:  # the batch runs again, and its uneven-inputs flag with it
                 self.uneven.defer_to_step_check(deferred)
                 if deferred.last:
                     self.guard.request_agreement()
-            return StepAgreed(out_of_memory=self._every_ranks_failure(out_of_memory))
+            return StepAgreed(out_of_memory=self._every_ranks_failure(failure), flags=agreed)
         if outcome.fault is not None:
-            self.on_fault(ddp, outcome.fault)
+            self.party.sync_fault(ddp, outcome.fault)
         if deferred is None:
-            return StepAgreed(stop=stop)
-        ends_epoch = self.uneven.decide(deferred, outcome.flag_maximums, self.channel.gather, self.epoch)
-        return StepAgreed(ends_epoch=ends_epoch, stop=stop)
+            return StepAgreed(flags=agreed)
+        ends_epoch = self.uneven.decide(deferred, self.uneven.maximums(agreed), self.channel.gather, self.epoch)
+        return StepAgreed(ends_epoch=ends_epoch, flags=agreed)
 
     def agree_on_failure(self, failure: OutOfMemory, synced_backward_started: bool) -> StepAgreed:
         """On a rank whose attempt at a batch ran out of memory (``micro_batch_size="auto"``), in place of its synced
         backward: issue the bucket all-reduces the other ranks' backward waits for, and agree with them."""
         assert self.ddp is not None and self.guard.active
-        self.before_failure_agreement(self.ddp)
-        return self.after_synced_backward(self.ddp, failed=True, out_of_memory=failure, started=synced_backward_started)
+        self.party.decide_pending_conflicts(self.ddp)
+        self.micro_batches.failure = failure
+        return self.after_synced_backward(self.ddp, failed=True, started=synced_backward_started)
 
     def reset_reducer(self) -> None:
         """Every rank, after an attempt some rank failed: a backward that failed half way leaves the reducer
         expecting hooks (and, on the first step, bucket orders that differ between ranks)."""
         if self.ddp is not None:
-            self.rebuild_reducer(self.ddp)
+            self.party.rebuild_reducer(self.ddp)
 
     def _every_ranks_failure(self, local: OutOfMemory | None) -> tuple[OutOfMemory, ...]:
         """Every rank's failure in this attempt (one gather, only after one)."""

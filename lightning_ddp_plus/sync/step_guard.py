@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch.nn import Parameter
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_ddp_plus.pipeline.component import FitStart, StepComponent
 from lightning_ddp_plus.private_apis.torch_ddp import (
     can_complete_reductions,
     has_comm_hook,
@@ -202,7 +203,7 @@ class GuardOutcome:
     flag_maximums: list[int]
 
 
-class SyncGuard:
+class SyncGuard(StepComponent):
     """Owns the side channel's per-step check after each synced backward, and what a fault does to ``.grad``.
 
     Args:
@@ -238,6 +239,12 @@ class SyncGuard:
         if not self._active:
             return "on (checked once the wrapper is built)" if self.enabled else "off"
         return "on (store)" if self.agrees_through_store else "on (all-reduce per step)"
+
+    def fit_starts(self, fit: FitStart) -> None:
+        self.attach(fit.ddp)
+
+    def fit_ends(self, failed: bool) -> None:
+        self.detach()
 
     def attach(self, ddp: DistributedDataParallel) -> None:
         self._active, self._store, self._agreement_requested = False, None, False

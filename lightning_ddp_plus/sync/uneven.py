@@ -32,6 +32,10 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
+from lightning_ddp_plus.pipeline.agreement import AgreedFlags
+from lightning_ddp_plus.pipeline.component import AgreedStep, FitStart, StepComponent
+from lightning_ddp_plus.sync.accumulation import AccumulationWindow, scale_gradients
+
 UnevenInputs = Literal["error", "stop", "join"]
 T = TypeVar("T")
 
@@ -48,6 +52,11 @@ class RankBatches:
     number: int
     last: bool
     length: int | None = None
+
+
+#: The agreement's flags of ``uneven_inputs``: their maximums over the ranks say whether some rank ends its epoch at
+#: this batch and whether some rank goes on.
+SOME_RANK_ENDS, SOME_RANK_GOES_ON = "some rank's epoch ends here", "some rank's epoch goes on"
 
 
 def uneven_flags(last: bool) -> list[int]:
@@ -194,17 +203,21 @@ class _JoinWindow:
     real: int = 0
 
 
-class UnevenInputsCheck:
+class UnevenInputsCheck(StepComponent):
     """Owns ``uneven_inputs``: the flag of the batch about to train, the decision, and the epoch's forced end.
 
     Args:
         mode: ``"error"``, ``"stop"`` or ``"join"``.
         info: how the once-per-epoch report reaches the user (rank 0 only in a Trainer).
+        window: the accumulation window (``"join"`` rescales nothing when the window's items divide the gradient).
     """
 
-    def __init__(self, mode: UnevenInputs, info: Any) -> None:
-        self.mode = mode
+    agreement_flags = (SOME_RANK_ENDS, SOME_RANK_GOES_ON)
+
+    def __init__(self, mode: UnevenInputs, info: Any, window: AccumulationWindow | None = None) -> None:
+        self.mode, self.window = mode, window
         self._info = info
+        self._parameters: Any = ()
         self._deferred: RankBatches | None = None
         self._even_shards = EvenShards(epoch=-1, even=False)
         #: Where ``"stop"`` or ``"join"`` ended the current epoch on every rank.
@@ -218,6 +231,27 @@ class UnevenInputsCheck:
         self.joined: dict[int, list[JoinedCounts]] = {}
         self._window = _JoinWindow()
         self._epoch, self._this_rank = -1, JoinedCounts(0, 0)
+
+    def fit_starts(self, fit: FitStart) -> None:
+        self.reset()
+        self._parameters = fit.ddp.module.parameters
+
+    def agreement_values(self) -> dict[str, int]:
+        """The flag held for the agreement after this batch's synced backward (zeros: none held)."""
+        if self._deferred is None:
+            return {}
+        return dict(zip(self.agreement_flags, uneven_flags(self._deferred.last)))
+
+    @staticmethod
+    def maximums(flags: AgreedFlags) -> list[int]:
+        """The agreed flags as ``uneven_flags``' maximums."""
+        return [flags[SOME_RANK_ENDS], flags[SOME_RANK_GOES_ON]]
+
+    def agreed(self, agreed: AgreedStep) -> None:
+        """``"join"``: the window's gradient rescaled to the mean over the micro-batches really trained."""
+        if self.mode == "join" and not agreed.out_of_memory:
+            per_item = self.window is not None and self.window.per_item
+            scale_gradients(self._parameters(), self.take_rescale(per_item))
 
     def even_by_construction(self, epoch: int, loaders: Any) -> bool:
         """Whether the epoch's training loaders all draw from a ``DistributedSampler`` (then no count is compared);

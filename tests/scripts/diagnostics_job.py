@@ -13,6 +13,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from lightning_ddp_plus import DDPPlusStrategy
 from tests.helpers import QUIET_TRAINER, CheckpointNet, TinyRegression, job_main
+from tests.scripts.pipeline_job import run_case as run_pipeline_case
 from tests.scripts.straggler_job import run_case as run_straggler_case
 
 INDEPENDENT = {"calls": 0, "bytes": 0}
@@ -56,6 +57,8 @@ class BufferSnapshot(L.Callback):
 def run_case(case: dict) -> dict:
     if "straggler" in case:
         return {**case, **run_straggler_case(case["straggler"])}
+    if "pipeline" in case:
+        return {**case, **run_pipeline_case(case["pipeline"])}
     INDEPENDENT.update(calls=0, bytes=0)
     strategy_kwargs = dict(case.get("strategy", {}))
     if strategy_kwargs.pop("independent_hook", False):

@@ -1,0 +1,302 @@
+"""``RunComponents``: the parts of one DDP run, built from the validated arguments (each in the room its name says),
+what the front ends read of them (read-only properties) and what they ask of them outside the training step (a
+collective or a save in the ledger, clipping, the window's position, the notices). ``DDPPlusEngine`` adds the
+pipeline's order and the step's walk."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, MutableMapping
+from contextlib import AbstractContextManager
+from typing import Any
+
+from torch import Tensor
+from torch.nn import Module
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+
+from lightning_ddp_plus.config.settings import DDPSettings
+from lightning_ddp_plus.config.timeout import GroupTimeouts
+from lightning_ddp_plus.conflicts.check import ConflictCheck
+from lightning_ddp_plus.conflicts.rules import Finding
+from lightning_ddp_plus.conflicts.settings_in_effect import SettingsInEffect
+from lightning_ddp_plus.diagnostics.collective_ledger import BufferBroadcastRecord, CollectiveLedger, Phase
+from lightning_ddp_plus.diagnostics.flight_recorder import FlightRecorder, flight_recorder_for
+from lightning_ddp_plus.diagnostics.out_of_memory_reports import OutOfMemoryReports
+from lightning_ddp_plus.diagnostics.phase_timings import PhaseTimes, StragglerWatch
+from lightning_ddp_plus.diagnostics.replicas import ReplicaGuard
+from lightning_ddp_plus.diagnostics.stall_watchdog import StallWatchdog
+from lightning_ddp_plus.diagnostics.telemetry import SyncTelemetry
+from lightning_ddp_plus.diagnostics.torch_errors import TimeoutContext
+from lightning_ddp_plus.diagnostics.torch_errors import explain as explain_error
+from lightning_ddp_plus.engine.arguments import DDPPlusArguments
+from lightning_ddp_plus.engine.results import WorkerResults
+from lightning_ddp_plus.memory.suggestion import starting_size_in_folder
+from lightning_ddp_plus.preemption.report import Preempted
+from lightning_ddp_plus.preemption.stop import PreemptionStop, StopDecision
+from lightning_ddp_plus.sharding.zero import ZeroSharding
+from lightning_ddp_plus.sync.accumulation import AccumulationWindow, SyncStats, WindowPosition
+from lightning_ddp_plus.sync.buckets import BucketChoice, BucketTuner
+from lightning_ddp_plus.sync.comm_hooks import HookAssembly, HookCallCounter
+from lightning_ddp_plus.sync.item_averaging import ItemAveraging
+from lightning_ddp_plus.sync.micro_batch_runner import MicroBatchRunner
+from lightning_ddp_plus.sync.micro_batches import CHECKPOINT_KEY, MicroBatchSizer
+from lightning_ddp_plus.sync.side_channel import SideChannel
+from lightning_ddp_plus.sync.step_agreement import AgreementParty, StepAgreement
+from lightning_ddp_plus.sync.step_guard import SyncFault, SyncGuard
+from lightning_ddp_plus.sync.uneven import PaddedBatches, UnevenInputsCheck
+
+
+class RunComponents:
+    """The components of a run (see the module's docstring); ``build`` makes them."""
+
+    arguments: DDPPlusArguments
+    in_effect: SettingsInEffect
+    timeouts: GroupTimeouts
+    window: AccumulationWindow
+    conflicts: ConflictCheck
+    sharding: ZeroSharding
+    hooks: HookAssembly
+    replica_guard: ReplicaGuard
+    channel: SideChannel
+    stragglers: StragglerWatch | None
+    ledger: CollectiveLedger
+    stall_watchdog: StallWatchdog | None
+    items: ItemAveraging
+    sync_guard: SyncGuard
+    uneven: UnevenInputsCheck
+    micro_batches: MicroBatchSizer
+    preemption: PreemptionStop
+    agreement: StepAgreement
+    micro_batch_runner: MicroBatchRunner
+    out_of_memory_reports: OutOfMemoryReports
+    buckets: BucketTuner | None
+    telemetry: SyncTelemetry | None
+    buffer_broadcast: BufferBroadcastRecord
+    flight_recorder: FlightRecorder | None
+    failed: bool
+
+    def build(
+        self,
+        arguments: DDPPlusArguments,
+        warn: Callable[[str], None],
+        info: Callable[[str], None],
+        party: AgreementParty,
+    ) -> None:
+        """Each component from its arguments (``party``: the run the agreement asks, see ``AgreementParty``)."""
+        self.arguments, self._warn, self._info = arguments, warn, info
+        self.in_effect = SettingsInEffect(arguments.settings, on_rebuilt=self._reducer_rebuilt)
+        self.timeouts = GroupTimeouts(arguments.collective_timeout, arguments.setup_collective_timeout)
+        self.window = AccumulationWindow(arguments.gradient_accumulation_steps, arguments.short_window)
+        self.conflicts = ConflictCheck(arguments.checkpointing_conflict, warn=warn, info=info)
+        self.sharding = ZeroSharding(arguments.optimizer_sharding, info=info)
+        self.hooks = HookAssembly(
+            *self.sharding.hook(arguments.comm_hook, arguments.ddp_comm_state), arguments.ddp_comm_wrapper
+        )
+        self.replica_guard = ReplicaGuard(arguments.verify_replicas_every_n_steps)
+        self.channel = SideChannel(timeout=arguments.collective_timeout)
+        every = arguments.find_stragglers_every_n_steps
+        self.stragglers = None if every is None else StragglerWatch(every, warn, channel=self.channel)
+        clock = self.stragglers.clock if self.stragglers is not None else None
+        self.ledger = CollectiveLedger(arguments.ledger_length, clock=clock)
+        self.channel.record = self.ledger.collective  # the flag exchanges in the ledger too
+        threshold = arguments.stall_threshold
+        self.stall_watchdog = None if threshold is None else StallWatchdog(self.ledger, threshold, warn=warn)
+        self.items = ItemAveraging.for_arguments(arguments, self.window, record=self.ledger.collective, info=info)
+        self.sync_guard = SyncGuard(arguments.sync_guard, self.channel, warn=warn)
+        self.uneven = UnevenInputsCheck(arguments.uneven_inputs, info=info, window=self.window)
+        self.micro_batches = MicroBatchSizer(arguments.micro_batch_size, info=info)
+        self.preemption = PreemptionStop(arguments.preemption_signals, self.channel)
+        self.agreement = StepAgreement(
+            party, self.sync_guard, self.uneven, self.micro_batches, self.channel, self.window
+        )
+        must_sync = self.must_sync_first_backward
+        self.micro_batch_runner = MicroBatchRunner(self.micro_batches, self.agreement, self.items, must_sync)
+        self.out_of_memory_reports = OutOfMemoryReports(arguments.micro_batch_size, self.ledger, self.micro_batches)
+        auto_buckets = arguments.settings.bucket_cap_mb == "auto"
+        self.buckets = BucketTuner(on_rebuilt=self._reducer_rebuilt, info=info) if auto_buckets else None
+        self.telemetry = SyncTelemetry(self.hooks) if arguments.telemetry else None
+        self.buffer_broadcast = BufferBroadcastRecord(self.ledger)
+        self.flight_recorder = None  # NCCL's, where prepare_process_group turned it on
+
+    def _reducer_rebuilt(self, ddp: DistributedDataParallel) -> None:  # telemetry reads the buckets again
+        if self.telemetry is not None:
+            self.telemetry.reducer_rebuilt(ddp)
+
+    # ------------------------------------------------------------------ what the agreement asks of the run
+
+    def sync_fault(self, ddp: DistributedDataParallel, fault: SyncFault) -> None:
+        """Some rank's reducer did not all-reduce every bucket (now completed on every rank): rule R6 decides."""
+        self.in_effect.after_late_fault(self.conflicts, ddp, fault, self.window.steps, self._warn, self._info)
+
+    def rebuild_reducer(self, ddp: DistributedDataParallel) -> None:
+        self.sharding.rebuilding(self.in_effect.rebuild)(ddp)
+
+    # ------------------------------------------------------------------ what the front ends read
+
+    @property
+    def settings(self) -> DDPSettings:
+        """The settings in effect: ``broadcast_buffers="auto"`` decided, and what ``"resolve"`` changed."""
+        return self.in_effect.current
+
+    @property
+    def accumulation_steps(self) -> int:
+        """k in effect (with the Trainer: settled with its setting when ``fit`` starts)."""
+        return self.window.steps
+
+    @property
+    def sync_stats(self) -> SyncStats:
+        return self.window.stats
+
+    @property
+    def findings(self) -> list[Finding]:
+        return self.conflicts.findings
+
+    @property
+    def loss_per_item(self) -> float | None:
+        return self.items.loss_per_item
+
+    @property
+    def bucket_choice(self) -> BucketChoice | None:
+        return self.buckets.choice if self.buckets is not None else None
+
+    @property
+    def comm_hook_counter(self) -> HookCallCounter:
+        return self.hooks.counter
+
+    @property
+    def replica_check_seconds(self) -> list[float]:
+        return self.replica_guard.check_seconds
+
+    @property
+    def phase_times(self) -> list[PhaseTimes]:
+        return self.stragglers.last_times if self.stragglers is not None else []
+
+    @property
+    def preemption_decision(self) -> StopDecision | None:
+        """Set once every rank agreed to stop for a termination notice."""
+        return self.preemption.decision
+
+    @property
+    def micro_batch_size(self) -> int | None:
+        """Rows per chunk in effect (``None``: the whole batch)."""
+        return self.micro_batches.size
+
+    @property
+    def chunks_batches(self) -> bool:
+        """``micro_batch_size`` is set: a training batch runs in chunks (``run_micro_batches``)."""
+        return self.micro_batches.active
+
+    # ------------------------------------------------------------------ what the front ends ask outside the step
+
+    def give_num_items(self, count: Any) -> None:
+        """The count of the items the next backward's loss is a mean over (``None``: none)."""
+        self.items.pending = count
+
+    def must_sync_first_backward(self) -> bool:  # the run's first backward of a static graph all-reduces (rule R3)
+        return self.window.must_sync_first_backward(self.settings.static_graph)
+
+    def syncs(self, position: WindowPosition) -> bool:
+        """Whether the micro-batch at ``position`` all-reduces: it closes its window, or rule R3 needs it."""
+        return self.window.syncs(position, self.settings.static_graph)
+
+    def next_position(self, is_last: bool) -> WindowPosition:
+        """For a front end that counts micro-batches itself (Fabric): the position of the one about to run."""
+        return self.window.peek(is_last=is_last)
+
+    def moved_on(self, position: WindowPosition) -> None:
+        """The micro-batch at ``position`` ran its backward (a front end that counts micro-batches itself)."""
+        if self.window.steps > 1:
+            self.window.advance(position)
+
+    def settle_accumulation(self, trainer_steps: object) -> int:
+        """k settled once with the Trainer's ``accumulate_grad_batches`` (before anything is launched)."""
+        return self.window.reconcile(trainer_steps)
+
+    def resume_with_accumulation(self, steps: int) -> None:
+        """A resume on another number of ranks changed k (``on_world_size_change="keep_global_batch"``)."""
+        self.window.set_steps(steps)
+
+    def step_mid_window_warning(self) -> str:
+        return self.window.step_mid_window_warning()
+
+    def forced_epoch_length(self, epoch: int) -> int | None:
+        """The number of batches ``uneven_inputs`` gave ``epoch``, once decided."""
+        return self.uneven.forced_length(epoch)
+
+    def gradient_rescale(self, position: WindowPosition) -> float:
+        """A window that closed early (at ``position``): the factor its gradients need (``short_window``)."""
+        return self.window.gradient_rescale(position)
+
+    def padded(self, loader: Any) -> Any:
+        """``uneven_inputs="join"``: ``loader`` repeating its last batch (its loss counted 0) once it runs out."""
+        return PaddedBatches(loader, self.uneven.padding_state) if self.uneven.mode == "join" else loader
+
+    def padding_ends(self) -> None:
+        """An epoch's items are over: what follows is no padding."""
+        self.uneven.padding = False
+
+    def collective(self, op: str, size_bytes: int = 0, users_call: bool = True) -> AbstractContextManager[Any]:
+        """A collective a front end issues, in the ledger (``users_call=False``: Lightning's loop issued it)."""
+        return self.ledger.collective(op, size_bytes, users_call=users_call)
+
+    def in_phase(self, phase: Phase) -> AbstractContextManager[None]:
+        """``phase`` for a ``with`` block (a checkpoint save), then the phase before."""
+        return self.ledger.in_phase(phase)
+
+    def enter_phase(self, phase: Phase) -> None:
+        self.ledger.enter_phase(phase)
+
+    def out_of_memory_explained(self, batch: Any, rank: int, world_size: int) -> AbstractContextManager[None]:
+        """Around a training batch: an out-of-memory error named on every rank (``OutOfMemoryReports``)."""
+        return self.out_of_memory_reports.explained(batch, rank, world_size)
+
+    def micro_batches_from_plan(self, folder: str, module: Module, world_size: int) -> None:
+        """``micro_batch_size="auto"``: start from ``ddp-plus check``'s suggestion in ``folder``, if it has one."""
+        self.micro_batches.start_from(*starting_size_in_folder(folder, module, world_size))
+
+    def save_micro_batch_size(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
+        """The checkpoint with the size in effect, so that a resume starts from it."""
+        if self.micro_batches.active:
+            checkpoint[CHECKPOINT_KEY] = self.micro_batches.state_dict()
+        return checkpoint
+
+    def load_micro_batch_size(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
+        self.micro_batches.load_state_dict(checkpoint.get(CHECKPOINT_KEY, {}))
+        return checkpoint
+
+    def clip_norm(
+        self, clipping: str, precision: Any, optimizer: Optimizer, *args: Any, **kwargs: Any
+    ) -> Tensor | None:
+        """Clipping by norm under ``optimizer_sharding`` (``None``: the plain clipping applies)."""
+        return self.sharding.clip_norm(clipping, precision, optimizer, *args, **kwargs)
+
+    def refuse_clipping(self, clipping: str) -> None:
+        self.sharding.refuse_clipping(clipping)
+
+    def watch_notices(self) -> None:
+        """The notice handlers on (``preemption_signals``), until ``end_notices``."""
+        self.preemption.start()
+
+    def notice_before_first_step(self) -> StopDecision | None:
+        """At the start of training: whether some rank got a notice during setup (one all-reduce of one integer)."""
+        return self.preemption.before_first_step()
+
+    def end_notices(self) -> None:
+        """At the fit's end: the handlers from before it (a notice no step took is passed on, unless it failed)."""
+        self.preemption.end(pass_on=not self.failed)
+
+    def explain(self, exception: BaseException) -> None:
+        """Append to a torch error which rule it is and the fix, or what a collective timeout means."""
+        if isinstance(exception, Preempted):  # an orderly end: the agreed step was saved
+            return
+        self.failed = True
+        report = self.stall_watchdog.last_report if self.stall_watchdog is not None else None
+        recorder = self.flight_recorder.describe() if self.flight_recorder is not None else None
+        explain_error(exception, TimeoutContext(*self.timeouts.in_effect(), report, recorder))
+
+    def prepare_process_group(self, backend: str, environ: MutableMapping[str, str]) -> None:
+        """Before the process group exists: on NCCL, with the stall report on, NCCL's flight recorder."""
+        self.flight_recorder = flight_recorder_for(backend, self.stall_watchdog is not None, environ, self._info)
+
+    def results(self) -> WorkerResults:  # what a worker found and counted, for the process that launched it
+        return WorkerResults.of(self)

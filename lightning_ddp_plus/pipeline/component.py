@@ -1,0 +1,219 @@
+"""``StepComponent``: one per-step feature, with one small protocol; ``StepPipeline``: an ordered list of them,
+called in order.
+
+A component overrides the points it acts at; the others do nothing. Over a fit the pipeline calls:
+
+1. ``fit_starts(FitStart)``: a new wrapper; counters and cadences restart.
+2. per training forward, ``forward_starts(ForwardStart)`` (every forward of the wrapper, ``training`` says which);
+3. per backward, ``before_backward(BackwardStart)``, the backward, ``after_backward(BackwardEnd)``; after a synced
+   one, the ranks agree in one exchange that carries every component's ``agreement_flags`` (their values from
+   ``agreement_values``), and each component reads the outcome by name in ``agreed(AgreedStep)``. Where the ranks
+   skip the exchange when nobody has news (gloo, through the job's store), a component with news says so before
+   the synced backward starts (``agreement_requested``), so that every rank takes the exchange;
+4. per optimizer step, ``step_done(step)``;
+5. ``epoch_ends(EpochEnd)``, and at the end of training the same with ``training_ends``;
+6. ``fit_ends(failed)``, in the reverse order, what was attached first is detached last.
+
+Every component is called at every point on every rank, in the same order, so a component may issue a collective
+at a point where its decision is the same on every rank (the replica guard's check, the straggler comparison).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+
+from torch import Tensor
+from torch.nn import Module
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_ddp_plus.pipeline.agreement import AgreedFlags, AgreementFlags
+
+
+@dataclass(frozen=True, kw_only=True)
+class FitStart:
+    """A fit starts on a new wrapper."""
+
+    ddp: DistributedDataParallel
+    """The wrapper the fit trains."""
+    module: Module
+    """The bare model inside it."""
+    broadcast_buffers: bool
+    """DDP broadcasts rank 0's buffers at every forward (``broadcast_buffers`` in effect)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ForwardStart:
+    """A forward of the wrapper starts (DDP's own pre-hooks have not run yet)."""
+
+    ddp: DistributedDataParallel
+    training: bool
+    """A training forward (the wrapper trains and autograd records)."""
+    step: int
+    """Optimizer steps applied so far in this fit (as ``trainer.global_step``)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class BackwardStart:
+    """A backward is about to run."""
+
+    ddp: DistributedDataParallel
+    loss: Tensor | None
+    """The loss as the front end gave it (before any scaling)."""
+    synced: bool
+    """This backward all-reduces the gradients."""
+    forward_synced: bool
+    """The training forward before it ran with gradient sync on."""
+    closes_window: bool
+    """It is the last backward of its accumulation window (a synced one, on the last chunk)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class BackwardEnd:
+    """A backward ran (or raised what the per-step guard takes over), before the ranks' agreement."""
+
+    ddp: DistributedDataParallel | None
+    synced: bool
+    failed: bool = False
+    """It raised what the guard completes on this rank."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class AgreedStep:
+    """What the ranks agreed after a synced backward, read by name."""
+
+    flags: AgreedFlags
+    """Every declared flag's maximum over the ranks."""
+    step: int
+    """The optimizer step the backward belongs to (steps applied so far + 1)."""
+    out_of_memory: bool
+    """Some rank ran out of memory in this attempt: the batch runs again, no step follows it yet."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class EpochEnd:
+    """A training epoch ended on every rank (also at the end of training, where ``training_ends``)."""
+
+    step: int
+    """Optimizer steps applied so far in this fit."""
+    training_ends: bool = False
+    """Training ends too: no forward follows."""
+
+
+class StepComponent:
+    """One per-step feature: override the points it acts at (see the module's docstring). A small published base
+    class, as torch's ``JoinHook``: the engine calls it, a component never calls another's points."""
+
+    #: The names of the flags this component adds to the per-step agreement (read back by name in ``agreed``); an
+    #: instance may declare its own, from its settings, which are the same on every rank.
+    agreement_flags: tuple[str, ...] = ()
+
+    def fit_starts(self, fit: FitStart) -> None:
+        """A fit starts on ``fit.ddp``: attach, and restart what a fit counts."""
+
+    def forward_starts(self, forward: ForwardStart) -> None:
+        """A forward of the wrapper starts."""
+
+    def before_backward(self, backward: BackwardStart) -> None:
+        """A backward is about to run."""
+
+    def after_backward(self, backward: BackwardEnd) -> None:
+        """A backward ran; for a synced one the agreement follows."""
+
+    def agreement_requested(self) -> bool:
+        """Before a synced backward: this rank has news for the agreement after it (every rank then takes the
+        exchange; without news the ranks may agree that nobody has any without it)."""
+        return False
+
+    def agreement_values(self) -> Mapping[str, int]:
+        """This rank's values of ``agreement_flags`` for the agreement about to run (the maximum over the ranks is
+        agreed; a name left out counts 0)."""
+        return {}
+
+    def agreed(self, agreed: AgreedStep) -> None:
+        """The ranks agreed after a synced backward."""
+
+    def step_done(self, step: int) -> None:
+        """Optimizer step ``step`` (counted from 1 in each fit) was applied on every rank."""
+
+    def epoch_ends(self, end: EpochEnd) -> None:
+        """A training epoch ended (and training, where ``end.training_ends``)."""
+
+    def fit_ends(self, failed: bool) -> None:
+        """The fit ends (``failed``: with an error): detach."""
+
+
+class StepPipeline:
+    """The components of a run in their order: each point of a fit calls every component in that order
+    (``fit_ends`` in the reverse one).
+
+    >>> class Counter(StepComponent):
+    ...     agreement_flags = ("news",)
+    ...     def __init__(self):
+    ...         self.steps = []
+    ...     def step_done(self, step):
+    ...         self.steps.append(step)
+    >>> counter = Counter()
+    >>> pipeline = StepPipeline([counter])
+    >>> pipeline.step_done(1); pipeline.step_done(2)
+    >>> counter.steps, pipeline.flags.names
+    ([1, 2], ('news',))
+    """
+
+    def __init__(self, components: Iterable[StepComponent | None]) -> None:
+        #: ``None`` entries are features turned off by their arguments.
+        self.components: list[StepComponent] = [c for c in components if c is not None]
+        wrong = [type(c).__name__ for c in self.components if not isinstance(c, StepComponent)]
+        if wrong:
+            raise TypeError(f"pipeline components must subclass StepComponent: {wrong}")
+        self.flags = AgreementFlags(name for c in self.components for name in c.agreement_flags)
+
+    def __iter__(self) -> Iterator[StepComponent]:
+        return iter(self.components)
+
+    def add(self, component: StepComponent, before: StepComponent | None = None) -> None:
+        """A further component, last or just before ``before`` (its flags join the agreement)."""
+        index = self.components.index(before) if before is not None else len(self.components)
+        self.components.insert(index, component)
+        self.flags = AgreementFlags(name for c in self.components for name in c.agreement_flags)
+
+    def fit_starts(self, fit: FitStart) -> None:
+        for component in self.components:
+            component.fit_starts(fit)
+
+    def forward_starts(self, forward: ForwardStart) -> None:
+        for component in self.components:
+            component.forward_starts(forward)
+
+    def before_backward(self, backward: BackwardStart) -> None:
+        for component in self.components:
+            component.before_backward(backward)
+
+    def after_backward(self, backward: BackwardEnd) -> None:
+        for component in self.components:
+            component.after_backward(backward)
+
+    def agreement_requested(self) -> bool:
+        return any(component.agreement_requested() for component in self.components)
+
+    def agreement_values(self) -> dict[str, int]:
+        values: dict[str, int] = {}
+        for component in self.components:
+            values.update(component.agreement_values())
+        return values
+
+    def agreed(self, agreed: AgreedStep) -> None:
+        for component in self.components:
+            component.agreed(agreed)
+
+    def step_done(self, step: int) -> None:
+        for component in self.components:
+            component.step_done(step)
+
+    def epoch_ends(self, end: EpochEnd) -> None:
+        for component in self.components:
+            component.epoch_ends(end)
+
+    def fit_ends(self, failed: bool) -> None:
+        for component in reversed(self.components):
+            component.fit_ends(failed)

@@ -1,0 +1,95 @@
+"""The step pipeline on its own, in one process: the components in one ordered list, called in order, and the
+per-step agreement's flags declared by the components that own them and read back by name."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from lightning_ddp_plus import DDPPlusFabricStrategy, DDPPlusStrategy
+from lightning_ddp_plus.pipeline.agreement import AgreementFlags
+from lightning_ddp_plus.pipeline.component import EpochEnd, StepComponent, StepPipeline
+from lightning_ddp_plus.preemption.stop import STOP
+from lightning_ddp_plus.sync.micro_batches import OUT_OF_MEMORY
+from lightning_ddp_plus.sync.uneven import SOME_RANK_ENDS, SOME_RANK_GOES_ON
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Recording(StepComponent):
+    def __init__(self, name: str, said: list[str], flags: tuple[str, ...] = ()) -> None:
+        self.name, self.said, self.agreement_flags = name, said, flags
+
+    def step_done(self, step: int) -> None:
+        self.said.append(f"{self.name} step {step}")
+
+    def epoch_ends(self, end: EpochEnd) -> None:
+        self.said.append(f"{self.name} epoch")
+
+    def fit_ends(self, failed: bool) -> None:
+        self.said.append(f"{self.name} ends")
+
+    def agreement_values(self) -> dict[str, int]:
+        return dict.fromkeys(self.agreement_flags, 1)
+
+
+def test_every_point_calls_the_components_in_order_and_the_end_of_a_fit_in_the_reverse_one():
+    said: list[str] = []
+    first, second = Recording("first", said), Recording("second", said)
+    pipeline = StepPipeline([first, None, second])  # None: a feature its arguments turned off
+    pipeline.step_done(1)
+    pipeline.epoch_ends(EpochEnd(step=1))
+    pipeline.fit_ends(failed=False)
+    assert said == ["first step 1", "second step 1", "first epoch", "second epoch", "second ends", "first ends"]
+    pipeline.add(Recording("added", said), before=second)
+    assert [c.name for c in pipeline] == ["first", "added", "second"]
+    with pytest.raises(TypeError, match="must subclass StepComponent: \\['object'\\]"):
+        StepPipeline([object()])
+
+
+def test_the_flags_are_laid_out_once_in_the_pipelines_order_and_read_by_name():
+    said: list[str] = []
+    pipeline = StepPipeline([Recording("a", said, ("a's news",)), Recording("b", said, ("b's news", "b's other"))])
+    flags = pipeline.flags
+    assert flags.names == ("a's news", "b's news", "b's other")
+    packed = flags.pack(pipeline.agreement_values())
+    assert packed == [1, 1, 1]
+    agreed = flags.read([0, 1, 0])
+    assert (agreed["a's news"], agreed["b's news"], agreed["b's other"]) == (0, 1, 0)
+    with pytest.raises(KeyError, match="no agreement flag .c.*news. was declared"):
+        agreed["c's news"]
+    assert agreed.get("c's news") == 0  # a feature turned off reads as no news
+    with pytest.raises(KeyError, match="were not declared"):
+        flags.pack({"c's news": 1})
+    with pytest.raises(ValueError, match="declared twice"):
+        AgreementFlags(["stop", "stop"])
+    with pytest.raises(ValueError, match="2 flag values for the 3 declared"):
+        flags.read([0, 1])
+
+
+@pytest.mark.parametrize(
+    ("arguments", "flags"),
+    [
+        ({}, (SOME_RANK_ENDS, SOME_RANK_GOES_ON, STOP)),  # notices are on by default
+        ({"preemption_signals": []}, (SOME_RANK_ENDS, SOME_RANK_GOES_ON)),
+        ({"micro_batch_size": "auto"}, (SOME_RANK_ENDS, SOME_RANK_GOES_ON, OUT_OF_MEMORY, STOP)),
+        ({"micro_batch_size": 4, "preemption_signals": []}, (SOME_RANK_ENDS, SOME_RANK_GOES_ON)),
+    ],
+)
+def test_each_feature_declares_its_own_flags_as_its_arguments_turn_it_on(arguments, flags):
+    for front_end in (DDPPlusStrategy, DDPPlusFabricStrategy):
+        assert front_end(**arguments).engine.pipeline.flags.names == flags
+
+
+def test_the_development_guide_lists_the_pipeline_in_the_engines_order():
+    """``docs/development.md`` shows the component list as the engine holds it (a reordering fails here)."""
+    engine = DDPPlusStrategy(
+        find_stragglers_every_n_steps=10, telemetry=True, bucket_cap_mb="auto", stall_report_after=60
+    ).engine
+    guide = (ROOT / "docs" / "development.md").read_text()
+    listed = re.findall(r"^\d+\. `(\w+)` \(`engine\.(\w+)`\)", guide, flags=re.MULTILINE)
+    assert [(type(c).__name__, _attribute(engine, c)) for c in engine.pipeline] == listed
+
+
+def _attribute(engine, component) -> str:
+    return next(name for name, value in vars(engine).items() if value is component)
