@@ -109,11 +109,12 @@ class DDPPlusEngine(RunComponents):
         self.ddp = self.agreement.ddp = ddp
 
     def teardown(self) -> None:
-        """The fit ends: every component detached, in the reverse order."""
+        """The fit ends: every component detached, in the reverse order (nothing to end before a fit started)."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        self.pipeline.fit_ends(self.failed)
+        if self.ddp is not None:
+            self.pipeline.fit_ends(self.failed)
         self.ddp = self.agreement.ddp = None
 
     def _forward_starts(self, ddp: DistributedDataParallel, args: Any) -> None:
@@ -243,8 +244,6 @@ class DDPPlusEngine(RunComponents):
     def end_of_training(self) -> None:
         self.pipeline.epoch_ends(EpochEnd(step=self.window.stats.optimizer_steps, training_ends=True))
 
-    # ------------------------------------------------------------------ what the agreement asks of the run
-
-    def decide_pending_conflicts(self, ddp: DistributedDataParallel) -> None:
+    def decide_pending_conflicts(self, ddp: DistributedDataParallel) -> None:  # the agreement asks it of a failed rank
         if self.conflicts.pending:  # the others' first backward decides the conflict check with a collective
             self.in_effect.at_first_backward(self.conflicts, ddp, None, self.window.steps, self.forward_synced, True)

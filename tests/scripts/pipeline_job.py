@@ -82,5 +82,4 @@ def run_case(case: dict) -> dict:
         "calls": recorder.calls,
         "agreed_news": {str(step): value for step, value in recorder.agreed_news.items()},
         "flag_exchanges_at_steps": flag_exchanges,
-        "guard": strategy.engine.sync_guard.describe(),
     }
