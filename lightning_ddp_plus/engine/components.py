@@ -111,6 +111,8 @@ class RunComponents:
         )
         must_sync = self.must_sync_first_backward
         self.micro_batch_runner = MicroBatchRunner(self.micro_batches, self.agreement, self.items, must_sync)
+        #: A front end's batch in chunks of ``micro_batch_size`` (see ``MicroBatchRunner.run``): an engine action.
+        self.run_micro_batches = self.micro_batch_runner.run
         self.out_of_memory_reports = OutOfMemoryReports(arguments.micro_batch_size, self.ledger, self.micro_batches)
         auto_buckets = arguments.settings.bucket_cap_mb == "auto"
         self.buckets = BucketTuner(on_rebuilt=self._reducer_rebuilt, info=info) if auto_buckets else None

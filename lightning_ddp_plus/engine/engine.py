@@ -30,7 +30,6 @@ from lightning_ddp_plus.pipeline.component import (
     StepPipeline,
 )
 from lightning_ddp_plus.sync.accumulation import WindowPosition
-from lightning_ddp_plus.sync.micro_batch_runner import ChunkBackward, ChunksDone, ChunkStep
 from lightning_ddp_plus.sync.step_agreement import StepAgreed
 from lightning_ddp_plus.sync.uneven import RankBatches
 from lightning_ddp_plus.sync.wrapper import wrap_module
@@ -215,22 +214,6 @@ class DDPPlusEngine(RunComponents):
             return nullcontext()
         # the backward computes inside the block too: the clock is switched to waiting when the gradients are computed
         return self.ledger.collective("gradient all_reduce", self.gradient_bytes, users_call=users_call, waits=False)
-
-    def run_micro_batches(
-        self,
-        ddp: DistributedDataParallel,
-        batch: Any,
-        *,
-        step: ChunkStep,
-        backward: ChunkBackward,
-        synced: bool,
-        rank: int,
-        split_hook: Any = None,
-    ) -> ChunksDone:
-        """``batch`` in chunks of ``micro_batch_size`` (see ``MicroBatchRunner.run``)."""
-        return self.micro_batch_runner.run(
-            ddp, batch, step=step, backward=backward, synced=synced, rank=rank, split_hook=split_hook
-        )
 
     def step_done(self) -> int:
         """After every optimizer step, on every rank: returns the steps applied in this fit."""
