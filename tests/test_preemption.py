@@ -146,6 +146,11 @@ def test_a_notice_anywhere_stops_every_rank_after_one_step_saves_it_and_the_resu
         assert case["resumed_global_step"] == 16 // k, where
         assert set(case["sample_counts"]) == {2}, where  # 2 epochs: each sample trained once per epoch
         assert case["distance"] <= 1e-5, where
+        # every save is a whole step: the module's on_train_batch_end (the last hook of a batch) ran once for each
+        # batch across both runs, the saved one included
+        every_batch = [[epoch, batch] for epoch in range(2) for batch in range(1, 9)]
+        for ends in case["batch_ends_by_rank"]:
+            assert sorted(ends) == every_batch, where
 
 
 @pytest.mark.multiprocess

@@ -9,16 +9,18 @@ Where the save goes, so that the next run finds it:
 - else the first ``ModelCheckpoint``'s ``last.ckpt``, which ``ckpt_path="last"`` and ``resume_from_last`` find;
 - else (no ``ModelCheckpoint``) ``default_root_dir/checkpoints/last.ckpt``, which they find too.
 
-The save is made at the agreed step's ``on_train_batch_end``, where ``ModelCheckpoint`` saves mid-epoch, so the
-resume continues at the next batch of the epoch.
+The save is made once every hook of the agreed step has run: every callback's and the module's
+``on_train_batch_end``, the batch counted as completed by the loop, and the validation and schedulers the batch
+triggers. The resume continues at the next batch of the epoch, so each hook of each step runs once across both runs.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
-from typing import Any
+from collections.abc import Callable
 
 import lightning.pytorch as pl
 from lightning.fabric.plugins.environments import SLURMEnvironment
@@ -29,7 +31,7 @@ from lightning_ddp_plus.persistence.resume import NO_CHECKPOINT_CALLBACK_PATH
 from lightning_ddp_plus.preemption.report import Preempted, PreemptionReport
 from lightning_ddp_plus.preemption.slurm import requeue
 from lightning_ddp_plus.preemption.stop import PreemptionStop, StopDecision
-from lightning_ddp_plus.private_apis.lightning import leave_signals_to, slurm_requeue_checkpoint_path
+from lightning_ddp_plus.private_apis.lightning import after_each_batch, leave_signals_to, slurm_requeue_checkpoint_path
 
 
 def slurm_requeues(trainer: pl.Trainer) -> SLURMEnvironment | None:
@@ -79,17 +81,25 @@ def end_preempted(trainer: pl.Trainer, decision: StopDecision) -> None:
 
 
 class PreemptionSave(Callback):
-    """Saves the agreed step where ``ModelCheckpoint`` saves mid-epoch, and ends the fit (added by the strategy)."""
+    """Saves the agreed step once every hook of its batch has run, and ends the fit (added by the strategy)."""
 
     def __init__(self, engine: DDPPlusEngine) -> None:
         self.engine = engine
+        self._undo: Callable[[], None] | None = None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         decision = self.engine.notice_before_first_step()
         if decision is not None:
             end_preempted(trainer, decision)
+        self._undo = after_each_batch(trainer, functools.partial(self._batch_done, trainer))
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+    def _batch_done(self, trainer: pl.Trainer) -> None:
         decision = self.engine.preemption_decision  # agreed at this batch's synced backward; its step is applied
         if decision is not None and decision.stop_after is not None:
+            self.teardown(trainer, trainer.lightning_module, "fit")
             end_preempted(trainer, decision)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._undo is not None:
+            self._undo()
+            self._undo = None

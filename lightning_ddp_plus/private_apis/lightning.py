@@ -12,6 +12,7 @@
 | the training loaders of the running fit (``training_loaders``) and a module's Trainer (``trainer_of``) | ``FitLoop._combined_loader``, ``LightningModule._trainer`` | the same | ``[]`` / ``None`` before the fit has them |
 | keeping Lightning's termination handling off the preemption signals (``leave_signals_to``) | ``Trainer._signal_connector``, its ``register_signal_handlers`` and ``_original_handlers``, ``_TrainingEpochLoop._broadcast_sigterm_tensor`` | the same | each part skipped where missing: Lightning's handler would then run beside the strategy's |
 | SLURM's requeue checkpoint (``slurm_requeue_checkpoint_path``) | ``Trainer._checkpoint_connector.hpc_save_path`` | the same | none |
+| the point after every hook of a training batch, its progress counted (``after_each_batch``) | ``Trainer.fit_loop.epoch_loop.on_advance_end`` (``_TrainingEpochLoop``'s, wrapped on the instance) | the same | ``RuntimeError`` naming the missing method: no public hook runs after the module's ``on_train_batch_end`` |
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ __all__ = [
     "MultiProcessingLauncher",
     "PathLike",
     "SubprocessScriptLauncher",
+    "after_each_batch",
     "destroy_dist_connection",
     "fabric_backward",
     "has_own_checkpoint_io",
@@ -151,3 +153,28 @@ def slurm_requeue_checkpoint_path(trainer: Any) -> str:
     """Where Lightning's SLURM ``auto_requeue`` saves, and where a requeued job's ``fit`` resumes from by itself
     (``hpc_ckpt_N.ckpt`` in ``default_root_dir``)."""
     return str(trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir))
+
+
+def after_each_batch(trainer: Any, call: Callable[[], None]) -> Callable[[], None]:
+    """``call()`` once every hook of each training batch has run: the callbacks' and the module's
+    ``on_train_batch_end``, the batch counted as completed, the validation and the schedulers it triggers (the end of
+    the epoch loop's ``on_advance_end``). Returns what undoes it."""
+    loop: Any = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    original = getattr(loop, "on_advance_end", None)
+    if original is None:
+        raise RuntimeError(
+            "lightning-ddp-plus: this Lightning's training epoch loop has no `on_advance_end`, the point after every "
+            "hook of a batch; a preemption save there is not possible. Use Lightning 2.5 or 2.6."
+        )
+
+    def advance_end_then_call(*args: Any, **kwargs: Any) -> None:
+        original(*args, **kwargs)
+        call()
+
+    loop.on_advance_end = advance_end_then_call
+
+    def undo() -> None:
+        if getattr(loop, "on_advance_end", None) is advance_end_then_call:
+            del loop.on_advance_end  # the class's method again
+
+    return undo

@@ -47,6 +47,11 @@ class IndexedRegression(L.LightningModule):
         self.x = torch.randn(SAMPLES, 8, generator=generator)
         self.y = self.x @ torch.randn(8, 1, generator=generator)
         self.trained: list[int] = []
+        #: (epoch, batch of the epoch) at each of the module's own ``on_train_batch_end``: each runs once per batch
+        self.batch_ends: list[list[int]] = []
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.batch_ends.append([self.current_epoch, self.trainer.fit_loop.epoch_loop.batch_progress.current.ready])
 
     def training_step(self, batch, batch_idx):
         x, y, index = batch
@@ -222,7 +227,7 @@ def run_case(case: dict, root: Path, reference: torch.Tensor, catch: bool = True
         "handler_restored": handler_restored,
         "torn": [reason for path in root.rglob("*.ckpt") if (reason := unreadable_reason(path)) is not None],
     }
-    trained_before = list(model.trained)
+    trained_before, ends_before = list(model.trained), list(model.batch_ends)
     resumed = IndexedRegression()
     again = trainer_for({**case, "at": "none"}, root, [], slurm)
     again.fit(resumed, ckpt_path=None if slurm else "last")
@@ -238,6 +243,7 @@ def run_case(case: dict, root: Path, reference: torch.Tensor, catch: bool = True
         "resumed_global_step": again.global_step,
         "distance": distance,
         "sample_counts": counts,
+        "batch_ends_by_rank": every_ranks(ends_before + resumed.batch_ends),
         "files": sorted(str(p.relative_to(root)) for p in root.rglob("*.ckpt")),
         "passed_on": sum(n for (n,) in every_ranks([len(passed_on)])),
     }
