@@ -47,7 +47,7 @@ from lightning_ddp_plus.sync.uneven import PaddedBatches, UnevenInputsCheck
 
 
 class RunComponents:
-    """The components of a run (see the module's docstring); ``build`` makes them."""
+    """The components of a run (see the module's docstring), each built from ``arguments``."""
 
     arguments: DDPPlusArguments
     in_effect: SettingsInEffect
@@ -75,7 +75,7 @@ class RunComponents:
     flight_recorder: FlightRecorder | None
     failed: bool
 
-    def build(
+    def __init__(
         self,
         arguments: DDPPlusArguments,
         warn: Callable[[str], None],
@@ -184,7 +184,7 @@ class RunComponents:
         return self.micro_batches.size
 
     @property
-    def chunks_batches(self) -> bool:
+    def batches_in_chunks(self) -> bool:
         """``micro_batch_size`` is set: a training batch runs in chunks (``run_micro_batches``)."""
         return self.micro_batches.active
 

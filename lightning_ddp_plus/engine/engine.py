@@ -54,7 +54,7 @@ class DDPPlusEngine(RunComponents):
     user (rank 0 only)."""
 
     def __init__(self, arguments: DDPPlusArguments, warn: Callable[[str], None], info: Callable[[str], None]) -> None:
-        self.build(arguments, warn, info, party=self)
+        super().__init__(arguments, warn, info, party=self)
         # The order of a step, written once: each point of a fit calls these in this order (the end of a fit in the
         # reverse one). A feature is one line here (``docs/development.md``).
         self.pipeline = StepPipeline(

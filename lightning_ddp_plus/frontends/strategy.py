@@ -329,7 +329,7 @@ class DDPPlusStrategy(DDPPlusFrontEnd, DDPStrategy):
         self._chunks.batch = args[0] if args else None
         with self.engine.out_of_memory_explained(self._chunks.batch, self.global_rank, self.world_size):
             ddp, module = self.model, self.lightning_module
-            if not (self.engine.chunks_batches and isinstance(ddp, DistributedDataParallel) and module):
+            if not (self.engine.batches_in_chunks and isinstance(ddp, DistributedDataParallel) and module):
                 output = super().training_step(*args, **kwargs)  # its `num_items` go to its backward
                 return self.items_of_training_step(output) if module and module.automatic_optimization else output
             optimizer = module.trainer.optimizers[0] if module.trainer.optimizers else None
