@@ -31,6 +31,7 @@ from lightning_ddp_plus.diagnostics.torch_errors import explain as explain_error
 from lightning_ddp_plus.engine.arguments import DDPPlusArguments
 from lightning_ddp_plus.engine.results import WorkerResults
 from lightning_ddp_plus.memory.suggestion import starting_size_in_folder
+from lightning_ddp_plus.preemption.notice import NoticeWatch
 from lightning_ddp_plus.preemption.report import Preempted
 from lightning_ddp_plus.preemption.stop import PreemptionStop, StopDecision
 from lightning_ddp_plus.sharding.zero import ZeroSharding
@@ -275,9 +276,14 @@ class RunComponents:
     def refuse_clipping(self, clipping: str) -> None:
         self.sharding.refuse_clipping(clipping)
 
-    def watch_notices(self) -> None:
-        """The notice handlers on (``preemption_signals``), until ``end_notices``."""
+    def watch_notices(self, also: str | None = None) -> NoticeWatch | None:
+        """The notice handlers on (``preemption_signals``, and ``also``: SLURM's requeue signal where notices are
+        on), until ``end_notices``; returns the installed watch, whose handlers a framework must leave alone (``None``:
+        notices are off)."""
+        if also is not None and self.preemption.on:
+            self.preemption.add_signal(also)
         self.preemption.start()
+        return self.preemption.watch if self.preemption.watch.installed else None
 
     def notice_before_first_step(self) -> StopDecision | None:
         """At the start of training: whether some rank got a notice during setup (one all-reduce of one integer)."""

@@ -180,7 +180,7 @@ class DDPPlusStrategy(DDPPlusFrontEnd, DDPStrategy):
     @override
     def setup_environment(self) -> None:
         watch_parent()
-        watch_for_notices(self.engine.preemption, trainer_of(self.lightning_module))
+        watch_for_notices(self.engine, trainer_of(self.lightning_module))
         self._prepare_environment()
         super().setup_environment()
         self._environment_ready()

@@ -30,7 +30,7 @@ from lightning_ddp_plus.engine.engine import DDPPlusEngine
 from lightning_ddp_plus.persistence.resume import NO_CHECKPOINT_CALLBACK_PATH
 from lightning_ddp_plus.preemption.report import Preempted, PreemptionReport
 from lightning_ddp_plus.preemption.slurm import requeue
-from lightning_ddp_plus.preemption.stop import PreemptionStop, StopDecision
+from lightning_ddp_plus.preemption.stop import StopDecision
 from lightning_ddp_plus.private_apis.lightning import after_each_batch, leave_signals_to, slurm_requeue_checkpoint_path
 
 
@@ -39,18 +39,16 @@ def slurm_requeues(trainer: pl.Trainer) -> SLURMEnvironment | None:
     return environment if isinstance(environment, SLURMEnvironment) and environment.auto_requeue else None
 
 
-def watch_for_notices(preemption: PreemptionStop, trainer: pl.Trainer | None) -> None:
+def watch_for_notices(engine: DDPPlusEngine, trainer: pl.Trainer | None) -> None:
     """In each process, before a fit starts: the notice handlers on (SLURM's requeue signal added with
     ``auto_requeue``), and Lightning's own handling kept off them. ``validate``, ``test`` and ``predict`` keep
     Lightning's own handling: they have no step to save."""
     if trainer is None or not trainer.training:
         return
     slurm = slurm_requeues(trainer)
-    if preemption.on and slurm is not None and slurm.requeue_signal is not None:
-        preemption.add_signal(slurm.requeue_signal.name)
-    preemption.start()
-    if preemption.watch.installed:
-        watch = preemption.watch
+    requeue_signal = slurm.requeue_signal.name if slurm is not None and slurm.requeue_signal is not None else None
+    watch = engine.watch_notices(also=requeue_signal)
+    if watch is not None:
         leave_signals_to(trainer, watch.reinstall, watch.previous_handlers(), "SIGTERM" in watch.signals)
 
 
