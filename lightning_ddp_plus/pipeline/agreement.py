@@ -46,6 +46,7 @@ class AgreementFlags:
         repeated = sorted({name for name in self.names if self.names.count(name) > 1})
         if repeated:
             raise ValueError(f"agreement flags declared twice: {repeated}; each component names its own flags")
+        self._zeros = AgreedFlags(dict.fromkeys(self.names, 0))
 
     def __contains__(self, name: object) -> bool:
         return name in self.names
@@ -58,7 +59,8 @@ class AgreementFlags:
         return [int(values.get(name, 0)) for name in self.names]
 
     def zeros(self) -> AgreedFlags:
-        return AgreedFlags(dict.fromkeys(self.names, 0))
+        """Every flag 0 (a backward with no agreement, or one where nobody had news); one shared, read-only record."""
+        return self._zeros
 
     def read(self, maximums: Sequence[int]) -> AgreedFlags:
         """The exchange's result (each flag's maximum over the ranks), by name."""

@@ -155,7 +155,7 @@ class ItemAveraging(StepComponent):
 
     def before_backward(self, backward: BackwardStart) -> None:
         self._closing = backward.closes_window
-        if self._closing:
+        if self._closing and self.on is not False:  # without counts (decided at the fit's first backward): no work
             self._parameters = [p for p in backward.ddp.module.parameters() if p.requires_grad]
             self._group = backward.ddp.process_group
 
