@@ -3,8 +3,8 @@
 The public names are importable from here; the subpackages are the architecture: ``frontends`` (the Trainer and
 Fabric strategies, the Hugging Face port, the command line) adapt their framework and delegate to ``engine``, which
 declares every argument once (``DDPPlusArguments``) and owns one component per concern, living in ``sync``,
-``sharding``, ``conflicts``, ``diagnostics``, ``processes``, ``persistence`` and ``preemption``, all built on
-``config``; ``memory`` plans a run's per-rank bytes (``ddp-plus check``).
+``sharding``, ``conflicts``, ``diagnostics``, ``processes``, ``persistence``, ``preemption`` and ``crash`` (a
+rank's death), all built on ``config``; ``memory`` plans a run's per-rank bytes (``ddp-plus check``).
 
 Importing the package registers the strategy names ``ddp_plus``, ``ddp_plus_spawn``, ``ddp_plus_fork`` and
 ``ddp_plus_notebook`` with Lightning's strategy registry (``Trainer(strategy="ddp_plus")``) and with Fabric's
@@ -16,6 +16,8 @@ from lightning_ddp_plus.config.messages import ArgumentTypeError, ArgumentValueE
 from lightning_ddp_plus.config.settings import DDPSettings
 from lightning_ddp_plus.config.timeout import DEFAULT_TIMEOUT, parse_timeout
 from lightning_ddp_plus.conflicts.errors import DDPConflictError
+from lightning_ddp_plus.crash.peer_death import peer_gone_in
+from lightning_ddp_plus.crash.report import AfterDeathSave, RankDied
 from lightning_ddp_plus.diagnostics.replicas import ReplicaDriftError
 from lightning_ddp_plus.diagnostics.telemetry import DDPTelemetry
 from lightning_ddp_plus.engine.arguments import DDPPlusArguments
@@ -38,6 +40,7 @@ __all__ = [
     "DEFAULT_TIMEOUT",
     "KNOWN_BACKENDS",
     "REGISTERED_NAMES",
+    "AfterDeathSave",
     "ArgumentTypeError",
     "ArgumentValueError",
     "AtomicCheckpointIO",
@@ -55,8 +58,10 @@ __all__ = [
     "MicroBatchOutOfMemoryError",
     "Preempted",
     "PreemptionReport",
+    "RankDied",
     "ReplicaDriftError",
     "UnevenInputsError",
     "UnsplittableBatchError",
     "parse_timeout",
+    "peer_gone_in",
 ]

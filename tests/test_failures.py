@@ -5,6 +5,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 
@@ -76,16 +77,16 @@ def run_failing_job(
     ]
     env = {**clean_environment(), "PYTHONPATH": str(REPO_ROOT), "MASTER_PORT": str(free_port())}
     # Not in a new session: the job must clean up after itself; survivors are found by their tag.
-    process = subprocess.Popen(
-        args, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    try:
-        output, _ = process.communicate(timeout=HANG_S + 60)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        output, _ = process.communicate()
-        output += "\n[test] job still running after the hang would have ended"
-    ended = time.time()
+    # in a directory of its own: a survivor of a crashed rank saves the last step there (save_on_rank_death)
+    with tempfile.TemporaryDirectory() as cwd:
+        process = subprocess.Popen(args, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            output, _ = process.communicate(timeout=HANG_S + 60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            output, _ = process.communicate()
+            output += "\n[test] job still running after the hang would have ended"
+        ended = time.time()
     time.sleep(1.0)
     survivors = processes_with(tag)
     for line in survivors:

@@ -86,7 +86,7 @@ def test_both_front_ends_take_the_declared_arguments_with_their_types_and_defaul
     # The intended differences: Fabric lacks the Trainer-only arguments (each with its reason), and its plumbing uses
     # Lightning's Fabric name for the precision plugin.
     fabric_lacks = set(trainer_only_arguments())
-    assert fabric_lacks == {"resume_from_last", "model_averaging_period", "on_world_size_change"}
+    assert fabric_lacks == {"resume_from_last", "model_averaging_period", "on_world_size_change", "save_on_rank_death"}
     assert declared(DDPPlusFabricStrategy) == {k: v for k, v in expected.items() if k not in fabric_lacks}
     plumbing = {
         name

@@ -13,6 +13,7 @@ PACKAGE = Path(lightning_ddp_plus.__file__).parent
 ALLOWED = {
     "private_apis": set(),
     "pipeline": set(),
+    "crash": set(),
     "config": {"pipeline", "private_apis"},
     "demo": set(),
     "sync": {"config", "pipeline", "private_apis"},
@@ -38,6 +39,7 @@ ALLOWED = {
     },
     "frontends": {
         "config",
+        "crash",
         "sync",
         "sharding",
         "conflicts",

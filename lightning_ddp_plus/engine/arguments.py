@@ -304,6 +304,25 @@ class DDPPlusArguments:
     to save as it saves (said once; wrap it in ``AtomicCheckpointIO`` yourself to make its saves atomic). Default
     on."""
 
+    save_on_rank_death: bool = argument(
+        True,
+        _flag,
+        trainer_only=TrainerOnly(
+            "Fabric has no loop whose state a survivor could save: your loop holds the step and the data position.",
+            "save from a survivor in your own loop when a collective raises that a peer is gone (the Fabric guide, "
+            '"When a rank dies").',
+        ),
+    )
+    """When a rank dies during a Trainer fit (SIGKILL, a segfault, an out-of-memory kill, its node lost), the ranks
+    that survive save the last optimizer step one of them holds, from one of them, atomically, to the file
+    ``ckpt_path="last"`` and ``resume_from_last`` find, and end with ``RankDied`` naming the dead rank, the step, the
+    file and how to resume: at most the step in progress is lost. On gloo a survivor learns of the death at its next
+    collective (at once; the job ends within a minute of it plus the save); on NCCL at the process group's timeout.
+    Nothing is done per step but keeping a few loop counters at each step boundary. With the popen launcher (the
+    default) and torchrun; not with ``start_method="spawn"``, whose survivors torch ends at once; with
+    ``optimizer_sharding`` nothing can be saved (the dead rank's shard is gone) and the error says so. Default on
+    ("What a crash costs" in the guides)."""
+
     optimizer_sharding: OptimizerSharding = argument(False, _value_only(check_optimizer_sharding))
     """ZeRO stage 1, each rank keeping the optimizer state of 1/N of the model. ``True``: each gradient bucket is
     reduce-scattered during the backward, each rank steps its chunk of every bucket (padded to a multiple of the world

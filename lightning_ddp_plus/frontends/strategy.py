@@ -31,6 +31,7 @@ from lightning_ddp_plus.engine.arguments import takes_declared_arguments
 from lightning_ddp_plus.engine.keywords import DDPPlusStrategyKeywords
 from lightning_ddp_plus.frontends.common import DDPPlusFrontEnd, tensor_bytes
 from lightning_ddp_plus.frontends.registry import register_names
+from lightning_ddp_plus.frontends.trainer_after_death import save_after_rank_death
 from lightning_ddp_plus.frontends.trainer_chunks import TrainerChunks
 from lightning_ddp_plus.frontends.trainer_loop import (
     add_strategy_callbacks,
@@ -140,8 +141,9 @@ class DDPPlusStrategy(DDPPlusFrontEnd, DDPStrategy):
         if changed:  # an elastic job on fewer or more nodes than the Trainer says
             rank_zero_info(changed)
         if self._start_method == "popen":
+            after_failure = save_after_rank_death if self.engine.arguments.save_on_rank_death else None
             self._launcher = KillChildrenOnFailureLauncher(
-                self.cluster_environment, self.num_processes, self.num_nodes, before_launch=self._before_launch
+                self.cluster_environment, self.num_processes, self.num_nodes, self._before_launch, after_failure
             )
         else:
             self._launcher = ResultsReturningLauncher(

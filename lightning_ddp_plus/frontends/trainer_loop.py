@@ -16,6 +16,7 @@ from torch.optim import Optimizer
 
 from lightning_ddp_plus.diagnostics.telemetry import DDPTelemetry
 from lightning_ddp_plus.engine.engine import DDPPlusEngine
+from lightning_ddp_plus.frontends.trainer_after_death import StepBoundaries
 from lightning_ddp_plus.frontends.trainer_preemption import PreemptionSave
 from lightning_ddp_plus.persistence.resume import ResumeCoordinator
 from lightning_ddp_plus.private_apis.lightning import trainer_of
@@ -145,12 +146,13 @@ class StragglersAtEpochEnd(Callback):
 
 def add_strategy_callbacks(trainer: Any, engine: DDPPlusEngine) -> None:
     """The strategy's callbacks, each once (a second fit finds them there): ``DDPTelemetry`` with ``telemetry``,
-    ``PreemptionSave`` with ``preemption_signals``, ``StragglersAtEpochEnd`` with ``find_stragglers_every_n_steps``."""
+    ``PreemptionSave`` with ``preemption_signals``, ``StepBoundaries`` with ``save_on_rank_death``, ``StragglersAtEpochEnd`` with ``find_stragglers_every_n_steps``."""
     callbacks: list[Callback] = trainer.callbacks  # set by Lightning's callback connector
     arguments = engine.arguments
     added = [
         DDPTelemetry() if arguments.telemetry else None,
         PreemptionSave(engine) if arguments.preemption_signals else None,
+        StepBoundaries() if arguments.save_on_rank_death else None,
         StragglersAtEpochEnd(engine) if arguments.find_stragglers_every_n_steps is not None else None,
     ]
     for callback in added:

@@ -359,14 +359,22 @@ class ResumeCoordinator:
             )
 
     def saving(
-        self, checkpoint: dict[str, Any], module: Any, accumulation: int, micro_batch_size: int | None = None
+        self,
+        checkpoint: dict[str, Any],
+        module: Any,
+        accumulation: int,
+        micro_batch_size: int | None = None,
+        gather_generators: bool = True,
     ) -> dict[str, Any]:
-        """The checkpoint with the layout it is taken with (``DataLayout``), during a fit of ``module``."""
+        """The checkpoint with the layout it is taken with (``DataLayout``), during a fit of ``module``, and every
+        rank's random generator states (``gather_generators``: a gather; off for a survivor's save after a rank's
+        death, whose collective would include the dead rank)."""
         trainer = trainer_of(module)
         if trainer is None:
             return checkpoint
         try:
-            checkpoint[GENERATORS_KEY] = every_ranks_generator_states()
+            if gather_generators:
+                checkpoint[GENERATORS_KEY] = every_ranks_generator_states()
         except RuntimeError as error:  # a peer is gone (a save while the job fails): the rest of the save still counts
             self._warn(f"DDPPlusStrategy: the checkpoint keeps no random generator states ({error}).")
         loaders = training_loaders(trainer)

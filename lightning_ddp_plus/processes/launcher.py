@@ -1,10 +1,12 @@
 """Process plumbing: settle Trainer settings before anything launches, end the whole job when a rank fails, and
 bring spawned workers' results back to the caller.
 
-Lightning's popen launcher already kills everything when a *child* rank exits with an error. Two gaps remain:
-when the launching process (rank 0) fails, its children are left waiting in a collective until the timeout; and
-when the launching process is killed, its children never notice. The popen launcher below kills its children when
-rank 0 fails, and children it starts watch their parent and exit when it is gone.
+Lightning's popen launcher kills everything within 5 s when a *child* rank exits with an error, the launching
+process included, and leaves the children waiting in a collective until the timeout when the launching process (rank
+0) fails or is killed. The popen launcher below kills its children when rank 0 fails, and children it starts watch
+their parent and exit when it is gone. Neither end comes before a survivor that is saving after a rank's death
+(``save_on_rank_death``) has saved: ``AFTER_DEATH`` says whether the main thread is at it, and the threads that end
+the process wait for it, within a bound (``AfterDeathWindow``).
 
 A launcher's ``launch`` is the one point of Lightning's flow that has the Trainer, after all its settings are known
 and before any process is started, in every process of the job: that is where ``before_launch`` runs.
@@ -35,6 +37,8 @@ from lightning_ddp_plus.private_apis.lightning import (
     MultiProcessingLauncher,
     SubprocessScriptLauncher,
     destroy_dist_connection,
+    set_threads_per_rank,
+    start_child_ranks,
 )
 from lightning_ddp_plus.private_apis.torch_distributed import default_group
 
@@ -44,6 +48,71 @@ PARENT_PID_VARIABLE = "DDP_PLUS_LAUNCHER_PID"
 
 #: ``before_launch(trainer, function, args) -> args``: may settle Trainer settings and adjust the launched call.
 BeforeLaunch = Callable[[Any, Callable[..., Any], tuple[Any, ...]], tuple[Any, ...]]
+#: ``after_failure(trainer, error) -> error``: in every process, as an error leaves the launched function; returns
+#: the error to raise instead (``None``: the error itself).
+AfterFailure = Callable[[Any, BaseException], BaseException | None]
+
+
+class AfterDeathWindow:
+    """Whether this process's main thread is saving after a rank's death, so that a thread about to end the process
+    (the parent watch, the child observer) waits for it, within a bound.
+
+    ``enabled`` is set at each launch whose strategy saves after a rank's death (``save_on_rank_death``). A survivor
+    learns of the death at its next collective, at most one step's compute later: it gets ``notice_seconds`` to start
+    (three times the slowest step seen, at least ``min_notice_seconds``: a rank hung outside any collective never
+    starts, and must not hold the job long), then ``save_seconds`` to agree and write, then ``exit_seconds`` to raise
+    its error and end by itself.
+    """
+
+    def __init__(
+        self, min_notice_seconds: float = 10.0, save_seconds: float = 330.0, exit_seconds: float = 30.0
+    ) -> None:
+        self.enabled = False
+        self.min_notice_seconds, self.notice_seconds = min_notice_seconds, min_notice_seconds
+        self.save_seconds, self.exit_seconds = save_seconds, exit_seconds
+        self.started, self.finished = threading.Event(), threading.Event()
+        #: The global ranks this process's launcher saw exit with an error (the survivors need not wait for them).
+        self.dead_ranks: set[int] = set()
+
+    def reset(self, enabled: bool) -> None:
+        """At each launch (a process may fit several times)."""
+        self.enabled, self.notice_seconds = enabled, self.min_notice_seconds
+        self.dead_ranks = set()
+        self.started.clear()
+        self.finished.clear()
+
+    def step_took(self, seconds: float) -> None:
+        """A step's time, as the run goes: a survivor may need as long to reach its next collective."""
+        self.notice_seconds = max(self.notice_seconds, 3.0 * seconds)
+
+    def wait(self) -> None:
+        """Until the main thread's save is over (or never started): at most ``notice_seconds + save_seconds``."""
+        if not self.enabled:
+            return
+        if self.started.wait(self.notice_seconds):
+            self.finished.wait(self.save_seconds)
+
+    @contextlib.contextmanager
+    def saving(self) -> Any:
+        """The main thread's save after a death. A SIGTERM meanwhile (torchrun's agent stops the survivors as soon
+        as it sees a worker die) is held until the save is over, then delivered: a death is not a notice."""
+        self.started.set()
+        held: list[int] = []
+        previous = None
+        if self.enabled and threading.current_thread() is threading.main_thread():
+            previous = signal.signal(signal.SIGTERM, lambda signum, frame: held.append(signum))
+        try:
+            yield
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+            self.finished.set()
+            if held:
+                signal.raise_signal(signal.SIGTERM)
+
+
+#: This process's window (one main thread per process).
+AFTER_DEATH = AfterDeathWindow()
 
 
 def nodes_of_this_attempt(
@@ -96,20 +165,54 @@ class _SettlesBeforeLaunch:
         return args
 
 
-class KillChildrenOnFailureLauncher(_SettlesBeforeLaunch, SubprocessScriptLauncher):
-    """Lightning's popen launcher, plus: if rank 0 fails, its child ranks are killed before the error propagates."""
+def failure_handled(
+    function: Callable[..., Any], trainer: Any | None, after_failure: AfterFailure | None
+) -> Callable[..., Any]:
+    """``function``, whose error first goes through ``after_failure`` (inside ``AFTER_DEATH.saving``), in the
+    process that raised it, before any launcher kills a rank."""
+    if after_failure is None:
+        return function
 
-    def __init__(self, *args: Any, before_launch: BeforeLaunch | None = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.before_launch = before_launch
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return function(*args, **kwargs)
+        except BaseException as error:
+            with AFTER_DEATH.saving():
+                instead = after_failure(trainer, error)
+            if instead is not None and instead is not error:
+                raise instead from error
+            raise
+
+    return run
+
+
+class KillChildrenOnFailureLauncher(_SettlesBeforeLaunch, SubprocessScriptLauncher):
+    """Lightning's popen launcher, plus: if rank 0 fails, its child ranks are killed before the error propagates;
+    a child's failure ends the job after rank 0's save (``ChildObserver``) instead of within 5 s."""
+
+    def __init__(
+        self,
+        cluster_environment: Any,
+        num_processes: int,
+        num_nodes: int,
+        before_launch: BeforeLaunch | None = None,
+        after_failure: AfterFailure | None = None,
+    ) -> None:
+        super().__init__(cluster_environment, num_processes, num_nodes)
+        self.before_launch, self.after_failure = before_launch, after_failure
 
     @override
     def launch(self, function: Callable[..., Any], *args: Any, trainer: Any | None = None, **kwargs: Any) -> Any:
         args = self._settle(trainer, function, args)
-        if not self.cluster_environment.creates_processes_externally:
-            os.environ[PARENT_PID_VARIABLE] = str(os.getpid())  # inherited by the children it starts
+        AFTER_DEATH.reset(enabled=self.after_failure is not None)
+        function = failure_handled(function, trainer, self.after_failure)
         try:
-            return super().launch(function, *args, trainer=trainer, **kwargs)
+            if not self.cluster_environment.creates_processes_externally:
+                os.environ[PARENT_PID_VARIABLE] = str(os.getpid())  # inherited by the children it starts
+                first_child = self.cluster_environment.node_rank() * self.num_processes + 1
+                ChildObserver(start_child_ranks(self), first_child).start()
+            set_threads_per_rank(num_processes=self.num_processes)
+            return function(*args, **kwargs)
         except SIGTERMException:  # a preemption: every rank saved the same step and ends on its own
             wait_for_children(getattr(self, "procs", []), CHILDREN_END_GRACE_S)
             self.kill(signal.SIGKILL)
@@ -123,6 +226,34 @@ class KillChildrenOnFailureLauncher(_SettlesBeforeLaunch, SubprocessScriptLaunch
 CHILDREN_END_GRACE_S = 20.0
 
 
+class ChildObserver(threading.Thread):
+    """In the launching process: once a child rank has exited with an error, end the job (every child, then this
+    process) as Lightning's observer does, but only after this process's main thread has saved what it can after
+    the death (``AFTER_DEATH``); when its save is over, the error it raises ends the job instead."""
+
+    def __init__(self, children: list[subprocess.Popen[Any]], first_rank: int, poll_seconds: float = 0.5) -> None:
+        super().__init__(daemon=True, name="ddp-plus-child-observer")
+        self.children, self.first_rank, self.poll_seconds = children, first_rank, poll_seconds
+
+    @override
+    def run(self) -> None:
+        while True:
+            time.sleep(self.poll_seconds)
+            codes = [child.poll() for child in self.children]
+            if all(code == 0 for code in codes):
+                return
+            if any(codes):
+                break
+        AFTER_DEATH.dead_ranks |= {self.first_rank + index for index, code in enumerate(codes) if code}
+        AFTER_DEATH.wait()
+        if AFTER_DEATH.finished.is_set():
+            return  # the main thread saved and is raising: the launcher ends the children
+        for child in self.children:
+            with contextlib.suppress(OSError):
+                child.send_signal(signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def wait_for_children(processes: list[Any], seconds: float) -> None:
     deadline = time.monotonic() + seconds
     for process in processes:
@@ -134,7 +265,9 @@ def wait_for_children(processes: list[Any], seconds: float) -> None:
 
 class ResultsReturningLauncher(_SettlesBeforeLaunch, MultiProcessingLauncher):
     """Lightning's spawn/fork launcher, plus ``before_launch`` and the strategy's results (findings, counts,
-    resolved settings) carried from rank 0's worker back to the strategy object in the launching process."""
+    resolved settings) carried from rank 0's worker back to the strategy object in the launching process.
+
+    No save after a rank's death here: when a worker dies, torch's ``start_processes`` ends the others at once."""
 
     def __init__(self, *args: Any, before_launch: BeforeLaunch | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -170,6 +303,12 @@ def end_process_now(code: int) -> None:
     os._exit(code)
 
 
+def launching_process_gone() -> bool:
+    """In a child rank of the popen launcher: whether the launching process (rank 0, the store's host) is gone."""
+    expected = os.environ.get(PARENT_PID_VARIABLE)
+    return expected is not None and int(expected) != os.getpid() and os.getppid() != int(expected)
+
+
 def watch_parent(poll_seconds: float = 1.0) -> threading.Thread | None:
     """In a child rank started by ``KillChildrenOnFailureLauncher``: exit as soon as the launching process is gone."""
     expected = os.environ.get(PARENT_PID_VARIABLE)
@@ -179,6 +318,9 @@ def watch_parent(poll_seconds: float = 1.0) -> threading.Thread | None:
     def run() -> None:
         while os.getppid() == int(expected):
             time.sleep(poll_seconds)
+        AFTER_DEATH.wait()  # a save of the last step by this survivor comes first
+        if AFTER_DEATH.finished.is_set():
+            time.sleep(AFTER_DEATH.exit_seconds)  # the main thread raises what it saved and ends the process itself
         end_process_now(1)  # the launcher died: nobody will complete this rank's collectives
 
     thread = threading.Thread(target=run, name="ddp-plus-parent-watch", daemon=True)

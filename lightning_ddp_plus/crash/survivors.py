@@ -1,0 +1,129 @@
+"""The survivors' agreement: which step is saved, and which survivor writes it.
+
+Survivors may stand one optimizer step apart (a collective can end on some ranks and fail on others), so the most
+steps any survivor holds wins, and the lowest rank holding it writes. They agree through the job's store while it
+lives, never through a collective (one would include the dead rank): each survivor sets its step under a key of its
+own, waits for the others' for at most ``answer_seconds``, and the first to decide sets the decision once
+(``compare_set``), which every survivor reads back. A rank that has not answered by then counts as gone. When the
+store is gone too (its host was the rank that died), each survivor decides alone and writes its own step: every
+survivor holds a whole step, at most one behind the most any rank completed, so whichever write lands last is
+still a whole step within that bound.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Mapping
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass
+from typing import Any
+
+#: How long a survivor waits for the others' steps. A survivor learns of the death at its next collective, so this
+#: covers the compute between two collectives (a forward and a backward) of the slowest survivor.
+ANSWER_SECONDS = 5.0
+#: How long a survivor that does not write waits for the writer's save before ending without one.
+SAVE_WAIT_SECONDS = 300.0
+_POLL_SECONDS = 0.05
+
+
+@dataclass(frozen=True, kw_only=True)
+class SurvivorsAgreed:
+    """What the survivors agreed after a peer's death."""
+
+    step: int
+    """The optimizer steps of the state to save: the most any survivor holds."""
+    writer: int
+    """The survivor that writes it (the lowest rank holding ``step``)."""
+    answered: tuple[int, ...]
+    """The ranks that answered in time (this one included)."""
+    through_store: bool
+    """``False``: the store was gone (its host died), and this rank decided alone."""
+
+    def gone(self, world_size: int) -> tuple[int, ...]:
+        """The ranks that did not answer: dead, or too late to take part."""
+        return tuple(rank for rank in range(world_size) if rank not in self.answered)
+
+
+def choose_writer(steps: Mapping[int, int]) -> tuple[int, int]:
+    """``(writer, step)``: the most steps any survivor holds, written by the lowest rank holding them.
+
+    >>> choose_writer({1: 6, 2: 7, 3: 7})
+    (2, 7)
+    """
+    step = max(steps.values())
+    return min(rank for rank, held in steps.items() if held == step), step
+
+
+class SurvivorAgreement:
+    """One survivor's side of the agreement, through ``store`` (``None``: no store, decide alone).
+
+    Args:
+        store: the job's store.
+        rank: this rank.
+        world_size: the ranks of the job.
+        prefix: the keys of this fit (each fit of a process has its own).
+        known_dead: the ranks this process's launcher saw die, read again while waiting (not waited for).
+    """
+
+    def __init__(
+        self,
+        store: Any,
+        rank: int,
+        world_size: int,
+        prefix: str,
+        known_dead: Callable[[], AbstractSet[int]] = frozenset,
+        answer_seconds: float = ANSWER_SECONDS,
+        save_wait_seconds: float = SAVE_WAIT_SECONDS,
+    ) -> None:
+        self.store, self.rank, self.world_size, self.prefix = store, rank, world_size, prefix
+        self.known_dead = known_dead
+        self.answer_seconds, self.save_wait_seconds = answer_seconds, save_wait_seconds
+
+    def agree(self, step: int) -> SurvivorsAgreed:
+        alone = SurvivorsAgreed(step=step, writer=self.rank, answered=(self.rank,), through_store=False)
+        if self.store is None:
+            return alone
+        try:
+            return self._through_store(step)
+        except RuntimeError:  # the store's host is gone (DistNetworkError, DistStoreError)
+            return alone
+
+    def _through_store(self, step: int) -> SurvivorsAgreed:
+        self.store.set(self._key(f"step/{self.rank}"), str(step))
+        keys = {rank: self._key(f"step/{rank}") for rank in range(self.world_size)}
+        deadline = time.monotonic() + self.answer_seconds
+        present = [rank for rank, key in keys.items() if self.store.check([key])]
+        while len(set(present) | self.known_dead()) < self.world_size and time.monotonic() < deadline:
+            time.sleep(_POLL_SECONDS)
+            present = [rank for rank, key in keys.items() if self.store.check([key])]
+        steps = {rank: int(self.store.get(keys[rank])) for rank in present}
+        writer, chosen = choose_writer(steps)
+        proposal = json.dumps({"writer": writer, "step": chosen, "answered": sorted(steps)})
+        decided = json.loads(self.store.compare_set(self._key("decision"), "", proposal))
+        return SurvivorsAgreed(
+            step=decided["step"], writer=decided["writer"], answered=tuple(decided["answered"]), through_store=True
+        )
+
+    def announce_saved(self, saved: Mapping[str, Any]) -> None:
+        """The writer, once the file is in place: what the others report."""
+        try:
+            self.store.set(self._key("saved"), json.dumps(dict(saved)))
+        except (RuntimeError, AttributeError):  # no store: nobody waits
+            pass
+
+    def wait_saved(self) -> dict[str, Any] | None:
+        """A survivor that does not write: the writer's report, or ``None`` when it did not come in time."""
+        deadline = time.monotonic() + self.save_wait_seconds
+        try:
+            while time.monotonic() < deadline:
+                if self.store.check([self._key("saved")]):
+                    report: dict[str, Any] = json.loads(self.store.get(self._key("saved")))
+                    return report
+                time.sleep(_POLL_SECONDS)
+        except RuntimeError:
+            return None
+        return None
+
+    def _key(self, name: str) -> str:
+        return f"ddp_plus/after_death/{self.prefix}/{name}"

@@ -1,0 +1,142 @@
+"""The Trainer's side of ``save_on_rank_death``: the loop's state kept at each optimizer-step boundary, and, when a
+survivor's collective or store call says a peer is gone, the last step saved from a survivor (``crash/``).
+
+Which state is saved, so that every save is a whole step:
+
+- the parameters and optimizer state as they are when the survivor learns of the death: DDP's optimizer step has
+  no collective, so a death is learnt before a step or after it, never inside one;
+- the loop's state of the last step boundary (kept before each batch whose step count changed, a few counters):
+  a death in a step's forward, backward, gradient all-reduce or agreement, or in any micro-batch of an accumulation
+  window, leaves the parameters at that boundary, and the resume redoes the step (the whole window);
+- when the step was applied before the death (a collective in a step-end hook, in validation, or at the epoch's
+  end), the loop's state as it is: Lightning's own mid-batch or mid-validation checkpoint, which its resume
+  continues as it continues any checkpoint taken at that point.
+
+The file is the one ``ckpt_path="last"`` and ``resume_from_last`` look for (``preemption_checkpoint_path``), written
+atomically through the strategy's checkpoint IO by the survivor chosen, not by rank 0, which may be the dead one.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.trainer.states import TrainerFn
+
+from lightning_ddp_plus.crash.peer_death import peer_gone_in
+from lightning_ddp_plus.crash.report import AfterDeathSave, RankDied
+from lightning_ddp_plus.crash.survivors import SurvivorAgreement, SurvivorsAgreed
+from lightning_ddp_plus.frontends.trainer_preemption import preemption_checkpoint_path
+from lightning_ddp_plus.private_apis.lightning import LoopState, before_each_batch, trainer_checkpoint
+from lightning_ddp_plus.private_apis.torch_distributed import default_store
+from lightning_ddp_plus.processes.launcher import AFTER_DEATH, launching_process_gone
+
+#: Each fit of a process has its own keys in the store (every rank runs the same fits in the same order).
+_FITS = itertools.count()
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepBoundary:
+    """The loop's state at an optimizer-step boundary."""
+
+    step: int
+    """Optimizer steps applied then."""
+    loops: dict[str, Any]
+    """``trainer.fit_loop.state_dict()`` then."""
+    at: float
+    """``time.monotonic()`` then."""
+
+
+class StepBoundaries(Callback):
+    """Keeps the loop's state of the last optimizer-step boundary during a fit (added by the strategy)."""
+
+    def __init__(self) -> None:
+        self.last: StepBoundary | None = None
+        self.fit = 0
+        self._undo: Any = None
+        self._loop_state: Callable[[], dict[str, Any]] = dict
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.fit, self.last = next(_FITS), None
+        self._loop_state = LoopState(trainer.fit_loop)
+        self._undo = before_each_batch(trainer, functools.partial(self._batch_starts, trainer))
+
+    def _batch_starts(self, trainer: pl.Trainer) -> None:
+        if self.last is None or self.last.step != trainer.global_step:  # a window's first batch
+            now = time.monotonic()
+            if self.last is not None:
+                AFTER_DEATH.step_took(now - self.last.at)
+            self.last = StepBoundary(step=trainer.global_step, loops=self._loop_state(), at=now)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._undo is not None:
+            self._undo()
+            self._undo = None
+
+
+def save_after_rank_death(trainer: pl.Trainer, error: BaseException) -> RankDied | None:
+    """In a survivor, as ``error`` leaves the fit: when it says a peer is gone, agree on the step with the other
+    survivors, save it (if this rank is the one chosen) and return the ``RankDied`` to raise; else ``None``."""
+    cause = peer_gone_in(error)
+    callbacks: list[Callback] = getattr(trainer, "callbacks", [])
+    boundaries = next((c for c in callbacks if isinstance(c, StepBoundaries)), None)
+    fitting = trainer.state.fn == TrainerFn.FITTING  # its validation included
+    if cause is None or not fitting or boundaries is None or boundaries.last is None:
+        return None
+    strategy: Any = trainer.strategy
+    rank, world_size = strategy.global_rank, strategy.world_size
+    known_dead = lambda: AFTER_DEATH.dead_ranks
+    store = None if launching_process_gone() else default_store()  # rank 0 hosted it: no reconnecting
+    agreement = SurvivorAgreement(store, rank, world_size, str(boundaries.fit), known_dead)
+    agreed = agreement.agree(trainer.global_step)
+    gone = gone_ranks(agreed, rank, world_size)
+    if strategy.engine.arguments.optimizer_sharding:
+        why = (
+            "under `optimizer_sharding` each rank holds the only copy of its shard of the optimizer state, and the "
+            "dead rank's is lost; resume from your last periodic checkpoint (a `ModelCheckpoint`), or train with "
+            "`optimizer_sharding=False` to have every survivor hold the whole state"
+        )
+        return RankDied(AfterDeathSave(gone=gone, cause=cause, not_saved=why))
+    if agreed.writer != rank:
+        report = agreement.wait_saved()
+        if report is None:
+            why = f"rank {agreed.writer} was to save optimizer step {agreed.step} and did not say it had"
+            return RankDied(AfterDeathSave(gone=gone, cause=cause, not_saved=why))
+        return RankDied(AfterDeathSave(gone=gone, cause=cause, **report))
+    started, path = time.monotonic(), preemption_checkpoint_path(trainer)
+    try:
+        write_boundary(trainer, boundaries.last, path)
+    except OSError as write_error:  # a full disk, say: the previous file is whole (the write is atomic)
+        why = f"writing {path} failed ({write_error}); the file there before, if any, is whole"
+        agreement.announce_saved({"not_saved": why})
+        return RankDied(AfterDeathSave(gone=gone, cause=cause, not_saved=why))
+    saved = {"step": agreed.step, "path": path, "writer": rank, "save_seconds": time.monotonic() - started}
+    agreement.announce_saved(saved)
+    return RankDied(AfterDeathSave(gone=gone, cause=cause, **saved))
+
+
+def gone_ranks(agreed: SurvivorsAgreed, rank: int, world_size: int) -> tuple[int, ...]:
+    """The ranks that did not answer; without the store, its host (rank 0 under the popen launcher)."""
+    if agreed.through_store:
+        return agreed.gone(world_size)
+    return (0,) if rank != 0 else ()
+
+
+def write_boundary(trainer: pl.Trainer, boundary: StepBoundary, path: str) -> None:
+    """This rank's state written to ``path`` as a whole step (see the module's docstring), atomically, with the
+    strategy's additions (the data layout, the micro-batch size) and without a collective."""
+    strategy: Any = trainer.strategy
+    checkpoint = trainer_checkpoint(trainer)
+    if boundary.step == trainer.global_step:  # the step in progress was not applied: its batches are redone
+        checkpoint["loops"] = {**checkpoint["loops"], "fit_loop": boundary.loops}
+    sizes = strategy.gradient_accumulation_steps, strategy.engine.micro_batch_size
+    strategy.resume.saving(checkpoint, strategy.lightning_module, *sizes, gather_generators=False)
+    checkpoint = strategy.engine.save_micro_batch_size(checkpoint)
+    # inside `io.save`, `strategy.checkpoint_io` is the atomic view of the IO the strategy keeps
+    strategy.io.save(strategy.checkpoint_io, lambda: strategy.checkpoint_io.save_checkpoint(checkpoint, path))

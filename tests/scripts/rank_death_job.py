@@ -1,0 +1,220 @@
+"""A rank's death on a 2-rank ``ddp_plus`` job, for real.
+
+- ``rank_death_job.py kill DIR CASE_JSON``: one fit with the popen launcher (this process is rank 0, Lightning starts
+  rank 1 by running this script again); the rank the case names (``"to"``) SIGKILLs itself at the case's moment
+  (``"at"``) of optimizer step ``"step"``. Each rank appends what it trains and each ``on_train_batch_end`` to
+  ``DIR/run1-rank{r}.jsonl`` as it happens, and a survivor writes the error that ended its fit to
+  ``DIR/outcome-rank{r}.json``.
+- ``rank_death_job.py torchrun DIR`` (under ``torchrun --max-restarts 1``): in the first attempt rank 1 dies in the
+  backward of step 3; the survivor saves, torchrun restarts both ranks, and the second attempt resumes by itself
+  (``resume_from_last="on_restart"``, the default) and trains to the end; then, in the same processes, an
+  uninterrupted run; rank 0 writes ``DIR/result.json``.
+- ``rank_death_job.py resume OUT_JSON CASES_JSON`` (started on every rank by ``start_ranks``): for each case's
+  ``DIR``, the fit again with ``ckpt_path="last"`` to the end (``DIR/run2-rank{r}.jsonl``), and the parameters'
+  distance to an uninterrupted run of the same accumulation.
+"""
+
+import json
+import os
+import random
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_ddp_plus import DDPPlusStrategy
+from lightning_ddp_plus.crash.report import RankDied
+
+SAMPLES, BATCH, EPOCHS = 64, 4, 2  # per rank 8 batches an epoch, 16 in all
+
+
+def die(directory: Path, rank: int, trainer: L.Trainer, moment: str) -> None:
+    record = {"rank": rank, "at": moment, "global_step": trainer.global_step, "time": time.time()}
+    (directory / "killed.json").write_text(json.dumps(record))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class IndexedRegression(L.LightningModule):
+    """A small regression whose batches carry their sample indices; every trained batch and every batch end are
+    appended to ``log`` (``None``: not recorded)."""
+
+    def __init__(self, log: Path | None = None) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.net = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 1))
+        generator = torch.Generator().manual_seed(0)
+        self.x = torch.randn(SAMPLES, 8, generator=generator)
+        self.y = self.x @ torch.randn(8, 1, generator=generator)
+        self.log_path = log
+
+    def record(self, **values) -> None:
+        if self.log_path is not None:
+            with self.log_path.open("a") as file:
+                file.write(json.dumps(values) + "\n")
+                file.flush()
+
+    def training_step(self, batch, batch_idx):
+        x, y, index = batch
+        self.record(kind="trained", epoch=self.current_epoch, step_before=self.trainer.global_step, rows=index.tolist())
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def on_train_batch_start(self, batch, batch_idx):
+        self.step_before = self.trainer.global_step
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        step = self.trainer.global_step
+        self.record(
+            kind="batch_end", epoch=self.current_epoch, batch=batch_idx, step_before=self.step_before, step=step
+        )
+
+    def validation_step(self, batch, batch_idx):
+        x, y, _ = batch
+        self.log("val_loss", nn.functional.mse_loss(self.net(x), y), sync_dist=True)
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(self.x, self.y, torch.arange(SAMPLES)), batch_size=BATCH, shuffle=True)
+
+    def val_dataloader(self):
+        return DataLoader(TensorDataset(self.x[:16], self.y[:16], torch.arange(16)), batch_size=BATCH)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+
+class Kill(L.Callback):
+    """SIGKILLs this rank at the case's moment, if the case names it."""
+
+    def __init__(self, case: dict, rank: int, directory: Path) -> None:
+        self.at, self.step, self.k = case["at"], case.get("step", 3), case.get("k", 1)
+        self.seed = case.get("seed", 0)
+        self.mine, self.directory, self.rank = case["to"] == rank, directory, rank
+
+    def die(self, trainer, moment: str) -> None:
+        if self.mine:
+            die(self.directory, self.rank, trainer, moment)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step != self.step or not self.mine:
+            return
+        last_of_window = batch_idx % self.k == self.k - 1
+        if self.at == "forward" and last_of_window:  # with k=2: the window's second micro-batch (mid-window)
+            pl_module.net.register_forward_hook(lambda *_: self.die(trainer, "forward"))
+        elif self.at == "backward" and last_of_window:
+            pl_module.net[2].weight.register_hook(lambda grad: self.die(trainer, "backward"))
+        elif self.at == "random":  # a timer lands anywhere in this step or the next (seeded: "seed")
+            delay = random.Random(self.seed).uniform(0.0, 0.02)
+            threading.Timer(
+                delay, self.die, (trainer, f"random ({delay * 1e3:.1f} ms into step {self.step + 1})")
+            ).start()
+        elif self.at == "all_reduce" and last_of_window:
+            # the other rank reaches the gradient all-reduce and waits in it; this one dies then
+            pl_module.net[0].weight.register_hook(lambda grad: (time.sleep(1.0), self.die(trainer, "all_reduce")))
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if self.at == "optimizer_step" and trainer.global_step == self.step:
+            self.die(trainer, "optimizer_step")
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        if self.at == "validation" and trainer.global_step >= self.step and not trainer.sanity_checking:
+            self.die(trainer, "validation")
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+        if self.at == "save" and trainer.global_step >= self.step:
+            self.die(trainer, "save")
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        if self.at == "between_epochs":
+            self.die(trainer, "between_epochs")
+
+
+def trainer_for(case: dict, directory: Path, callbacks: list) -> L.Trainer:
+    return L.Trainer(
+        strategy=DDPPlusStrategy(
+            process_group_backend="gloo", timeout="60s", optimizer_sharding=case.get("sharding", False)
+        ),
+        accelerator="cpu",
+        devices=2,
+        max_epochs=EPOCHS,
+        accumulate_grad_batches=case.get("k", 1),
+        val_check_interval=4 if case["at"] == "validation" else None,
+        num_sanity_val_steps=0,
+        default_root_dir=directory,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[
+            *callbacks,
+            ModelCheckpoint(dirpath=directory / "ckpt", every_n_train_steps=case.get("save_every", 1000)),
+        ],
+    )
+
+
+def kill(directory: Path, case: dict) -> None:
+    rank = int(os.environ.get("LOCAL_RANK", "0"))  # the popen launcher sets it in the child it starts
+    model = IndexedRegression(directory / f"run1-rank{rank}.jsonl")
+    trainer = trainer_for(case, directory, [Kill(case, rank, directory)])
+    try:
+        trainer.fit(model)
+    except RankDied as error:
+        outcome = {"error": str(error), "time": time.time(), "step": error.save.step, "gone": list(error.save.gone)}
+        (directory / f"outcome-rank{trainer.global_rank}.json").write_text(json.dumps(outcome))
+        raise
+
+
+def under_torchrun(directory: Path) -> None:
+    rank, attempt = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    case = {"to": 1, "at": "backward"} if attempt == 0 else {"to": -1, "at": "none"}
+    model = IndexedRegression(directory / f"run{attempt + 1}-rank{rank}.jsonl")
+    trainer = trainer_for(case, directory, [Kill(case, rank, directory)])
+    try:
+        trainer.fit(model)
+    except RankDied as error:
+        outcome = {"error": str(error), "time": time.time(), "step": error.save.step, "gone": list(error.save.gone)}
+        (directory / f"outcome-rank{rank}.json").write_text(json.dumps(outcome))
+        raise
+    whole = IndexedRegression()
+    trainer_for({"at": "none"}, directory / "whole", []).fit(whole)
+    if rank == 0:
+        result = {"distance": float((flat(model) - flat(whole)).abs().max()), "global_step": trainer.global_step}
+        (directory / "result.json").write_text(json.dumps(result))
+
+
+def flat(module: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in module.parameters()])
+
+
+def resume(out: str, cases: list) -> None:
+    rank = int(os.environ["LOCAL_RANK"])  # set by start_ranks; the process group starts with the first fit
+    references = {}
+    for k in sorted({case.get("k", 1) for case in cases}):
+        model = IndexedRegression()
+        trainer_for({"at": "none", "k": k}, Path(cases[0]["dir"]) / f"whole-{k}", []).fit(model)
+        references[k] = flat(model)
+    results = []
+    for case in cases:
+        directory = Path(case["dir"])
+        model = IndexedRegression(directory / f"run2-rank{rank}.jsonl")
+        trainer = trainer_for({**case, "at": "none"}, directory, [])
+        trainer.fit(model, ckpt_path="last")
+        distance = float((flat(model) - references[case.get("k", 1)]).abs().max())
+        results.append({"dir": case["dir"], "distance": distance, "global_step": trainer.global_step})
+    if rank == 0:
+        Path(out).write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "kill":
+        kill(Path(sys.argv[2]), json.loads(sys.argv[3]))
+    elif sys.argv[1] == "torchrun":
+        under_torchrun(Path(sys.argv[2]))
+    else:
+        resume(sys.argv[2], json.loads(sys.argv[3]))

@@ -1,0 +1,277 @@
+"""A rank's death (``save_on_rank_death``): real 2-rank jobs with the popen launcher, one rank SIGKILLed at a moment
+of a step; the survivor saves the last step, the job ends with an error, and a resume loses nothing."""
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from lightning_ddp_plus.crash.peer_death import peer_gone_in
+from lightning_ddp_plus.crash.report import AfterDeathSave, RankDied
+from lightning_ddp_plus.crash.survivors import SurvivorAgreement, choose_writer
+from tests.helpers import python_script, run_job, start_ranks, torchrun_command
+
+EPOCHS, BATCHES = 2, 8  # tests/scripts/rank_death_job.py: 8 batches a rank an epoch
+
+#: Who dies where. In CI: each moment once, rank 0 (the launcher and the store's host) and rank 1 alternating.
+CASES = [
+    {"to": 1, "at": "backward"},
+    {"to": 0, "at": "forward"},
+    {"to": 1, "at": "all_reduce"},
+    {"to": 0, "at": "optimizer_step"},
+    {"to": 1, "at": "validation"},
+    {"to": 0, "at": "save", "save_every": 2},
+    {"to": 1, "at": "forward", "k": 2},
+    {"to": 0, "at": "between_epochs"},
+]
+#: Outside CI (``DDP_PLUS_EVERY_DEATH=1``): every moment on both ranks, and 10 random moments on each.
+EVERY_CASE = [
+    {**case, "to": rank}
+    for case in [
+        *CASES,
+        {"at": "backward", "k": 2},
+        {"at": "optimizer_step", "k": 2},
+        *({"at": "random", "seed": seed} for seed in range(10)),
+    ]
+    for rank in (0, 1)
+]
+
+
+def records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def check_case(case: dict, resumed: dict) -> dict:
+    """Every promise for one case, from the files its two runs wrote; returns its figures."""
+    directory, dead = Path(case["dir"]), case["to"]
+    survivor = 1 - dead
+    where = f"rank {dead} killed at {case['at']} (k={case.get('k', 1)}): {directory}"
+    killed = json.loads((directory / "killed.json").read_text())
+    outcome = json.loads((directory / f"outcome-rank{survivor}.json").read_text())
+    log = (directory / "log.txt").read_text()
+    # the job ends with an error naming the dead rank, the step, the file and how to resume
+    assert case["rc"] == (-9 if dead == 0 else 1), where  # rank 0's process: killed, or ended by RankDied
+    assert outcome["gone"] == [dead] and outcome["step"] is not None, where
+    saved = outcome["step"]
+    path = directory / "ckpt" / "last.ckpt"
+    for words in (f"rank {dead} is gone", f"optimizer step {saved}", str(path), 'ckpt_path="last"'):
+        assert words in outcome["error"], (where, words, outcome["error"])
+    assert "RankDied" in log, where
+    # the saved step is at most one behind the most steps any rank completed
+    run1 = {rank: records(directory / f"run1-rank{rank}.jsonl") for rank in (0, 1)}
+    completed = {
+        rank: max([r["step"] for r in lines if r["kind"] == "batch_end"], default=0) for rank, lines in run1.items()
+    }
+    completed[dead] = max(completed[dead], killed["global_step"])
+    assert max(completed.values()) - 1 <= saved <= max(completed.values()), (where, completed, saved)
+    # each sample trained once an epoch, across both runs (run 1's micro-batches of the steps saved)
+    run2 = {rank: records(directory / f"run2-rank{rank}.jsonl") for rank in (0, 1)}
+    counts: dict[int, int] = {}
+    for rank in (0, 1):
+        kept = [r for r in run1[rank] if r["kind"] == "trained" and r["step_before"] < saved]
+        for record in kept + [r for r in run2[rank] if r["kind"] == "trained"]:
+            for row in record["rows"]:
+                counts[row] = counts.get(row, 0) + 1
+    assert counts == dict.fromkeys(range(64), EPOCHS), where
+    # every on_train_batch_end once per batch across both runs: on the survivor exactly; the dead rank's can lack
+    # only the batches of the step it died in
+    # A death inside a step's end hooks (the periodic save runs in `ModelCheckpoint.on_train_batch_end`): the step
+    # is applied and saved, and the hooks after the one that failed (the module's, here) never run for it.
+    every_batch = sorted([epoch, batch] for epoch in range(EPOCHS) for batch in range(BATCHES))
+    cut_in_end_hooks = {"save": (1, 1), "random": (0, 1)}.get(case["at"], (0, 0))
+    for rank in (0, 1):
+        kept = [r for r in run1[rank] if r["kind"] == "batch_end" and r["step_before"] < saved]
+        ends = sorted([r["epoch"], r["batch"]] for r in kept + [r for r in run2[rank] if r["kind"] == "batch_end"])
+        assert len(ends) == len({tuple(end) for end in ends}), (where, rank)  # none twice
+        missing = len(every_batch) - len(ends)
+        assert set(map(tuple, ends)) <= set(map(tuple, every_batch)), (where, rank)
+        if rank == survivor:
+            assert cut_in_end_hooks[0] <= missing <= cut_in_end_hooks[1], (where, rank, missing)
+        else:
+            assert missing <= max(case.get("k", 1), cut_in_end_hooks[1]), (where, rank, missing)
+    # the same parameters as an uninterrupted run, and the resume trains to the end
+    assert resumed["distance"] <= 1e-5 and resumed["global_step"] == EPOCHS * BATCHES // case.get("k", 1), where
+    # nothing of the job is left running
+    left = subprocess.run(["pgrep", "-f", str(directory)], check=False, capture_output=True, text=True).stdout.split()
+    assert left == [], where
+    return {
+        "steps_completed": completed,
+        "saved": saved,
+        "seconds_to_save": path.stat().st_mtime - killed["time"],
+        "seconds_to_end": case["end"] - killed["time"],
+    }
+
+
+@pytest.fixture(scope="module")
+def deaths(tmp_path_factory):
+    """Each case's job (a launch each: a killed rank does not come back), then every resume on one 2-rank job."""
+    base = tmp_path_factory.mktemp("deaths")
+    cases = EVERY_CASE if os.environ.get("DDP_PLUS_EVERY_DEATH") else CASES
+    for index, case in enumerate(cases):
+        directory = base / f"case-{index}"
+        directory.mkdir()
+        result = run_job(python_script("rank_death_job.py") + ["kill", str(directory), json.dumps(case)], timeout=200)
+        (directory / "log.txt").write_text(result.stdout)
+        case.update(dir=str(directory), rc=result.returncode, end=time.time())
+    out = base / "resumed.json"
+    for result in start_ranks(
+        python_script("rank_death_job.py") + ["resume", str(out), json.dumps(cases)], timeout=400
+    ):
+        assert result.returncode == 0, result.stdout[-4000:]
+    return cases, json.loads(out.read_text())
+
+
+@pytest.mark.multiprocess
+def test_a_killed_rank_costs_at_most_the_step_in_progress(deaths):
+    cases, resumed = deaths
+    figures = {f"{c['to']}@{c['at']}/k={c.get('k', 1)}": check_case(c, r) for c, r in zip(cases, resumed, strict=True)}
+    print(json.dumps(figures, indent=1))  # the closing note's figures (pytest -s)
+
+
+def test_a_peer_s_death_is_told_from_other_errors():
+    closed = RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:26019. This is typically ...")
+    wrapped = RuntimeError("lightning-ddp-plus: the step failed")
+    wrapped.__cause__ = closed
+    assert peer_gone_in(wrapped) == "[pair.cc:553] Connection closed by peer [127.0.0.1]:26019"  # gloo's advice cut
+    assert peer_gone_in(RuntimeError("Expected to have finished reduction in the prior iteration")) is None
+    assert peer_gone_in(KeyboardInterrupt()) is None
+    from lightning_ddp_plus import MicroBatchOutOfMemoryError
+
+    explained = MicroBatchOutOfMemoryError("Out of memory on rank 1 in the forward ... Every rank stops here.")
+    explained.__cause__ = closed  # the agreed error of a rank whose peer then ended: not a death to save after
+    assert peer_gone_in(explained) is None
+
+
+def test_the_survivors_choose_the_most_steps_and_the_lowest_rank_holding_them():
+    assert choose_writer({0: 5, 1: 6, 2: 6}) == (1, 6)
+    assert choose_writer({3: 2}) == (3, 2)
+
+
+def test_survivors_agree_through_the_store_and_alone_without_it():
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from tests.helpers import free_port
+
+    store = dist.TCPStore("127.0.0.1", free_port(), 1, True, timeout=timedelta(seconds=5))
+    # rank 2 of 3 answers first; rank 1 answers; rank 0 is dead (known to the launcher): no wait for it
+    third = SurvivorAgreement(store, 2, 3, "t", known_dead=lambda: {0}, answer_seconds=5)
+    store.set("ddp_plus/after_death/t/step/1", "7")
+    agreed = third.agree(6)
+    assert (agreed.writer, agreed.step, agreed.answered, agreed.gone(3)) == (1, 7, (1, 2), (0,))
+    assert agreed.through_store
+    # a late survivor reads the decision made, whatever it holds
+    late = SurvivorAgreement(store, 1, 3, "t", answer_seconds=0.1).agree(7)
+    assert (late.writer, late.step) == (1, 7)
+    # without a store (its host died): alone
+    alone = SurvivorAgreement(None, 1, 2, "u").agree(4)
+    assert (alone.writer, alone.step, alone.through_store) == (1, 4, False)
+    gone_store = SurvivorAgreement(_DeadStore(), 1, 2, "u").agree(4)
+    assert not gone_store.through_store
+
+
+class _DeadStore:
+    def set(self, key, value):
+        raise RuntimeError("Broken pipe")
+
+
+def test_the_error_names_the_dead_rank_the_step_the_file_and_the_resume():
+    error = RankDied(
+        AfterDeathSave(gone=(1,), cause="Connection closed by peer", step=5, path="/c/last.ckpt", writer=0)
+    )
+    text = str(error)
+    for words in ("rank 1 is gone", "optimizer step 5", "/c/last.ckpt", "rank 0", 'ckpt_path="last"'):
+        assert words in text
+    not_saved = RankDied(AfterDeathSave(gone=(0, 2), cause="x", not_saved="the shard is lost"))
+    assert "ranks 0, 2 are gone" in str(not_saved) and "nothing was saved: the shard is lost" in str(not_saved)
+
+
+@pytest.mark.multiprocess
+def test_under_optimizer_sharding_nothing_is_saved_the_error_says_why_and_the_periodic_file_is_whole(tmp_path):
+    import torch
+
+    case = {"to": 1, "at": "backward", "save_every": 2, "sharding": True}
+    result = run_job(python_script("rank_death_job.py") + ["kill", str(tmp_path), json.dumps(case)], timeout=200)
+    assert result.returncode == 1, result.stdout[-4000:]
+    outcome = json.loads((tmp_path / "outcome-rank0.json").read_text())
+    assert outcome["step"] is None and outcome["gone"] == [1]
+    for words in ("rank 1 is gone", "nothing was saved", "optimizer_sharding", "periodic checkpoint"):
+        assert words in outcome["error"], (words, outcome["error"])
+    assert not (tmp_path / "ckpt" / "last.ckpt").exists()
+    periodic = torch.load(tmp_path / "ckpt" / "epoch=0-step=2.ckpt", weights_only=False)
+    assert periodic["global_step"] == 2
+
+
+@pytest.mark.multiprocess
+def test_under_torchrun_the_survivor_saves_and_the_restarted_attempt_resumes_by_itself(tmp_path):
+    result = run_job(torchrun_command("rank_death_job.py", "torchrun", tmp_path, max_restarts=1), timeout=300)
+    assert result.returncode == 0, result.stdout[-4000:]
+    outcome = json.loads((tmp_path / "outcome-rank0.json").read_text())
+    saved = outcome["step"]
+    assert outcome["gone"] == [1] and saved == 3, outcome  # rank 1 died in step 4's backward: 3 steps were whole
+    assert "resuming from" in result.stdout and "last.ckpt" in result.stdout
+    final = json.loads((tmp_path / "result.json").read_text())
+    assert final["global_step"] == EPOCHS * BATCHES and final["distance"] <= 1e-5, final
+    counts: dict[int, int] = {}
+    for rank in (0, 1):
+        first = [r for r in records(tmp_path / f"run1-rank{rank}.jsonl") if r["kind"] == "trained"]
+        second = [r for r in records(tmp_path / f"run2-rank{rank}.jsonl") if r["kind"] == "trained"]
+        for record in [r for r in first if r["step_before"] < saved] + second:
+            for row in record["rows"]:
+                counts[row] = counts.get(row, 0) + 1
+    assert counts == dict.fromkeys(range(64), EPOCHS)
+
+
+def test_the_loop_state_kept_at_each_step_boundary_is_lightnings_own_state_dict(tmp_path):
+    """What ``StepBoundaries`` keeps each step (``LoopState``, a field-by-field copy) equals
+    ``fit_loop.state_dict()`` at every batch of a fit with accumulation and validation, and holds no live object."""
+    import lightning as L
+
+    from lightning_ddp_plus.private_apis.lightning import LoopState, before_each_batch
+    from tests.helpers import TinyRegression
+
+    compared: list[bool] = []
+
+    class WithValidation(TinyRegression):
+        def validation_step(self, batch, batch_idx):
+            self.log("val_loss", self.training_step(batch, batch_idx))
+
+        def val_dataloader(self):
+            return self.train_dataloader()
+
+    class Compare(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            loop_state = LoopState(trainer.fit_loop)
+
+            def check():
+                kept = loop_state()
+                compared.append(kept == trainer.fit_loop.state_dict())
+                trainer.fit_loop.epoch_loop.batch_progress.increment_ready()  # a later change does not reach it
+                compared.append(kept != loop_state())
+                trainer.fit_loop.epoch_loop.batch_progress.total.ready -= 1
+                trainer.fit_loop.epoch_loop.batch_progress.current.ready -= 1
+
+            self.undo = before_each_batch(trainer, check)
+
+        def on_train_end(self, trainer, pl_module):
+            self.undo()
+
+    trainer = L.Trainer(
+        max_epochs=2,
+        accumulate_grad_batches=2,
+        limit_val_batches=2,
+        val_check_interval=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        callbacks=[Compare()],
+    )
+    trainer.fit(WithValidation())
+    assert len(compared) == 2 * 2 * 16 and all(compared)  # 16 batches an epoch, 2 comparisons each
+    assert "advance" not in vars(trainer.fit_loop.epoch_loop)  # undone: the class's method again
