@@ -198,10 +198,9 @@ def notice_case(variant: str, target: str, timeout: float) -> dict:
         }
 
 
-def cost_rank(steps: int, repeats: int) -> None:
-    """One rank of the cost part: the variants alternately on one process group, steps timed by a callback."""
+def step_clock():
+    """A callback that notes the time at each batch's start (``.times``)."""
     import lightning as L
-    import torch.distributed as dist
 
     class StepClock(L.Callback):
         def __init__(self) -> None:
@@ -210,12 +209,28 @@ def cost_rank(steps: int, repeats: int) -> None:
         def on_train_batch_start(self, *args) -> None:
             self.times.append(time.perf_counter())
 
+    return StepClock()
+
+
+def cost_medians(script: str, steps: int, repeats: int) -> dict[str, list[float]]:
+    """``script --as-cost-rank`` on two ranks; each variant's median step time (s) of each of its runs."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        os.environ["DDP_PLUS_BENCH_OUT"] = out.name
+        start([sys.executable, script, "--as-cost-rank", "--steps", str(steps), "--repeats", str(repeats)], 900)
+        medians: dict[str, list[float]] = json.loads(Path(out.name).read_text())
+    return medians
+
+
+def cost_rank(steps: int, repeats: int) -> None:
+    """One rank of the cost part: the variants alternately on one process group, steps timed by a callback."""
+    import torch.distributed as dist
+
     variants = [("stock", None), ("ddp_plus", None), ("ddp_plus, preemption_signals=[]", [])]
     medians: dict[str, list[float]] = {name: [] for name, _ in variants}
     with tempfile.TemporaryDirectory() as folder:
         for _ in range(repeats):
             for name, signals in variants:
-                clock = StepClock()
+                clock = step_clock()
                 model = model_and_data()()
                 trainer = trainer_for(
                     name.split(",")[0], Path(folder), 60, [clock], signals=signals, max_steps=steps, max_epochs=None
@@ -251,19 +266,7 @@ def main() -> None:
         for row in results["notice"]:
             print(json.dumps(row))
     if "cost" in args.only:
-        with tempfile.NamedTemporaryFile(suffix=".json") as out:
-            os.environ["DDP_PLUS_BENCH_OUT"] = out.name
-            me = [
-                sys.executable,
-                __file__,
-                "--as-cost-rank",
-                "--steps",
-                str(args.steps),
-                "--repeats",
-                str(args.repeats),
-            ]
-            start(me, 900)
-            medians = json.loads(Path(out.name).read_text())
+        medians = cost_medians(__file__, args.steps, args.repeats)
         results["cost"] = step_ratios(medians)
         print(json.dumps(results["cost"], indent=1))
     args.out.parent.mkdir(parents=True, exist_ok=True)

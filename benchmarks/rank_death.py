@@ -10,7 +10,9 @@ had completed, the step saved (0: nothing), the steps lost, the seconds from the
 the last process, and the exit code of the launching process. Every variant runs with the same collective timeout.
 
 ``cost``: one process group, steps without a death: stock, ``ddp_plus`` and ``ddp_plus(save_on_rank_death=False)``,
-alternately; the median time per step and the ratios. Results go to ``benchmarks/results/rank_death.json``.
+alternately, each in each position of a round in turn; the median time per step and the ratios, and each run's
+median. The work ``save_on_rank_death`` adds per optimizer step is also timed in one process (``--only work``),
+where two processes' step times vary too much from run to run to resolve it. Results go to ``benchmarks/results/rank_death.json``.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.preemption import model_and_data, start
+from benchmarks.preemption import cost_medians, model_and_data, step_clock
 from benchmarks.ranks import base_environment, step_ratios
 
 KILL_AT = 6
@@ -52,7 +54,7 @@ def trainer_for(variant: str, root: Path, timeout: float, callbacks: list, **ext
     return L.Trainer(
         strategy=strategy,
         accelerator="cpu",
-        devices=2,
+        devices=extra.pop("devices", 2),
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -116,22 +118,15 @@ def free_port() -> int:
 
 def cost_rank(steps: int, repeats: int) -> None:
     """One rank of the cost part: the variants alternately on one process group, steps timed by a callback."""
-    import lightning as L
     import torch.distributed as dist
-
-    class StepClock(L.Callback):
-        def __init__(self) -> None:
-            self.times: list[float] = []
-
-        def on_train_batch_start(self, *args) -> None:
-            self.times.append(time.perf_counter())
 
     variants = ("stock", "ddp_plus", "ddp_plus, save_on_rank_death=False")
     medians: dict[str, list[float]] = {name: [] for name in variants}
     with tempfile.TemporaryDirectory() as folder:
-        for _ in range(repeats):
-            for name in variants:
-                clock = StepClock()
+        for repeat in range(repeats):
+            shift = repeat % len(variants)  # each variant in each position of a repeat in turn
+            for name in variants[shift:] + variants[:shift]:
+                clock = step_clock()
                 trainer = trainer_for(name, Path(folder), 60, [clock], max_steps=steps, max_epochs=None)
                 trainer.fit(model_and_data()())
                 gaps = [b - a for a, b in zip(clock.times[5:], clock.times[6:])]
@@ -140,9 +135,43 @@ def cost_rank(steps: int, repeats: int) -> None:
         Path(os.environ["DDP_PLUS_BENCH_OUT"]).write_text(json.dumps(medians))
 
 
+def added_work() -> dict:
+    """In one process (world size 1): the time of the work ``save_on_rank_death`` adds before a batch whose step
+    count changed (keeping the loop's state), against the step time of the same fit."""
+    import lightning as L
+
+    from lightning_ddp_plus.frontends.trainer_after_death import StepBoundaries
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    timed: dict = {}
+
+    class Probe(L.Callback):
+        def on_train_batch_start(self, trainer, *args) -> None:
+            timed.setdefault("starts", []).append(time.perf_counter())
+            if trainer.global_step == 20:
+                boundaries = StepBoundaries.of(trainer)
+                started = time.perf_counter()
+                for _ in range(2000):
+                    boundaries.last = None  # each call keeps the state anew, as at a step boundary
+                    boundaries._batch_starts()
+                timed["work"] = (time.perf_counter() - started) / 2000
+                timed["starts"].clear()
+
+    with tempfile.TemporaryDirectory() as folder:
+        trainer = trainer_for("ddp_plus", Path(folder), 60, [Probe()], max_steps=60, max_epochs=None, devices=1)
+        trainer.fit(model_and_data()())
+    step = statistics.median(b - a for a, b in zip(timed["starts"], timed["starts"][1:]))
+    return {
+        "work per optimizer step (us)": round(timed["work"] * 1e6, 1),
+        "step, 1 process (ms)": round(step * 1e3, 3),
+        "share of the step": round(timed["work"] / step, 4),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", nargs="*", choices=["death", "cost"], default=["death", "cost"])
+    parser.add_argument("--only", nargs="*", choices=["death", "cost", "work"], default=["death", "cost", "work"])
     parser.add_argument("--timeout", type=float, default=60.0, help="every variant's collective timeout (s)")
     parser.add_argument("--steps", type=int, default=200, help="steps per cost run")
     parser.add_argument("--repeats", type=int, default=3)
@@ -163,13 +192,20 @@ def main() -> None:
         for row in results["death"]:
             print(json.dumps(row))
     if "cost" in args.only:
-        with tempfile.NamedTemporaryFile(suffix=".json") as out:
-            os.environ["DDP_PLUS_BENCH_OUT"] = out.name
-            me = [sys.executable, __file__, "--as-cost-rank", "--steps", str(args.steps), "--repeats", str(args.repeats)]
-            start(me, 900)
-            medians = json.loads(Path(out.name).read_text())
+        medians = cost_medians(__file__, args.steps, args.repeats)
         results["cost"] = step_ratios(medians, baselines=("stock", "ddp_plus, save_on_rank_death=False"))
+        results["cost runs (median step per run, ms)"] = {
+            name: [round(1e3 * value, 3) for value in values] for name, values in medians.items()
+        }
+        off = medians["ddp_plus, save_on_rank_death=False"]
+        paired = [on / base for on, base in zip(medians["ddp_plus"], off)]
+        results["cost"]["ddp_plus"]["median of the rounds' ratios to save_on_rank_death=False"] = round(
+            statistics.median(paired), 3
+        )
         print(json.dumps(results["cost"], indent=1))
+    if "work" in args.only:
+        results["work"] = added_work()
+        print(json.dumps(results["work"]))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1))
 

@@ -92,3 +92,13 @@ def test_the_item_averaging_cost_benchmark_runs_at_a_tiny_size(tmp_path):
     cost = json.loads((tmp_path / "items.json").read_text())["cost"]
     assert set(cost) == {"stock", "ddp_plus", "ddp_plus + num_items"}
     assert cost["stock"]["ratio to stock"] == 1.0 and cost["ddp_plus + num_items"]["median step (ms)"] > 0
+
+
+def test_the_rank_death_cost_benchmark_runs_at_a_tiny_size(tmp_path):
+    script = str(REPO_ROOT / "benchmarks" / "rank_death.py")
+    args = ["--only", "work", "cost", "--steps", "10", "--repeats", "1", "--out", str(tmp_path / "out.json")]
+    result = run_job([sys.executable, script, *args], timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:]
+    summary = json.loads((tmp_path / "out.json").read_text())
+    assert summary["cost"]["stock"]["ratio to stock"] == 1.0
+    assert summary["work"]["work per optimizer step (us)"] > 0

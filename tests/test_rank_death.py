@@ -127,7 +127,10 @@ def deaths(tmp_path_factory):
 @pytest.mark.multiprocess
 def test_a_killed_rank_costs_at_most_the_step_in_progress(deaths):
     cases, resumed = deaths
-    figures = {f"{c['to']}@{c['at']}/k={c.get('k', 1)}": check_case(c, r) for c, r in zip(cases, resumed, strict=True)}
+    figures = {
+        f"{c['to']}@{c['at']}/k={c.get('k', 1)}/seed={c.get('seed')}": check_case(c, r)
+        for c, r in zip(cases, resumed, strict=True)
+    }
     print(json.dumps(figures, indent=1))  # the closing note's figures (pytest -s)
 
 
@@ -226,10 +229,13 @@ def test_under_torchrun_the_survivor_saves_and_the_restarted_attempt_resumes_by_
     assert counts == dict.fromkeys(range(64), EPOCHS)
 
 
-def test_the_loop_state_kept_at_each_step_boundary_is_lightnings_own_state_dict(tmp_path):
+@pytest.mark.parametrize("stateful_loader", [False, True])
+def test_the_loop_state_kept_at_each_step_boundary_is_lightnings_own_state_dict(tmp_path, stateful_loader):
     """What ``StepBoundaries`` keeps each step (``LoopState``, a field-by-field copy) equals
-    ``fit_loop.state_dict()`` at every batch of a fit with accumulation and validation, and holds no live object."""
+    ``fit_loop.state_dict()`` at every batch of a fit with accumulation and validation, and holds no live object;
+    with a stateful loader, the loader's state is in it too."""
     import lightning as L
+    from torch.utils.data import DataLoader
 
     from lightning_ddp_plus.private_apis.lightning import LoopState, before_each_batch
     from tests.helpers import TinyRegression
@@ -242,6 +248,27 @@ def test_the_loop_state_kept_at_each_step_boundary_is_lightnings_own_state_dict(
 
         def val_dataloader(self):
             return self.train_dataloader()
+
+        def train_dataloader(self):
+            return (
+                CountingLoader(super().train_dataloader().dataset, batch_size=4)
+                if stateful_loader
+                else super().train_dataloader()
+            )
+
+    class CountingLoader(DataLoader):
+        """A loader with a state (Lightning saves it in the fit loop's own state)."""
+
+        def __iter__(self):
+            for batch in super().__iter__():
+                self.served = getattr(self, "served", 0) + 1
+                yield batch
+
+        def state_dict(self):
+            return {"served": getattr(self, "served", 0)}
+
+        def load_state_dict(self, state):
+            self.served = state["served"]
 
     class Compare(L.Callback):
         def on_train_start(self, trainer, pl_module):
@@ -274,4 +301,5 @@ def test_the_loop_state_kept_at_each_step_boundary_is_lightnings_own_state_dict(
     )
     trainer.fit(WithValidation())
     assert len(compared) == 2 * 2 * 16 and all(compared)  # 16 batches an epoch, 2 comparisons each
+    assert ("combined_loader" in trainer.fit_loop.state_dict()["state_dict"]) == stateful_loader
     assert "advance" not in vars(trainer.fit_loop.epoch_loop)  # undone: the class's method again

@@ -3,9 +3,10 @@
 A rank whose process is gone (SIGKILL, a segfault, an out-of-memory kill, its node lost) closes its connections. On
 gloo a survivor's next or pending collective then raises at once ("Connection closed by peer"); the job's store
 raises "Broken pipe" or "Connection reset by peer" once its host is gone (the popen launcher's rank 0 hosts it). On
-NCCL a collective does not fail by itself: the process group's watchdog aborts the communicator at the timeout, and
-the survivor's next wait raises that the communicator was aborted, so there the notice comes within the process
-group's timeout, not within seconds.
+NCCL a survivor's collective may never fail by itself: the process group's watchdog aborts the communicator at the
+timeout (or sooner, when NCCL's transport sees the peer's socket close: ``ncclRemoteError``), and whether the
+survivor's wait then raises or torch takes the whole process down depends on ``TORCH_NCCL_ASYNC_ERROR_HANDLING``
+(torch's default ends the process). Only the first lets a survivor save; that path is untested here (no GPUs).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ PEER_GONE_MARKS = (
     "Broken pipe",
     "Connection was likely closed",
     "failed to connect/validate",
+    "remote process exited or there was a network error",  # NCCL's ncclRemoteError, as torch raises it
     "NCCL communicator was aborted",
     "ProcessGroupNCCL is aborted",
 )

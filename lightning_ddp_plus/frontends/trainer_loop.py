@@ -146,15 +146,17 @@ class StragglersAtEpochEnd(Callback):
 
 def add_strategy_callbacks(trainer: Any, engine: DDPPlusEngine) -> None:
     """The strategy's callbacks, each once (a second fit finds them there): ``DDPTelemetry`` with ``telemetry``,
-    ``PreemptionSave`` with ``preemption_signals``, ``StepBoundaries`` with ``save_on_rank_death``, ``StragglersAtEpochEnd`` with ``find_stragglers_every_n_steps``."""
+    ``PreemptionSave`` with ``preemption_signals``, ``StragglersAtEpochEnd`` with ``find_stragglers_every_n_steps``;
+    and, with ``save_on_rank_death``, the step boundaries kept for this fit (not a callback: see ``StepBoundaries``)."""
     callbacks: list[Callback] = trainer.callbacks  # set by Lightning's callback connector
     arguments = engine.arguments
     added = [
         DDPTelemetry() if arguments.telemetry else None,
         PreemptionSave(engine) if arguments.preemption_signals else None,
-        StepBoundaries() if arguments.save_on_rank_death else None,
         StragglersAtEpochEnd(engine) if arguments.find_stragglers_every_n_steps is not None else None,
     ]
     for callback in added:
         if callback is not None and not any(type(present) is type(callback) for present in callbacks):
             callbacks.append(callback)
+    if arguments.save_on_rank_death and trainer.training:
+        StepBoundaries.keep(trainer)

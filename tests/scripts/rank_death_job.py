@@ -24,16 +24,12 @@ import time
 from pathlib import Path
 
 import lightning as L
-import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_ddp_plus import DDPPlusStrategy
-from lightning_ddp_plus.crash.report import RankDied
-
-SAMPLES, BATCH, EPOCHS = 64, 4, 2  # per rank 8 batches an epoch, 16 in all
+from lightning_ddp_plus import DDPPlusStrategy, RankDied
+from tests.scripts.preemption_job import EPOCHS, flat
+from tests.scripts.preemption_job import IndexedRegression as PreemptionRegression
 
 
 def die(directory: Path, rank: int, trainer: L.Trainer, moment: str) -> None:
@@ -42,51 +38,34 @@ def die(directory: Path, rank: int, trainer: L.Trainer, moment: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-class IndexedRegression(L.LightningModule):
-    """A small regression whose batches carry their sample indices; every trained batch and every batch end are
-    appended to ``log`` (``None``: not recorded)."""
+class IndexedRegression(PreemptionRegression):
+    """The preemption job's regression, each trained batch and each batch end appended to ``log`` as it happens (a
+    killed rank keeps what it wrote; ``None``: not recorded)."""
 
     def __init__(self, log: Path | None = None) -> None:
         super().__init__()
-        torch.manual_seed(1)
-        self.net = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 1))
-        generator = torch.Generator().manual_seed(0)
-        self.x = torch.randn(SAMPLES, 8, generator=generator)
-        self.y = self.x @ torch.randn(8, 1, generator=generator)
         self.log_path = log
+        self.step_before = 0
 
     def record(self, **values) -> None:
         if self.log_path is not None:
             with self.log_path.open("a") as file:
                 file.write(json.dumps(values) + "\n")
-                file.flush()
 
     def training_step(self, batch, batch_idx):
-        x, y, index = batch
-        self.record(kind="trained", epoch=self.current_epoch, step_before=self.trainer.global_step, rows=index.tolist())
-        return nn.functional.mse_loss(self.net(x), y)
+        rows = batch[2].tolist()
+        self.record(kind="trained", epoch=self.current_epoch, step_before=self.trainer.global_step, rows=rows)
+        return super().training_step(batch, batch_idx)
 
     def on_train_batch_start(self, batch, batch_idx):
         self.step_before = self.trainer.global_step
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
+        super().on_train_batch_end(outputs, batch, batch_idx)
         step = self.trainer.global_step
         self.record(
             kind="batch_end", epoch=self.current_epoch, batch=batch_idx, step_before=self.step_before, step=step
         )
-
-    def validation_step(self, batch, batch_idx):
-        x, y, _ = batch
-        self.log("val_loss", nn.functional.mse_loss(self.net(x), y), sync_dist=True)
-
-    def train_dataloader(self):
-        return DataLoader(TensorDataset(self.x, self.y, torch.arange(SAMPLES)), batch_size=BATCH, shuffle=True)
-
-    def val_dataloader(self):
-        return DataLoader(TensorDataset(self.x[:16], self.y[:16], torch.arange(16)), batch_size=BATCH)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
 
 
 class Kill(L.Callback):
@@ -157,16 +136,20 @@ def trainer_for(case: dict, directory: Path, callbacks: list) -> L.Trainer:
     )
 
 
-def kill(directory: Path, case: dict) -> None:
-    rank = int(os.environ.get("LOCAL_RANK", "0"))  # the popen launcher sets it in the child it starts
-    model = IndexedRegression(directory / f"run1-rank{rank}.jsonl")
-    trainer = trainer_for(case, directory, [Kill(case, rank, directory)])
+def fit_until_death(trainer: L.Trainer, model: IndexedRegression, directory: Path, rank: int) -> None:
+    """The fit; a survivor writes the ``RankDied`` that ended it to ``DIR/outcome-rank{r}.json``."""
     try:
         trainer.fit(model)
     except RankDied as error:
         outcome = {"error": str(error), "time": time.time(), "step": error.save.step, "gone": list(error.save.gone)}
-        (directory / f"outcome-rank{trainer.global_rank}.json").write_text(json.dumps(outcome))
+        (directory / f"outcome-rank{rank}.json").write_text(json.dumps(outcome))
         raise
+
+
+def kill(directory: Path, case: dict) -> None:
+    rank = int(os.environ.get("LOCAL_RANK", "0"))  # the popen launcher sets it in the child it starts
+    model = IndexedRegression(directory / f"run1-rank{rank}.jsonl")
+    fit_until_death(trainer_for(case, directory, [Kill(case, rank, directory)]), model, directory, rank)
 
 
 def under_torchrun(directory: Path) -> None:
@@ -174,21 +157,12 @@ def under_torchrun(directory: Path) -> None:
     case = {"to": 1, "at": "backward"} if attempt == 0 else {"to": -1, "at": "none"}
     model = IndexedRegression(directory / f"run{attempt + 1}-rank{rank}.jsonl")
     trainer = trainer_for(case, directory, [Kill(case, rank, directory)])
-    try:
-        trainer.fit(model)
-    except RankDied as error:
-        outcome = {"error": str(error), "time": time.time(), "step": error.save.step, "gone": list(error.save.gone)}
-        (directory / f"outcome-rank{rank}.json").write_text(json.dumps(outcome))
-        raise
+    fit_until_death(trainer, model, directory, rank)
     whole = IndexedRegression()
     trainer_for({"at": "none"}, directory / "whole", []).fit(whole)
     if rank == 0:
         result = {"distance": float((flat(model) - flat(whole)).abs().max()), "global_step": trainer.global_step}
         (directory / "result.json").write_text(json.dumps(result))
-
-
-def flat(module: nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().flatten() for p in module.parameters()])
 
 
 def resume(out: str, cases: list) -> None:
