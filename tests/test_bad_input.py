@@ -12,6 +12,7 @@ import yaml
 from lightning import Trainer
 
 from lightning_ddp_plus import DDPPlusFabricStrategy, DDPPlusStrategy
+from lightning_ddp_plus.engine.arguments import trainer_only_arguments
 from lightning_ddp_plus.frontends.cli import main
 from tests.helpers import TinyRegression, console_script, run_job
 
@@ -91,6 +92,7 @@ BAD = [
     Bad("uneven-typo", {"uneven_inputs": "drop"}, r"uneven_inputs='drop'.*allowed: error, stop, join"),
     Bad("uneven-literal", {"uneven_inputs": "skip"}, r"uneven_inputs='skip'.*did you mean 'stop'"),
     Bad("atomic-string", {"atomic_checkpoints": "no"}, r"atomic_checkpoints='no'.*True or False", in_yaml=False),
+    Bad("rank-death-number", {"save_on_rank_death": 2}, r"save_on_rank_death=2.*True or False"),
     Bad("sharding-literal", {"optimizer_sharding": "maybe"}, r"optimizer_sharding='maybe'.*allowed: False, True"),
     Bad(
         "overlap-with-hook",
@@ -159,6 +161,7 @@ FABRIC_BAD = [
     Bad("fabric-resume", {"resume_from_last": "always"}, r"resume_from_last='always'.*does not take it.*fabric.load"),
     Bad("fabric-averaging", {"model_averaging_period": 4}, r"model_averaging_period=4.*does not take it.*Fix"),
     Bad("fabric-world-size", {"on_world_size_change": "error"}, r"on_world_size_change='error'.*does not take it.*Fix"),
+    Bad("fabric-rank-death", {"save_on_rank_death": False}, r"save_on_rank_death=False.*does not take it.*Fix"),
 ]
 
 #: Words that say what is allowed, in the package's messages.
@@ -232,12 +235,7 @@ NOT_AT_FABRIC_CONSTRUCTION = {
 
 @pytest.mark.parametrize(
     "case",
-    [
-        c
-        for c in BAD
-        if c.id not in NOT_AT_FABRIC_CONSTRUCTION
-        and c.argument not in ("resume_from_last", "model_averaging_period", "on_world_size_change")
-    ],
+    [c for c in BAD if c.id not in NOT_AT_FABRIC_CONSTRUCTION and c.argument not in trainer_only_arguments()],
     ids=lambda c: c.id,
 )
 def test_fabric_gives_the_same_messages(case):

@@ -3,6 +3,7 @@ of a step; the survivor saves the last step, the job ends with an error, and a r
 
 import json
 import os
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -12,7 +13,14 @@ import pytest
 from lightning_ddp_plus.crash.peer_death import peer_gone_in
 from lightning_ddp_plus.crash.report import AfterDeathSave, RankDied
 from lightning_ddp_plus.crash.survivors import SurvivorAgreement, choose_writer
-from tests.helpers import python_script, run_job, start_ranks, torchrun_command
+from tests.helpers import (
+    mount_unavailable_reason,
+    python_script,
+    run_job,
+    small_filesystem,
+    start_ranks,
+    torchrun_command,
+)
 
 EPOCHS, BATCHES = 2, 8  # tests/scripts/rank_death_job.py: 8 batches a rank an epoch
 
@@ -207,6 +215,27 @@ def test_under_optimizer_sharding_nothing_is_saved_the_error_says_why_and_the_pe
     assert not (tmp_path / "ckpt" / "last.ckpt").exists()
     periodic = torch.load(tmp_path / "ckpt" / "epoch=0-step=2.ckpt", weights_only=False)
     assert periodic["global_step"] == 2
+
+
+@pytest.mark.multiprocess
+def test_a_full_disk_during_the_survivors_save_keeps_the_previous_file_whole_and_says_so(tmp_path):
+    reason = mount_unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    with small_filesystem(tmp_path, "1m") as checkpoints:
+        previous = checkpoints / "last.ckpt"
+        previous.write_bytes(b"the previous checkpoint, whole")
+        room = shutil.disk_usage(checkpoints).free
+        (checkpoints / "filler").write_bytes(b"\0" * (room - 4096))  # 4 KiB left; a checkpoint is about 10 KiB
+        case = {"to": 1, "at": "backward", "checkpoints": str(checkpoints)}
+        result = run_job(python_script("rank_death_job.py") + ["kill", str(tmp_path), json.dumps(case)], timeout=200)
+        assert result.returncode == 1, result.stdout[-4000:]
+        outcome = json.loads((tmp_path / "outcome-rank0.json").read_text())
+        assert outcome["step"] is None and outcome["gone"] == [1]
+        for words in ("rank 1 is gone", "nothing was saved: writing", "No space left on device", "is whole"):
+            assert words in outcome["error"], (words, outcome["error"])
+        assert previous.read_bytes() == b"the previous checkpoint, whole"
+        assert sorted(path.name for path in checkpoints.iterdir()) == ["filler", "last.ckpt"]  # no temporary file
 
 
 @pytest.mark.multiprocess

@@ -115,6 +115,7 @@ class Kill(L.Callback):
 
 
 def trainer_for(case: dict, directory: Path, callbacks: list) -> L.Trainer:
+    checkpoints = case.get("checkpoints", directory / "ckpt")  # "checkpoints": elsewhere (a full filesystem)
     return L.Trainer(
         strategy=DDPPlusStrategy(
             process_group_backend="gloo", timeout="60s", optimizer_sharding=case.get("sharding", False)
@@ -131,7 +132,7 @@ def trainer_for(case: dict, directory: Path, callbacks: list) -> L.Trainer:
         enable_model_summary=False,
         callbacks=[
             *callbacks,
-            ModelCheckpoint(dirpath=directory / "ckpt", every_n_train_steps=case.get("save_every", 1000)),
+            ModelCheckpoint(dirpath=checkpoints, every_n_train_steps=case.get("save_every", 1000)),
         ],
     )
 
