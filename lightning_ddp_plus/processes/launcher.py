@@ -98,12 +98,16 @@ class AfterDeathWindow:
         as it sees a worker die) is held until the save is over, then delivered: a death is not a notice."""
         self.started.set()
         held: list[int] = []
-        previous = None
+        previous, mask = None, None
         if self.enabled and threading.current_thread() is threading.main_thread():
             previous = signal.signal(signal.SIGTERM, lambda signum, frame: held.append(signum))
+            # Kept off this thread too: a signal that lands in a store call here interrupts it (a failed agreement)
+            mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
         try:
             yield
         finally:
+            if mask is not None:
+                signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # one still pending comes now, to `held`
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
             self.finished.set()
