@@ -39,6 +39,8 @@ class SurvivorsAgreed:
     """The ranks that answered in time (this one included)."""
     through_store: bool
     """``False``: the store was gone (its host died), and this rank decided alone."""
+    alone_because: str | None = None
+    """Why this rank decided alone (``None``: it did not)."""
 
     def gone(self, world_size: int) -> tuple[int, ...]:
         """The ranks that did not answer: dead, or too late to take part."""
@@ -81,13 +83,19 @@ class SurvivorAgreement:
         self.answer_seconds, self.save_wait_seconds = answer_seconds, save_wait_seconds
 
     def agree(self, step: int) -> SurvivorsAgreed:
-        alone = SurvivorsAgreed(step=step, writer=self.rank, answered=(self.rank,), through_store=False)
         if self.store is None:
-            return alone
+            return self._alone(step, "no store")
         try:
             return self._through_store(step)
-        except RuntimeError:  # the store's host is gone (DistNetworkError, DistStoreError)
-            return alone
+        except RuntimeError as error:  # the store's host is gone (DistNetworkError, DistStoreError)
+            return self._alone(
+                step, f"the store failed: {str(error).strip().splitlines()[0] if str(error) else error!r}"
+            )
+
+    def _alone(self, step: int, why: str) -> SurvivorsAgreed:
+        return SurvivorsAgreed(
+            step=step, writer=self.rank, answered=(self.rank,), through_store=False, alone_because=why
+        )
 
     def _through_store(self, step: int) -> SurvivorsAgreed:
         self.store.set(self._key(f"step/{self.rank}"), str(step))

@@ -107,6 +107,8 @@ def save_after_rank_death(trainer: pl.Trainer, error: BaseException) -> RankDied
     agreement = SurvivorAgreement(store, rank, world_size, str(boundaries.fit), known_dead)
     agreed = agreement.agree(trainer.global_step)
     gone = gone_ranks(agreed, rank, world_size)
+    if agreed.alone_because is not None:
+        cause = f"{cause}; rank {rank} decided alone ({agreed.alone_because})"
     if strategy.engine.arguments.optimizer_sharding:
         why = (
             "under `optimizer_sharding` each rank holds the only copy of its shard of the optimizer state, and the "

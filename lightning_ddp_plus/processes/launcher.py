@@ -169,6 +169,20 @@ class _SettlesBeforeLaunch:
         return args
 
 
+def start_children_knowing_their_parent(launcher: Any) -> list[Any]:
+    """The popen launcher's children, started with this process's id in their environment (``watch_parent``); this
+    process's own environment is left as it was (a later job started from it must not inherit the id)."""
+    before = os.environ.get(PARENT_PID_VARIABLE)
+    os.environ[PARENT_PID_VARIABLE] = str(os.getpid())
+    try:
+        return start_child_ranks(launcher)
+    finally:
+        if before is None:
+            del os.environ[PARENT_PID_VARIABLE]
+        else:
+            os.environ[PARENT_PID_VARIABLE] = before
+
+
 def failure_handled(
     function: Callable[..., Any], trainer: Any | None, after_failure: AfterFailure | None
 ) -> Callable[..., Any]:
@@ -212,9 +226,8 @@ class KillChildrenOnFailureLauncher(_SettlesBeforeLaunch, SubprocessScriptLaunch
         function = failure_handled(function, trainer, self.after_failure)
         try:
             if not self.cluster_environment.creates_processes_externally:
-                os.environ[PARENT_PID_VARIABLE] = str(os.getpid())  # inherited by the children it starts
                 first_child = self.cluster_environment.node_rank() * self.num_processes + 1
-                ChildObserver(start_child_ranks(self), first_child).start()
+                ChildObserver(start_children_knowing_their_parent(self), first_child).start()
             set_threads_per_rank(num_processes=self.num_processes)
             return function(*args, **kwargs)
         except SIGTERMException:  # a preemption: every rank saved the same step and ends on its own
@@ -307,17 +320,21 @@ def end_process_now(code: int) -> None:
     os._exit(code)
 
 
+#: The launching process of this child rank (``None``: not a child of the popen launcher), as ``watch_parent`` found.
+_launched_by: list[int] = []
+
+
 def launching_process_gone() -> bool:
     """In a child rank of the popen launcher: whether the launching process (rank 0, the store's host) is gone."""
-    expected = os.environ.get(PARENT_PID_VARIABLE)
-    return expected is not None and int(expected) != os.getpid() and os.getppid() != int(expected)
+    return bool(_launched_by) and os.getppid() != _launched_by[-1]
 
 
 def watch_parent(poll_seconds: float = 1.0) -> threading.Thread | None:
     """In a child rank started by ``KillChildrenOnFailureLauncher``: exit as soon as the launching process is gone."""
     expected = os.environ.get(PARENT_PID_VARIABLE)
     if expected is None or int(expected) != os.getppid() or int(expected) == os.getpid():
-        return None
+        return None  # not started by that launcher (a variable inherited from further up says nothing)
+    _launched_by.append(int(expected))
 
     def run() -> None:
         while os.getppid() == int(expected):
