@@ -161,12 +161,15 @@ class DDPPlusStrategy(DDPPlusFrontEnd, DDPStrategy):
         loaded = self.resume.load_checkpoint(checkpoint_path, super().load_checkpoint, *args, **kwargs)
         return self.engine.load_micro_batch_size(loaded)
 
+    def with_run_state(self, checkpoint: dict[str, Any], gather_generators: bool = True) -> dict[str, Any]:
+        """``checkpoint`` with the data layout, the micro-batch size and (a gather) every rank's generators."""
+        sizes = self.gradient_accumulation_steps, self.engine.micro_batch_size
+        self.resume.saving(checkpoint, self.lightning_module, *sizes, gather_generators=gather_generators)
+        return self.engine.save_micro_batch_size(checkpoint)
+
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], *args: Any, **kwargs: Any) -> None:
-        sizes = self.gradient_accumulation_steps, self.engine.micro_batch_size
-        self.resume.saving(checkpoint, self.lightning_module, *sizes)
-        checkpoint = self.engine.save_micro_batch_size(checkpoint)
-        self.io.save(self.checkpoint_io, super().save_checkpoint, checkpoint, *args, **kwargs)
+        self.io.save(self.checkpoint_io, super().save_checkpoint, self.with_run_state(checkpoint), *args, **kwargs)
 
     @property
     @override

@@ -148,8 +148,6 @@ def write_boundary(trainer: pl.Trainer, boundary: StepBoundary, path: str) -> No
     checkpoint = trainer_checkpoint(trainer)
     if boundary.step == trainer.global_step:  # the step in progress was not applied: its batches are redone
         checkpoint["loops"] = {**checkpoint["loops"], "fit_loop": boundary.loops}
-    sizes = strategy.gradient_accumulation_steps, strategy.engine.micro_batch_size
-    strategy.resume.saving(checkpoint, strategy.lightning_module, *sizes, gather_generators=False)
-    checkpoint = strategy.engine.save_micro_batch_size(checkpoint)
+    checkpoint = strategy.with_run_state(checkpoint, gather_generators=False)  # a gather would include the dead
     # inside `io.save`, `strategy.checkpoint_io` is the atomic view of the IO the strategy keeps
     strategy.io.save(strategy.checkpoint_io, lambda: strategy.checkpoint_io.save_checkpoint(checkpoint, path))

@@ -320,7 +320,7 @@ def end_process_now(code: int) -> None:
     os._exit(code)
 
 
-#: The launching process of this child rank (``None``: not a child of the popen launcher), as ``watch_parent`` found.
+#: The launching process of this child rank, as ``watch_parent`` found it (empty: not a child of the popen launcher).
 _launched_by: list[int] = []
 
 
