@@ -309,7 +309,7 @@ class DDPPlusArguments:
         _flag,
         trainer_only=TrainerOnly(
             "Fabric has no loop whose state a survivor could save: your loop holds the step and the data position.",
-            "save from a survivor in your own loop when a collective raises that a peer is gone (the Fabric guide, "
+            "wrap your loop in `with fabric.strategy.save_after_rank_death(path, state):` (the Fabric guide, "
             '"When a rank dies").',
         ),
     )
@@ -321,7 +321,8 @@ class DDPPlusArguments:
     Nothing is done per step but keeping a few loop counters at each step boundary. With the popen launcher (the
     default) and torchrun; not with ``start_method="spawn"``, whose survivors torch ends at once; with
     ``optimizer_sharding`` nothing can be saved (the dead rank's shard is gone) and the error says so. Default on
-    ("What a crash costs" in the guides)."""
+    ("What a crash costs" in the guides). With Fabric, ``with fabric.strategy.save_after_rank_death(path, state):``
+    around the loop does the same."""
 
     optimizer_sharding: OptimizerSharding = argument(False, _value_only(check_optimizer_sharding))
     """ZeRO stage 1, each rank keeping the optimizer state of 1/N of the model. ``True``: each gradient bucket is

@@ -215,6 +215,11 @@ class DDPPlusEngine(RunComponents):
         # the backward computes inside the block too: the clock is switched to waiting when the gradients are computed
         return self.ledger.collective("gradient all_reduce", self.gradient_bytes, users_call=users_call, waits=False)
 
+    @property
+    def optimizer_steps(self) -> int:
+        """The optimizer steps this rank applied in this fit."""
+        return self.window.stats.optimizer_steps
+
     def step_done(self) -> int:
         """After every optimizer step, on every rank: returns the steps applied in this fit."""
         step = self.window.record_optimizer_step()

@@ -5,11 +5,14 @@ The arguments of ``DDPPlusStrategy`` but the Trainer's only (``engine/arguments.
 closes a window, and carries ``uneven_inputs``), call ``fabric.backward(loss)`` (or, with ``micro_batch_size``,
 ``fabric.strategy.train_micro_batches(model, batch, loss_of)``), and step when ``fabric.strategy.sync_gradients``
 says so (the Fabric guide shows the loop). ``fabric.no_backward_sync`` works too (``fabric_loop.py``). After a step
-for which ``fabric.strategy.preemption_agreed`` is set, save and call ``fabric.strategy.end_preempted(path)``.
+for which ``fabric.strategy.preemption_agreed`` is set, save and call ``fabric.strategy.end_preempted(path)``. Around
+the loop, ``with fabric.strategy.save_after_rank_death(path, state):`` saves the last step from a survivor when a
+rank dies (``fabric_after_death.py``).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
@@ -28,7 +31,8 @@ from typing_extensions import Unpack, override
 from lightning_ddp_plus.engine.arguments import takes_declared_arguments
 from lightning_ddp_plus.engine.keywords import DDPPlusFabricStrategyKeywords
 from lightning_ddp_plus.frontends.common import DDPPlusFrontEnd, tensor_bytes
-from lightning_ddp_plus.frontends.fabric_loop import FabricWindow, FirstStaticBackwardSynced, chunk_result
+from lightning_ddp_plus.frontends.fabric_after_death import FabricAfterDeath
+from lightning_ddp_plus.frontends.fabric_loop import FabricWindow, FirstStaticBackwardSynced, train_in_chunks
 from lightning_ddp_plus.frontends.registry import register_names
 from lightning_ddp_plus.private_apis.lightning import fabric_backward
 from lightning_ddp_plus.processes.launcher import ParentWatchedFabricLauncher, nodes_of_this_attempt, watch_parent
@@ -86,6 +90,7 @@ class DDPPlusFabricStrategy(DDPPlusFrontEnd, DDPStrategy):
         self.window = FabricWindow(self.engine)
         self.engine.before_training_forward = self.window.before_forward
         self._backward_sync_control = FirstStaticBackwardSynced(self.engine)
+        self.after_death: FabricAfterDeath | None = None  # the active `save_after_rank_death` block
 
     @property
     def sync_gradients(self) -> bool:
@@ -205,24 +210,15 @@ class DDPPlusFabricStrategy(DDPPlusFrontEnd, DDPStrategy):
         """One micro-batch in chunks of ``micro_batch_size`` rows (``"auto"``: halved on every rank after an
         out-of-memory error on any): ``loss_of(module, chunk)`` returns a chunk's loss, a mean over its rows (or
         ``{"loss", "num_items"}``); the last chunk's backward all-reduces. Returns the batch's loss, detached."""
-        ddp = self.window.ddp
-        if ddp is None:
-            raise RuntimeError("train_micro_batches needs the module set up first: `fabric.setup(model, optimizer)`.")
-        position = self.engine.next_position(is_last=self.window.next_is_last)
-        synced = self.engine.syncs(position)
-        with self.engine.out_of_memory_explained(batch, self.global_rank, self.world_size):
-            done = self.engine.run_micro_batches(
-                ddp,
-                batch,
-                step=lambda chunk: chunk_result(loss_of(module, chunk)),
-                backward=lambda loss, synced_now, last: self._backward_at(
-                    ddp, loss, module, position, synced_now, as_fabric_backward=True, last_chunk=last
-                ),
-                synced=synced,
-                rank=self.global_rank,
-            )
-        self.window.moves_on(position)
-        return done.loss
+        return train_in_chunks(self, module, batch, loss_of)
+
+    def save_after_rank_death(
+        self, path: str | os.PathLike[str], state: dict[str, Any], step_key: str = "step"
+    ) -> FabricAfterDeath:
+        """A ``with`` block around your loop: when a rank dies inside it, the survivors save the last optimizer step
+        one of them holds, ``state`` as ``fabric.save`` would with ``state[step_key]`` set to that step, to ``path``
+        (atomically, from a survivor), and the block ends with ``RankDied`` (the Fabric guide, "When a rank dies")."""
+        return FabricAfterDeath(self, path, state, step_key)
 
     @override
     def backward(self, tensor: Tensor, module: Module | None, *args: Any, **kwargs: Any) -> None:
@@ -270,4 +266,6 @@ class DDPPlusFabricStrategy(DDPPlusFrontEnd, DDPStrategy):
         scale_gradients(optimizer, self.window.gradient_rescale())
         output = super().optimizer_step(optimizer, **kwargs)
         self.engine.step_done()
+        if self.after_death is not None:
+            self.after_death.step_applied()
         return output

@@ -4,11 +4,12 @@ first backward with a static graph synced (rule R3)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sized
+from collections.abc import Callable, Iterable, Iterator, Sized
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, TypeVar
 
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
+from torch import Tensor
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
@@ -115,3 +116,27 @@ class FabricWindow:
     def gradient_rescale(self) -> float:
         """A window that closed early: its gradients need k/length (``"mean"``)."""
         return 1.0 if self.last_position is None else self.engine.gradient_rescale(self.last_position)
+
+
+def train_in_chunks(strategy: Any, module: Module, batch: T, loss_of: Callable[[Module, T], Any]) -> Tensor | None:
+    """``DDPPlusFabricStrategy.train_micro_batches``: one micro-batch in chunks, the last chunk's backward synced."""
+    window, engine = strategy.window, strategy.engine
+    ddp = window.ddp
+    if ddp is None:
+        raise RuntimeError("train_micro_batches needs the module set up first: `fabric.setup(model, optimizer)`.")
+    position = engine.next_position(is_last=window.next_is_last)
+    synced = engine.syncs(position)
+    with engine.out_of_memory_explained(batch, strategy.global_rank, strategy.world_size):
+        done = engine.run_micro_batches(
+            ddp,
+            batch,
+            step=lambda chunk: chunk_result(loss_of(module, chunk)),
+            backward=lambda loss, synced_now, last: strategy._backward_at(
+                ddp, loss, module, position, synced_now, as_fabric_backward=True, last_chunk=last
+            ),
+            synced=synced,
+            rank=strategy.global_rank,
+        )
+    window.moves_on(position)
+    loss: Tensor | None = done.loss
+    return loss

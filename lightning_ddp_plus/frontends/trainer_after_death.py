@@ -28,8 +28,9 @@ import lightning.pytorch as pl
 from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_ddp_plus.crash.peer_death import peer_gone_in
-from lightning_ddp_plus.crash.report import AfterDeathSave, RankDied
-from lightning_ddp_plus.crash.survivors import SurvivorAgreement, SurvivorsAgreed
+from lightning_ddp_plus.crash.report import RankDied
+from lightning_ddp_plus.crash.survivor_save import SurvivorSave, save_from_survivor
+from lightning_ddp_plus.crash.survivors import SurvivorAgreement
 from lightning_ddp_plus.frontends.trainer_preemption import preemption_checkpoint_path
 from lightning_ddp_plus.private_apis.lightning import LoopState, before_each_batch, trainer_checkpoint
 from lightning_ddp_plus.private_apis.torch_distributed import default_store
@@ -101,44 +102,22 @@ def save_after_rank_death(trainer: pl.Trainer, error: BaseException) -> RankDied
     if cause is None or not fitting or boundaries is None or boundaries.last is None:
         return None
     strategy: Any = trainer.strategy
-    rank, world_size = strategy.global_rank, strategy.world_size
-    known_dead = lambda: AFTER_DEATH.dead_ranks
     store = None if launching_process_gone() else default_store()  # rank 0 hosted it: no reconnecting
-    agreement = SurvivorAgreement(store, rank, world_size, str(boundaries.fit), known_dead)
-    agreed = agreement.agree(trainer.global_step)
-    gone = gone_ranks(agreed, rank, world_size)
-    if agreed.alone_because is not None:
-        cause = f"{cause}; rank {rank} decided alone ({agreed.alone_because})"
+    known_dead = lambda: AFTER_DEATH.dead_ranks
+    agreement = SurvivorAgreement(store, strategy.global_rank, strategy.world_size, str(boundaries.fit), known_dead)
+    path, boundary = preemption_checkpoint_path(trainer), boundaries.last
+    not_savable = None
     if strategy.engine.arguments.optimizer_sharding:
-        why = (
+        not_savable = (
             "under `optimizer_sharding` each rank holds the only copy of its shard of the optimizer state, and the "
             "dead rank's is lost; resume from your last periodic checkpoint (a `ModelCheckpoint`), or train with "
             "`optimizer_sharding=False` to have every survivor hold the whole state"
         )
-        return RankDied(AfterDeathSave(gone=gone, cause=cause, not_saved=why))
-    if agreed.writer != rank:
-        report = agreement.wait_saved()
-        if report is None:
-            why = f"rank {agreed.writer} was to save optimizer step {agreed.step} and did not say it had"
-            return RankDied(AfterDeathSave(gone=gone, cause=cause, not_saved=why))
-        return RankDied(AfterDeathSave(gone=gone, cause=cause, **report))
-    started, path = time.monotonic(), preemption_checkpoint_path(trainer)
-    try:
-        write_boundary(trainer, boundaries.last, path)
-    except OSError as write_error:  # a full disk, say: the previous file is whole (the write is atomic)
-        why = f"writing {path} failed ({write_error}); the file there before, if any, is whole"
-        agreement.announce_saved({"not_saved": why})
-        return RankDied(AfterDeathSave(gone=gone, cause=cause, not_saved=why))
-    saved = {"step": agreed.step, "path": path, "writer": rank, "save_seconds": time.monotonic() - started}
-    agreement.announce_saved(saved)
-    return RankDied(AfterDeathSave(gone=gone, cause=cause, **saved))
-
-
-def gone_ranks(agreed: SurvivorsAgreed, rank: int, world_size: int) -> tuple[int, ...]:
-    """The ranks that did not answer; without the store, its host (rank 0 under the popen launcher)."""
-    if agreed.through_store:
-        return agreed.gone(world_size)
-    return (0,) if rank != 0 else ()
+    write = lambda: write_boundary(trainer, boundary, path)
+    step = trainer.global_step
+    return save_from_survivor(
+        SurvivorSave(agreement=agreement, step=step, cause=cause, path=path, write=write, not_savable=not_savable)
+    )
 
 
 def write_boundary(trainer: pl.Trainer, boundary: StepBoundary, path: str) -> None:

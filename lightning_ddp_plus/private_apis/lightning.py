@@ -15,6 +15,7 @@
 | the point after every hook of a training batch, its progress counted (``after_each_batch``), and the point before a batch is fetched (``before_each_batch``) | ``Trainer.fit_loop.epoch_loop.on_advance_end`` and ``advance`` (``_TrainingEpochLoop``'s, wrapped on the instance) | the same | ``RuntimeError`` naming the missing method: no public hook runs after the module's ``on_train_batch_end``, or before the next batch is counted |
 | the fit loop's state as ``state_dict()`` gives it, in a few µs (``LoopState``) | ``lightning.pytorch.loops.loop._Loop``, ``lightning.pytorch.loops.progress._BaseProgress`` (their ``state_dict`` walk, redone), ``lightning.pytorch.loops._FitLoop`` (its own state is its stateful loaders') | the same | none |
 | a checkpoint's contents without writing them (``trainer_checkpoint``) | ``Trainer._checkpoint_connector.dump_checkpoint`` | the same | none: ``Trainer.save_checkpoint`` writes from rank 0 only, behind a barrier |
+| what ``fabric.save`` writes, built on any rank (``fabric_checkpoint``) | ``Strategy._convert_stateful_objects_in_state`` (Fabric's) | the same | none: ``fabric.save`` writes from rank 0 only, behind a barrier |
 | starting the popen launcher's child ranks without Lightning's observer (``start_child_ranks``, ``set_threads_per_rank``) | ``_SubprocessScriptLauncher._call_children_scripts``, ``lightning.fabric.utilities.distributed._set_num_threads_if_needed`` | the same | none: the observer SIGKILLs every rank, the launching one included, within 5 s of a child's failure, before a survivor can save |
 """
 
@@ -50,6 +51,7 @@ __all__ = [
     "before_each_batch",
     "destroy_dist_connection",
     "fabric_backward",
+    "fabric_checkpoint",
     "has_own_checkpoint_io",
     "leave_signals_to",
     "lightning_last_checkpoint",
@@ -255,6 +257,13 @@ def _fields(record: Any) -> dict[str, Any]:
 def trainer_checkpoint(trainer: Any) -> dict[str, Any]:
     """What ``trainer.save_checkpoint`` would write, built on this rank alone (no barrier, no write)."""
     checkpoint: dict[str, Any] = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+    return checkpoint
+
+
+def fabric_checkpoint(strategy: Any, state: dict[str, Any]) -> dict[str, Any]:
+    """What ``fabric.save(path, state)`` would write (modules and optimizers as their state), built on this rank
+    alone (no barrier, no write)."""
+    checkpoint: dict[str, Any] = strategy._convert_stateful_objects_in_state(state, filter={})
     return checkpoint
 
 

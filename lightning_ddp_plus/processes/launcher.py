@@ -149,13 +149,18 @@ def nodes_of_this_attempt(
 class ParentWatchedFabricLauncher(FabricSubprocessScriptLauncher):
     """Fabric's popen launcher, plus: the child ranks it starts exit as soon as the launching process is gone
     (``watch_parent``). ``fabric.launch()`` returns to the user's script in rank 0, so a failure there never passes
-    through the launcher, and without this the children would wait in their next collective until the timeout."""
+    through the launcher, and without this the children would wait in their next collective until the timeout.
+    A child's failure ends the job as Lightning's observer ends it, but after a survivor's save when the user's loop
+    is in ``fabric.strategy.save_after_rank_death`` (``ChildObserver``)."""
 
     @override
     def launch(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        AFTER_DEATH.reset(enabled=False)  # the user's `save_after_rank_death` block turns it on
         if not self.cluster_environment.creates_processes_externally:
-            os.environ[PARENT_PID_VARIABLE] = str(os.getpid())  # inherited by the children it starts
-        return super().launch(function, *args, **kwargs)
+            first_child = self.cluster_environment.node_rank() * self.num_processes + 1
+            ChildObserver(start_children_knowing_their_parent(self), first_child).start()
+        set_threads_per_rank(num_processes=self.num_processes)
+        return function(*args, **kwargs)
 
 
 class _SettlesBeforeLaunch:
