@@ -21,7 +21,8 @@ The store is reached through a client of this thread's own, so a main thread blo
 block it; the store's server runs in rank 0's process on a thread of its own, so rank 0's main thread being stuck
 does not stop it from answering. That server ends with rank 0's process, and a client that asks a server that is
 gone prints a long C++ warning: so every rank says in the store when its thread stopped, and rank 0 stops last,
-after the others (at most ``STOP_WAIT_SECONDS``), at the end of a fit and at the process's exit.
+after the others (at most ``STOP_WAIT_SECONDS``), at the end of a fit and at the process's exit, unless it ends on an
+error (a dead peer never says it stopped).
 """
 
 from __future__ import annotations
@@ -314,8 +315,11 @@ class StallWatchdog(StepComponent):
 
 
 def _stop_every_watchdog() -> None:
+    # a process ending on an uncaught error (a Fabric loop's `RankDied`, say) does not wait for its peers' threads:
+    # a dead peer's never says it stopped, and the wait would add its whole bound to the job's end
+    orderly = getattr(sys, "last_value", None) is None
     for watchdog in _running[:]:  # a copy: stop() removes each from the list
-        watchdog.stop()
+        watchdog.stop(orderly=orderly)
 
 
 def _to_stderr(text: str) -> None:
