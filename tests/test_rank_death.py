@@ -335,3 +335,50 @@ def test_the_loop_state_kept_at_each_step_boundary_is_lightnings_own_state_dict(
     assert len(compared) == 2 * 2 * 16 and all(compared)  # 16 batches an epoch, 2 comparisons each
     assert ("combined_loader" in trainer.fit_loop.state_dict()["state_dict"]) == stateful_loader
     assert "advance" not in vars(trainer.fit_loop.epoch_loop)  # undone: the class's method again
+
+
+def test_on_a_backend_that_waits_for_the_dead_the_observer_aborts_the_collectives_before_the_save(monkeypatch):
+    """NCCL's collectives wait for a dead peer until the timeout: once the launcher's observer sees a child rank die,
+    this process's communicators are aborted (once, from the observer's thread) so that the main thread's wait
+    raises and it saves. The observer and the child are real; the backend's name is faked (no NCCL here)."""
+    import sys
+    import threading
+
+    import torch.distributed as dist
+
+    from lightning_ddp_plus.processes import launcher
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(launcher, "AFTER_DEATH", launcher.AfterDeathWindow(min_notice_seconds=5.0))
+    window = launcher.AFTER_DEATH
+    window.reset(enabled=True)
+    launcher.abort_collectives_on_a_death()
+    assert window.leave_collectives is launcher.abort_default_group
+    aborted: list[str] = []
+
+    def abort_and_save() -> None:  # what the main thread then does: its wait raised, it saves
+        aborted.append(threading.current_thread().name)
+        with window.saving():
+            pass
+
+    window.leave_collectives = abort_and_save
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"])
+    observer = launcher.ChildObserver([child], first_rank=1, poll_seconds=0.05, window=window)
+    observer.start()
+    observer.join(timeout=20)
+    assert not observer.is_alive()  # the save was over: it returned, killing nothing
+    assert aborted == ["ddp-plus-child-observer"] and window.dead_ranks == {1}
+    window.peer_died({1})
+    assert aborted == ["ddp-plus-child-observer"]  # once
+
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")  # gloo's collectives fail by themselves
+    window.reset(enabled=True)
+    launcher.abort_collectives_on_a_death()
+    assert window.leave_collectives is None
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    window.reset(enabled=False)  # save_on_rank_death off (or no Fabric block): nothing to leave a collective for
+    launcher.abort_collectives_on_a_death()
+    window.leave_collectives = lambda: aborted.append("disabled")
+    window.peer_died({1})
+    assert aborted == ["ddp-plus-child-observer"]

@@ -3,10 +3,11 @@
 A rank whose process is gone (SIGKILL, a segfault, an out-of-memory kill, its node lost) closes its connections. On
 gloo a survivor's next or pending collective then raises at once ("Connection closed by peer"); the job's store
 raises "Broken pipe" or "Connection reset by peer" once its host is gone (the popen launcher's rank 0 hosts it). On
-NCCL a survivor's collective may never fail by itself: the process group's watchdog aborts the communicator at the
-timeout (or sooner, when NCCL's transport sees the peer's socket close: ``ncclRemoteError``), and whether the
-survivor's wait then raises or torch takes the whole process down depends on ``TORCH_NCCL_ASYNC_ERROR_HANDLING``
-(torch's default ends the process). Only the first lets a survivor save; that path is untested here (no GPUs).
+NCCL a survivor's collective does not fail by itself before the timeout (unless NCCL's transport sees the peer's
+socket close: ``ncclRemoteError``): the launcher's notice of the death aborts the survivor's communicators
+(``processes.launcher.abort_collectives_on_a_death``), and whether the survivor's wait then raises ("aborted") or
+torch takes the whole process down depends on ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` (``2``: it raises; torch's default
+ends the process). That path is untested here (no GPUs; ``tests/gpu/nccl_rank_death_check.py`` is the check).
 """
 
 from __future__ import annotations

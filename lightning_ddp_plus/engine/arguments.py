@@ -317,7 +317,9 @@ class DDPPlusArguments:
     that survive save the last optimizer step one of them holds, from one of them, atomically, to the file
     ``ckpt_path="last"`` and ``resume_from_last`` find, and end with ``RankDied`` naming the dead rank, the step, the
     file and how to resume: at most the step in progress is lost. On gloo a survivor learns of the death at its next
-    collective (at once; the job ends within a minute of it plus the save); on NCCL at the process group's timeout.
+    collective (at once; the job ends within a minute of it plus the save); on NCCL the launcher's notice of the
+    death aborts the survivors' communicators, and the save needs ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` (torch's
+    default ends the process instead).
     Nothing is done per step but keeping a few loop counters at each step boundary. With the popen launcher (the
     default) and torchrun; not with ``start_method="spawn"``, whose survivors torch ends at once; with
     ``optimizer_sharding`` nothing can be saved (the dead rank's shard is gone) and the error says so. Default on

@@ -39,7 +39,7 @@ from lightning_ddp_plus.preemption.stop import StopDecision
 from lightning_ddp_plus.private_apis.torch_ddp import logging_data
 from lightning_ddp_plus.private_apis.torch_distributed import CAN_SET_GROUP_TIMEOUT, GROUP_TIMEOUT_BACKENDS
 from lightning_ddp_plus.processes import reachability
-from lightning_ddp_plus.processes.launcher import register_process_group_shutdown
+from lightning_ddp_plus.processes.launcher import abort_collectives_on_a_death, register_process_group_shutdown
 from lightning_ddp_plus.sharding.optimizer import check_overlap_backend
 from lightning_ddp_plus.sync.accumulation import SyncStats
 from lightning_ddp_plus.sync.buckets import BucketChoice
@@ -242,6 +242,7 @@ class DDPPlusFrontEnd:
         """After the process group exists: it is destroyed at exit on the main thread, and this host is published
         for the reachability report."""
         register_process_group_shutdown()
+        abort_collectives_on_a_death()
         reachability.publish_host()
 
     def _consolidation(self, optimizer: Any) -> AbstractContextManager[Any]:

@@ -73,13 +73,26 @@ class AfterDeathWindow:
         self.started, self.finished = threading.Event(), threading.Event()
         #: The global ranks this process's launcher saw exit with an error (the survivors need not wait for them).
         self.dead_ranks: set[int] = set()
+        #: Ends this process's collectives in flight once a peer is known dead, where the backend's would wait for it
+        #: until the timeout (``abort_collectives_on_a_death``); ``None``: they fail by themselves (gloo).
+        self.leave_collectives: Callable[[], None] | None = None
 
     def reset(self, enabled: bool) -> None:
         """At each launch (a process may fit several times)."""
         self.enabled, self.notice_seconds = enabled, self.min_notice_seconds
-        self.dead_ranks = set()
+        self.dead_ranks, self.leave_collectives = set(), None
         self.started.clear()
         self.finished.clear()
+
+    def peer_died(self, ranks: set[int]) -> None:
+        """The launcher saw ``ranks`` exit with an error, or this child's launching process is gone (``set()``: its
+        rank is the node's first, not known here). Where collectives would wait for the dead until the timeout, this
+        process's are aborted now (once), so that the main thread's wait raises and it can save."""
+        self.dead_ranks |= ranks
+        leave, self.leave_collectives = self.leave_collectives, None
+        if self.enabled and leave is not None and not self.started.is_set():
+            with contextlib.suppress(Exception):  # the group may be gone already; the bound below still holds
+                leave()
 
     def step_took(self, seconds: float) -> None:
         """A step's time, as the run goes: a survivor may need as long to reach its next collective."""
@@ -253,9 +266,15 @@ class ChildObserver(threading.Thread):
     process) as Lightning's observer does, but only after this process's main thread has saved what it can after
     the death (``AFTER_DEATH``); when its save is over, the error it raises ends the job instead."""
 
-    def __init__(self, children: list[subprocess.Popen[Any]], first_rank: int, poll_seconds: float = 0.5) -> None:
+    def __init__(
+        self,
+        children: list[subprocess.Popen[Any]],
+        first_rank: int,
+        poll_seconds: float = 0.5,
+        window: AfterDeathWindow = AFTER_DEATH,
+    ) -> None:
         super().__init__(daemon=True, name="ddp-plus-child-observer")
-        self.children, self.first_rank, self.poll_seconds = children, first_rank, poll_seconds
+        self.children, self.first_rank, self.poll_seconds, self.window = children, first_rank, poll_seconds, window
 
     @override
     def run(self) -> None:
@@ -266,9 +285,10 @@ class ChildObserver(threading.Thread):
                 return
             if any(codes):
                 break
-        AFTER_DEATH.dead_ranks |= {self.first_rank + index for index, code in enumerate(codes) if code}
-        AFTER_DEATH.wait()
-        if AFTER_DEATH.finished.is_set():
+        window = self.window
+        window.peer_died({self.first_rank + index for index, code in enumerate(codes) if code})
+        window.wait()
+        if window.finished.is_set():
             return  # the main thread saved and is raising: the launcher ends the children
         for child in self.children:
             with contextlib.suppress(OSError):
@@ -344,6 +364,7 @@ def watch_parent(poll_seconds: float = 1.0) -> threading.Thread | None:
     def run() -> None:
         while os.getppid() == int(expected):
             time.sleep(poll_seconds)
+        AFTER_DEATH.peer_died(set())
         AFTER_DEATH.wait()  # a save of the last step by this survivor comes first
         if AFTER_DEATH.finished.is_set():
             time.sleep(AFTER_DEATH.exit_seconds)  # the main thread raises what it saved and ends the process itself
@@ -352,6 +373,25 @@ def watch_parent(poll_seconds: float = 1.0) -> threading.Thread | None:
     thread = threading.Thread(target=run, name="ddp-plus-parent-watch", daemon=True)
     thread.start()
     return thread
+
+
+#: The backends whose collectives wait for a dead peer until the process group's timeout instead of failing when its
+#: connections close: NCCL (its kernels spin on the device; torch's watchdog acts only at the timeout).
+WAIT_FOR_THE_DEAD = frozenset({"nccl"})
+
+
+def abort_collectives_on_a_death() -> None:
+    """After the process group exists: on a backend that waits for the dead (``WAIT_FOR_THE_DEAD``), a death the
+    launcher sees aborts this process's communicators (``ProcessGroup.abort``), so that a survivor leaves its hung
+    collective within seconds, not at the timeout. What then happens is torch's ``TORCH_NCCL_ASYNC_ERROR_HANDLING``:
+    with ``2`` the survivor's wait raises and it saves the last step; with torch's default (``3``) torch ends the
+    process, and the job ends, saving nothing, but at once."""
+    backend = str(dist.get_backend()) if dist.is_available() and dist.is_initialized() else ""
+    AFTER_DEATH.leave_collectives = abort_default_group if backend in WAIT_FOR_THE_DEAD else None
+
+
+def abort_default_group() -> None:
+    default_group().abort()
 
 
 _held_groups: list[Any] = []

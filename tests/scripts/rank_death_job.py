@@ -31,6 +31,8 @@ from lightning_ddp_plus import DDPPlusStrategy, RankDied
 from tests.scripts.preemption_job import EPOCHS, flat
 from tests.scripts.preemption_job import IndexedRegression as PreemptionRegression
 
+ACCELERATOR = os.environ.get("DDP_PLUS_TEST_ACCELERATOR", "cpu")  # the GPU check: "gpu" (NCCL)
+
 
 def die(directory: Path, rank: int, trainer: L.Trainer, moment: str) -> None:
     record = {"rank": rank, "at": moment, "global_step": trainer.global_step, "time": time.time()}
@@ -118,9 +120,11 @@ def trainer_for(case: dict, directory: Path, callbacks: list) -> L.Trainer:
     checkpoints = case.get("checkpoints", directory / "ckpt")  # "checkpoints": elsewhere (a full filesystem)
     return L.Trainer(
         strategy=DDPPlusStrategy(
-            process_group_backend="gloo", timeout="60s", optimizer_sharding=case.get("sharding", False)
+            process_group_backend="nccl" if ACCELERATOR == "gpu" else "gloo",
+            timeout=os.environ.get("DDP_PLUS_TEST_TIMEOUT", "60s"),  # the GPU check: longer than it takes to end
+            optimizer_sharding=case.get("sharding", False),
         ),
-        accelerator="cpu",
+        accelerator=ACCELERATOR,
         devices=2,
         max_epochs=EPOCHS,
         accumulate_grad_batches=case.get("k", 1),
