@@ -8,24 +8,28 @@ import pytest
 
 #: Longest first (seconds of one worker, from `--durations`, rounded): a new slow file goes where its time puts it.
 LONGEST_FIRST = (
-    "test_restart.py",  # ~185
-    "test_failures.py",  # ~170
-    "test_memory_plan.py",  # ~170 (its step-peak job alone ~160)
-    "test_benchmarks_link_smoke.py",  # ~155
-    "test_benchmarks_smoke.py",  # ~130
-    "test_world_size.py",  # ~90
-    "test_preemption.py",  # ~75
-    "test_resume_multinode.py",  # ~65
-    "test_link_faults.py",  # ~60
-    "test_zoo.py",  # ~60
-    "test_checkpoint_jobs.py",  # ~60
-    "test_fabric.py",  # ~50
-    "test_micro_batches.py",  # ~50
-    "test_diagnostics.py",  # ~40
-    "test_comm_hooks.py",  # ~35
-    "test_buckets.py",  # ~31
-    "test_sharding.py",  # ~30
-    "test_step_guard.py",  # ~30
+    "test_failures.py",  # ~205
+    "test_rank_death.py",  # ~200 (its 8 kills and their resume ~150)
+    "test_benchmarks_smoke.py",  # ~150
+    "test_restart.py",  # ~140
+    "test_memory_plan.py",  # ~120 (its step-peak job alone ~110)
+    "test_fabric_rank_death.py",  # ~110
+    "test_benchmarks_link_smoke.py",  # ~80
+    "test_link_faults.py",  # ~65
+    "test_world_size.py",  # ~65
+    "test_comm_hooks.py",  # ~60
+    "test_preemption.py",  # ~60
+    "test_resume_multinode.py",  # ~57
+    "test_zoo.py",  # ~53
+    "test_sharding.py",  # ~50
+    "test_checkpoint_jobs.py",  # ~47
+    "test_fabric.py",  # ~46
+    "test_micro_batches.py",  # ~45
+    "test_ddp_training.py",  # ~44
+    "test_buckets.py",  # ~35
+    "test_diagnostics.py",  # ~32
+    "test_bad_input.py",  # ~25
+    "test_step_guard.py",  # ~24
 )
 
 
