@@ -455,3 +455,20 @@ def tiny_llama(**config: Any) -> nn.Module:
         **config,
     }
     return LlamaForCausalLM(LlamaConfig(**fields))
+
+
+def records(path: Path) -> list[dict]:
+    """The JSON lines a job appended to ``path`` as it ran (none if it never wrote)."""
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def times_each_row_trained(run1: dict[int, list[dict]], run2: dict[int, list[dict]], saved: int) -> dict[int, int]:
+    """How often each sample was trained across a run cut by a death and its resume: run 1's ``"trained"`` records
+    of the steps before the saved one, and every one of run 2's, on every rank."""
+    counts: dict[int, int] = {}
+    for rank, first in run1.items():
+        kept = [r for r in first if r["kind"] == "trained" and r["step_before"] < saved]
+        for record in kept + [r for r in run2[rank] if r["kind"] == "trained"]:
+            for row in record["rows"]:
+                counts[row] = counts.get(row, 0) + 1
+    return counts

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from lightning_ddp_plus import ArgumentTypeError, ArgumentValueError, DDPPlusFabricStrategy
-from tests.helpers import python_script, run_job, start_ranks
+from tests.helpers import python_script, records, run_job, start_ranks, times_each_row_trained
 
 EPOCHS, BATCHES = 2, 8  # tests/scripts/fabric_rank_death_job.py: 8 micro-batches a rank an epoch
 SCRIPT = "fabric_rank_death_job.py"
@@ -31,10 +31,6 @@ EVERY_CASE = [
     for k in (1, 2)
     for rank in (0, 1)
 ]
-
-
-def records(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 def check_case(case: dict, resumed: dict) -> dict:
@@ -60,13 +56,7 @@ def check_case(case: dict, resumed: dict) -> dict:
     assert saved == applied[survivor], (where, applied, saved)  # the survivor's state, as it stood
     # each sample trained once an epoch, across both runs (run 1's micro-batches of the steps saved)
     run2 = {rank: records(directory / f"run2-rank{rank}.jsonl") for rank in (0, 1)}
-    counts: dict[int, int] = {}
-    for rank in (0, 1):
-        kept = [r for r in run1[rank] if r["kind"] == "trained" and r["step_before"] < saved]
-        for record in kept + [r for r in run2[rank] if r["kind"] == "trained"]:
-            for row in record["rows"]:
-                counts[row] = counts.get(row, 0) + 1
-    assert counts == dict.fromkeys(range(64), EPOCHS), where
+    assert times_each_row_trained(run1, run2, saved) == dict.fromkeys(range(64), EPOCHS), where
     # the loop's step-end code once per step across both runs; the saved step's may be missing where the death came
     # after its optimizer step (the code after the failed collective never ran), on the dead rank the step it died in
     steps = EPOCHS * BATCHES // k

@@ -16,9 +16,11 @@ from lightning_ddp_plus.crash.survivors import SurvivorAgreement, choose_writer
 from tests.helpers import (
     mount_unavailable_reason,
     python_script,
+    records,
     run_job,
     small_filesystem,
     start_ranks,
+    times_each_row_trained,
     torchrun_command,
 )
 
@@ -48,10 +50,6 @@ EVERY_CASE = [
 ]
 
 
-def records(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
 def check_case(case: dict, resumed: dict) -> dict:
     """Every promise for one case, from the files its two runs wrote; returns its figures."""
     directory, dead = Path(case["dir"]), case["to"]
@@ -77,13 +75,7 @@ def check_case(case: dict, resumed: dict) -> dict:
     assert max(completed.values()) - 1 <= saved <= max(completed.values()), (where, completed, saved)
     # each sample trained once an epoch, across both runs (run 1's micro-batches of the steps saved)
     run2 = {rank: records(directory / f"run2-rank{rank}.jsonl") for rank in (0, 1)}
-    counts: dict[int, int] = {}
-    for rank in (0, 1):
-        kept = [r for r in run1[rank] if r["kind"] == "trained" and r["step_before"] < saved]
-        for record in kept + [r for r in run2[rank] if r["kind"] == "trained"]:
-            for row in record["rows"]:
-                counts[row] = counts.get(row, 0) + 1
-    assert counts == dict.fromkeys(range(64), EPOCHS), where
+    assert times_each_row_trained(run1, run2, saved) == dict.fromkeys(range(64), EPOCHS), where
     # every on_train_batch_end once per batch across both runs: on the survivor exactly; the dead rank's can lack
     # only the batches of the step it died in
     # A death inside a step's end hooks (the periodic save runs in `ModelCheckpoint.on_train_batch_end`): the step

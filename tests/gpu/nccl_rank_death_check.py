@@ -18,15 +18,15 @@ Each check prints PASS or FAIL with the seconds from the kill to the job's end; 
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from tests.gpu import run_checks
 
 END_WITHIN_S = 120
 
@@ -60,25 +60,14 @@ def job_ends_at_once() -> tuple[bool, str]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--accelerator", default="gpu", choices=["gpu", "cpu"])
-    args = parser.parse_args()
-    import torch
-
-    if args.accelerator == "gpu" and torch.cuda.device_count() < 2:
-        print(f"skipped: needs 2 CUDA devices, found {torch.cuda.device_count()}")
-        return 0
-    os.environ["DDP_PLUS_TEST_ACCELERATOR"] = args.accelerator  # the jobs' Trainer (gpu: NCCL)
-    failures = 0
-    for name, check in (
-        ("rank 1 dies, rank 0 saves", lambda: survivor_saves(1)),
-        ("rank 0 dies, rank 1 saves alone", lambda: survivor_saves(0)),
-        ("torch's default handling ends the job at once", job_ends_at_once),
-    ):
-        ok, detail = check()
-        failures += not ok
-        print(f"{'PASS' if ok else 'FAIL'} {name}: {detail}", flush=True)
-    return failures
+    return run_checks(
+        __doc__.split("\n\n")[0],
+        [
+            ("rank 1 dies, rank 0 saves", lambda: survivor_saves(1)),
+            ("rank 0 dies, rank 1 saves alone", lambda: survivor_saves(0)),
+            ("torch's default handling ends the job at once", job_ends_at_once),
+        ],
+    )
 
 
 if __name__ == "__main__":

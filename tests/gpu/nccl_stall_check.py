@@ -14,13 +14,13 @@ Each check prints PASS or FAIL with the seconds from the fault to the job's end;
 
 from __future__ import annotations
 
-import argparse
-import os
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from tests.gpu import run_checks
 
 TIMEOUT_S = 60
 
@@ -56,21 +56,10 @@ def straggler() -> tuple[bool, str]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--accelerator", default="gpu", choices=["gpu", "cpu"])
-    args = parser.parse_args()
-    import torch
-
-    if args.accelerator == "gpu" and torch.cuda.device_count() < 2:
-        print(f"skipped: needs 2 CUDA devices, found {torch.cuda.device_count()}")
-        return 0
-    os.environ["DDP_PLUS_TEST_ACCELERATOR"] = args.accelerator  # the jobs' Trainer (gpu: NCCL)
-    failures = 0
-    for check in (hung_rank, out_of_step, straggler):
-        ok, detail = check()
-        failures += not ok
-        print(f"{'PASS' if ok else 'FAIL'} {check.__name__}: {detail}", flush=True)
-    return failures
+    return run_checks(
+        __doc__.split("\n\n")[0],
+        [("hung_rank", hung_rank), ("out_of_step", out_of_step), ("straggler", straggler)],
+    )
 
 
 if __name__ == "__main__":
