@@ -93,3 +93,62 @@ def test_the_development_guide_lists_the_pipeline_in_the_engines_order():
 
 def _attribute(engine, component) -> str:
     return next(name for name, value in vars(engine).items() if value is component)
+
+
+@pytest.mark.parametrize("counts_items", [False, True])
+def test_a_step_walks_the_parameters_only_for_a_feature_that_needs_it(tmp_path, monkeypatch, counts_items):
+    """Issue 50: without ``num_items`` no step after the first walks the model's parameters from this package's
+    code (a walk costs a Python loop over every tensor, per step); with ``num_items`` the closing backward does (it
+    scales every gradient), which shows the count sees a walk. A real one-rank fit on gloo; ``Module.parameters`` and
+    ``named_parameters`` are wrapped to count the calls whose caller is this package's code."""
+    import sys
+
+    import lightning as L
+    from torch import nn
+
+    from tests.helpers import TinyRegression
+
+    walks: list[tuple[int, str]] = []
+    step = {"now": -1}
+
+    def counted(original):
+        def walk(self, *args, **kwargs):
+            caller = sys._getframe(1).f_code
+            if "lightning_ddp_plus" in caller.co_filename and step["now"] >= 1:
+                walks.append((step["now"], caller.co_name))
+            return original(self, *args, **kwargs)
+
+        return walk
+
+    monkeypatch.setattr(nn.Module, "parameters", counted(nn.Module.parameters))
+    monkeypatch.setattr(nn.Module, "named_parameters", counted(nn.Module.named_parameters))
+
+    class Steps(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            step["now"] = trainer.global_step
+
+    class Items(TinyRegression):
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = nn.functional.mse_loss(self(x), y, reduction="sum")
+            return {"loss": loss, "num_items": x.shape[0]} if counts_items else loss / x.shape[0]
+
+    trainer = L.Trainer(
+        strategy=DDPPlusStrategy(process_group_backend="gloo"),
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        default_root_dir=tmp_path,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[Steps()],
+    )
+    trainer.fit(Items(num_samples=32, batch_size=4))
+    assert trainer.global_step == 8
+    steps_walked = {walked for walked, _ in walks}
+    if counts_items:
+        assert steps_walked == set(range(1, 8)), walks
+    else:
+        assert walks == []

@@ -187,3 +187,30 @@ def test_a_store_error_is_said_once_and_diagnosis_resumes(job_store):
     assert len(said) == 2, said
     assert "the job's store did not answer (timed out (injected)); asking again" in said[0]
     assert said[1].startswith("lightning-ddp-plus: a collective has waited longer than 1.5 s")
+
+
+def test_the_thread_makes_the_ranks_device_its_own_before_it_asks_the_devices_events(job_store, monkeypatch):
+    """On CUDA the ledger's probes are the device's events, which the watchdog's thread asks; CUDA's current device
+    is per thread, so the thread sets the rank's first (else a context of its own on GPU 0). The device is faked:
+    ``torch.cuda.set_device`` records who set what."""
+    import torch
+
+    entered: list[tuple[str, torch.device]] = []
+    monkeypatch.setattr(
+        torch.cuda, "set_device", lambda device: entered.append((threading.current_thread().name, device))
+    )
+    ledger = CollectiveLedger()
+    ledger.follow_device(torch.device("cuda", 1))  # what the engine does with the module's device, at a fit's start
+    watchdog = StallWatchdog(ledger, timedelta(seconds=60))
+    watchdog.start(job_store(), rank=0, world_size=1, prefix="device")
+    assert wait_for(lambda: entered != [], seconds=5.0)
+    time.sleep(3 * stall_watchdog.POLL_SECONDS)
+    watchdog.stop(orderly=False)
+    assert entered == [(THREAD_NAME, torch.device("cuda", 1))]  # once, on the watchdog's thread
+    on_cpu = CollectiveLedger()
+    on_cpu.follow_device(torch.device("cpu"))
+    watchdog = StallWatchdog(on_cpu, timedelta(seconds=60))
+    watchdog.start(job_store(), rank=0, world_size=1, prefix="cpu")
+    time.sleep(3 * stall_watchdog.POLL_SECONDS)
+    watchdog.stop(orderly=False)
+    assert len(entered) == 1

@@ -75,3 +75,67 @@ def test_a_cuda_device_switches_the_clock_to_events_and_a_cpu_one_keeps_host_tim
     assert clock.device_timer is None
     ledger.follow_device(torch.device("cuda", 0))
     assert clock.device_timer is not None
+
+
+def test_ranks_whose_devices_complete_at_different_times_compare_at_the_same_steps():
+    """On CUDA a step is timed once its events have completed, which differs per rank; the comparison (a gather)
+    must still come at the same steps on every rank. Two ranks as two threads, each with its own faked device (rank
+    1's completes 3 steps behind its host), exchange through a real two-party gather: a rank that skipped a
+    comparison the other made would leave it waiting (the barrier breaks)."""
+    import threading
+
+    from lightning_ddp_plus.diagnostics.phase_timings import StragglerWatch
+
+    exchange = threading.Barrier(2, timeout=10)
+    sent: dict[int, list[int]] = {}
+    gathered_at: dict[int, list[int]] = {0: [], 1: []}
+    findings: dict[int, list] = {0: [], 1: []}
+
+    def run(rank: int, lag_steps: int) -> None:
+        stream = {"now": 0.0, "done_until": -1.0}
+
+        class Event:
+            def record(self) -> None:
+                self.at = stream["now"]
+
+            def query(self) -> bool:
+                return self.at <= stream["done_until"]
+
+            def elapsed_time(self, end: "Event") -> float:
+                return (end.at - self.at) * 1000
+
+        watch = StragglerWatch(every_n_steps=4, warn=lambda text: None)
+        watch.clock.device_timer = Event
+        step = 0
+
+        def gather(values):
+            gathered_at[rank].append(step)
+            sent[rank] = list(values)
+            exchange.wait()
+            both = [sent[0], sent[1]]
+            exchange.wait()
+            return both
+
+        for step in range(1, 21):
+            watch.clock.switch("compute")
+            stream["now"] += 0.010 if rank == 0 else 0.200  # rank 1 is slow in compute
+            watch.clock.switch("collective wait")
+            stream["now"] += 0.190 if rank == 0 else 0.0  # and rank 0 waits for it
+            watch.clock.switch("optimizer step")
+            stream["now"] += 0.001
+            stream["done_until"] = stream["now"] - lag_steps * 0.211
+            watch.close_step(step, rank, gather)
+            findings[rank].append(watch.last_finding)
+        watch.compare_since_last(step, rank, gather)  # the epoch's end
+
+    threads = [threading.Thread(target=run, args=(rank, lag)) for rank, lag in ((0, 0), (1, 3))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert not exchange.broken
+    assert gathered_at[0] == gathered_at[1] == [4, 8, 12, 16, 20]  # the epoch's end: nothing new since step 20
+    # at step 4 rank 1's device had completed 1 of the 4 steps: nobody is named on so little; at step 8 it had
+    # completed enough, and both ranks name it
+    assert findings[0][3] is None and findings[1][3] is None
+    assert [(f.rank, f.phase) for f in (findings[0][7], findings[1][7])] == [(1, "compute")] * 2

@@ -108,6 +108,8 @@ class CollectiveLedger(StepComponent):
         #: Made at the end of every collective's host call where the device completes it later: a probe that says
         #: whether the work queued so far has completed (``None``: the host call returned when it completed).
         self.device_completion = device_completion
+        #: The rank's device, once followed: a thread that asks its probes must make it its current device first.
+        self.device: torch.device | None = None
         self._in_call: CollectiveRecord | None = None
         #: Records whose host call returned before their collective completed, with their probe (a tuple replaced
         #: whole, so that the watchdog's thread reads it while the main thread appends).
@@ -118,6 +120,7 @@ class CollectiveLedger(StepComponent):
     def follow_device(self, device: torch.device) -> None:
         """Collectives on ``device`` complete behind the host (CUDA): records end when its stream's event does, and
         the phase clock times the stream."""
+        self.device = device
         if device.type == "cuda":
             self.device_completion = stream_completion
         if self.clock is not None:
@@ -209,6 +212,14 @@ class CollectiveLedger(StepComponent):
     def last(self, count: int = 8) -> list[CollectiveRecord]:
         """The last ``count`` records, oldest first (a copy: the main thread may append meanwhile)."""
         return list(self.records)[-count:]
+
+
+def enter_device(device: torch.device | None) -> None:
+    """On a thread other than the main one, before it asks this rank's CUDA events: the rank's device becomes the
+    thread's current one. CUDA's current device is per thread, and a thread without one works on device 0, where it
+    would create a context of its own (about 0.5 GiB) on every rank but the one that owns that GPU."""
+    if device is not None and device.type == "cuda":
+        torch.cuda.set_device(device)
 
 
 def stream_completion() -> Callable[[], bool]:

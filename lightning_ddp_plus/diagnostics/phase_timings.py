@@ -256,7 +256,7 @@ MIN_STEPS_COMPARED = 8
 
 
 class StragglerWatch(StepComponent):
-    """Every ``every_n_steps`` optimizer steps, the ranks exchange their phase medians (one gather of four integers
+    """Every ``every_n_steps`` optimizer steps, the ranks exchange their phase medians (one gather of five integers
     per rank on the side channel) and a straggler is warned about, once per rank and phase every
     ``repeat_after_seconds``.
 
@@ -282,6 +282,9 @@ class StragglerWatch(StepComponent):
         self.last_times: list[PhaseTimes] = []
         self.last_finding: StragglerFinding | None = None
         self._compared_at = 0
+        #: Steps closed in this fit: the same on every rank, unlike the steps timed (on CUDA a step is timed once
+        #: its events completed, which differs per rank), so it alone decides when the ranks compare.
+        self._closed = 0
 
     def fit_starts(self, fit: FitStart) -> None:
         self.reset()
@@ -311,13 +314,14 @@ class StragglerWatch(StepComponent):
         """A new fit: no steps timed yet (the clock object stays: the ledger holds it)."""
         self.clock.reset()
         self.last_times, self.last_finding = [], None
-        self._compared_at = 0
+        self._compared_at = self._closed = 0
 
     def close_step(self, step: int, rank: int, gather: Callable[[Sequence[int]], list[list[int]]]) -> None:
         """Close the step; on every ``every_n_steps``-th, compare the ranks (a collective: every rank calls it at the
         same steps) and warn about a straggler."""
         self.clock.end_step()
-        if step % self.every_n_steps != 0 or len(self.clock.steps) < self.every_n_steps:
+        self._closed += 1
+        if step % self.every_n_steps != 0 or self._closed < self.every_n_steps:
             return
         self._compare(step, rank, gather, self.every_n_steps)
 
@@ -325,15 +329,20 @@ class StragglerWatch(StepComponent):
         """At the end of an epoch and of a fit, on every rank (a collective): the steps since the last comparison
         are compared too, when there are at least ``MIN_STEPS_COMPARED``, so that a run or an epoch shorter than
         ``every_n_steps``, or the tail of a longer one, names its straggler."""
-        since = min(step - self._compared_at, len(self.clock.steps))
+        since = min(step - self._compared_at, self._closed)
         if since >= MIN_STEPS_COMPARED:
             self._compare(step, rank, gather, since)
 
     def _compare(self, step: int, rank: int, gather: Callable[[Sequence[int]], list[list[int]]], steps: int) -> None:
+        """Every rank calls it at the same step; each sends its medians over the steps it has timed of the last
+        ``steps`` and how many those are, and a rank whose device has not yet completed ``MIN_STEPS_COMPARED`` of
+        them keeps anyone from being named this time (its medians would say too little)."""
         self._compared_at = step
-        gathered = gather(self.clock.medians(rank, last=steps).as_microseconds())
-        self.last_times = [PhaseTimes.from_microseconds(other, values) for other, values in enumerate(gathered)]
-        self.last_finding = finding = find_straggler(self.last_times, steps)
+        timed = min(steps, len(self.clock.steps))
+        gathered = gather([*self.clock.medians(rank, last=steps).as_microseconds(), timed])
+        self.last_times = [PhaseTimes.from_microseconds(other, values[:-1]) for other, values in enumerate(gathered)]
+        enough = all(values[-1] >= min(steps, MIN_STEPS_COMPARED) for values in gathered)
+        self.last_finding = finding = find_straggler(self.last_times, steps) if enough else None
         if finding is None:
             return
         now = time.monotonic()

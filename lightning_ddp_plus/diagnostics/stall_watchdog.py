@@ -42,7 +42,7 @@ from typing import Any
 import torch.distributed as dist
 
 from lightning_ddp_plus.diagnostics.call_sites import collective_in_progress, stack_text, user_call_site
-from lightning_ddp_plus.diagnostics.collective_ledger import CollectiveLedger
+from lightning_ddp_plus.diagnostics.collective_ledger import CollectiveLedger, enter_device
 from lightning_ddp_plus.diagnostics.stalls import RankState, StallReport, explain_stall, state_of
 from lightning_ddp_plus.pipeline.component import FitStart, StepComponent
 from lightning_ddp_plus.private_apis.torch_distributed import default_store
@@ -190,7 +190,7 @@ class StallWatchdog(StepComponent):
 
     def _run(self, store: Any, rank: int, world_size: int, prefix: str, stop: threading.Event) -> None:
         episodes = f"{prefix}/episodes"
-        store_errors = 0
+        store_errors, entered = 0, None
         looks_per_poll = round(store_poll_seconds(world_size) / POLL_SECONDS)
         for look in itertools.count(1):
             if stop.wait(POLL_SECONDS):
@@ -198,6 +198,9 @@ class StallWatchdog(StepComponent):
             if not dist.is_initialized():
                 return  # this rank destroyed its process group: nothing of it can stall any more
             try:
+                if self.ledger.device is not entered:  # before its first probe of the device's events
+                    entered = self.ledger.device
+                    enter_device(entered)
                 current = self.ledger.current
                 waited = time.monotonic() - current.started if current is not None else 0.0
                 asks = current is not None and waited > self.threshold and self._requested_for != current.sequence

@@ -351,9 +351,9 @@ class DDPPlusArguments:
 
     find_stragglers_every_n_steps: int | None = argument(50, _count("50"))
     """Every N optimizer steps, the ranks compare their median time per step in data fetch, compute (less the time
-    waited in collectives), collective wait and optimizer step (one gather of four integers per rank), and a rank
-    the others wait for gets one warning (repeated at most every 5 minutes) naming it, the phase and the figures.
-    ``None``: off."""
+    waited in collectives), collective wait and optimizer step (one gather of five integers per rank: the medians and
+    the steps they cover), and a rank the others wait for gets one warning (repeated at most every 5 minutes) naming
+    it, the phase and the figures. ``None``: off."""
 
     ddp_kwargs: Mapping[str, Any] = field(default_factory=dict, metadata={"declared": False})
     """Further ``DistributedDataParallel`` arguments (a front end's ``**kwargs``), checked against its signature."""
