@@ -201,6 +201,21 @@ def test_a_hung_rank_in_a_fabric_loop_is_named_and_its_parent_ending_ends_the_jo
     assert re.search(rf"rank 1 has not reached it: for \d+ s it has been at {hung}", output), output[-4000:]
 
 
+def test_a_fabric_loop_that_never_reads_the_stop_is_still_ended_by_a_notice():
+    """Issue 51: the strategy holds SIGTERM for an agreed stop, which a Fabric loop reads from
+    ``preemption_agreed``; a loop that never reads it was no longer stopped by ``kill`` and trained to its end. It is
+    now ended one step after the agreed one, with the shell's code for the signal, saying nothing was saved and how
+    to save."""
+    code, output, since_failure, survivors = run_failing_job(
+        "sigterm", 1, step=3, timeout_s=60, script=FABRIC_SCRIPT.name
+    )
+    assert not survivors, f"processes left behind: {survivors}"
+    assert code == 143, output[-3000:]
+    assert since_failure < 30, (since_failure, output[-3000:])
+    assert "received SIGTERM on rank 1 at step 3; every rank stopped after optimizer step 4; nothing saved" in output
+    assert "does not check `fabric.strategy.preemption_agreed`" in output
+
+
 def test_ranks_out_of_step_in_a_fabric_loop_end_the_job_at_once():
     code, output, since_failure, survivors = run_failing_job(
         "extra_all_reduce", 0, step=3, timeout_s=120, stall="1s", script=FABRIC_SCRIPT.name

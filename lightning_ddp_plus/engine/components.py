@@ -179,6 +179,10 @@ class RunComponents:
         """Set once every rank agreed to stop for a termination notice."""
         return self.preemption.decision
 
+    def stop_spent(self) -> None:
+        """The loop ended for the agreed stop (``end_preempted``): a later loop in the same process starts afresh."""
+        self.preemption.decision = None
+
     @property
     def micro_batch_size(self) -> int | None:
         """Rows per chunk in effect (``None``: the whole batch)."""

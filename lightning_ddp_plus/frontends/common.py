@@ -268,6 +268,7 @@ class DDPPlusFrontEnd:
         if decision is None:
             raise RuntimeError("end_preempted: no preemption was agreed; check `strategy.preemption_agreed` first.")
         report = PreemptionReport(decision, saved, save_seconds, "load it and continue from its step")
+        self.engine.stop_spent()
         if self.global_rank == 0:
             print(report.line(), file=sys.stderr, flush=True)
         raise Preempted(report)

@@ -32,7 +32,12 @@ from lightning_ddp_plus.engine.arguments import takes_declared_arguments
 from lightning_ddp_plus.engine.keywords import DDPPlusFabricStrategyKeywords
 from lightning_ddp_plus.frontends.common import DDPPlusFrontEnd, tensor_bytes
 from lightning_ddp_plus.frontends.fabric_after_death import FabricAfterDeath
-from lightning_ddp_plus.frontends.fabric_loop import FabricWindow, FirstStaticBackwardSynced, train_in_chunks
+from lightning_ddp_plus.frontends.fabric_loop import (
+    FabricWindow,
+    FirstStaticBackwardSynced,
+    end_an_ignored_stop,
+    train_in_chunks,
+)
 from lightning_ddp_plus.frontends.registry import register_names
 from lightning_ddp_plus.private_apis.lightning import fabric_backward
 from lightning_ddp_plus.processes.launcher import ParentWatchedFabricLauncher, nodes_of_this_attempt, watch_parent
@@ -243,6 +248,8 @@ class DDPPlusFabricStrategy(DDPPlusFrontEnd, DDPStrategy):
         last_chunk: bool = True,
         **kwargs: Any,
     ) -> StepAgreed:
+        end_an_ignored_stop(self.engine, self.global_rank)
+
         def run(loss: Tensor) -> None:  # marked as `fabric.backward` marks it: Fabric's module refuses others
             with fabric_backward(as_fabric_backward):
                 super(DDPPlusFabricStrategy, self).backward(loss, module, *args, **kwargs)

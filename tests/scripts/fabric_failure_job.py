@@ -1,9 +1,12 @@
 """A 2-rank Fabric loop with ``ddp_plus`` (Fabric's own launcher) in which one rank misbehaves at a given step.
 
 ``fabric_failure_job.py MODE RANK STEP TIMEOUT TAG STALL_REPORT_AFTER``: ``hang`` sleeps for 120 s before the step's
-forward, ``extra_all_reduce`` calls ``fabric.all_reduce`` on that rank only. TAG only marks the command line.
+forward, ``extra_all_reduce`` calls ``fabric.all_reduce`` on that rank only, ``sigterm`` sends that rank a SIGTERM
+(the loop never reads ``preemption_agreed``). TAG only marks the command line.
 """
 
+import os
+import signal
 import sys
 import time
 
@@ -34,6 +37,8 @@ def main() -> None:
             print(f"failure starts at {time.time():.3f}", flush=True)
             if mode == "hang":
                 time.sleep(HANG_S)
+            elif mode == "sigterm":
+                os.kill(os.getpid(), signal.SIGTERM)
             else:
                 fabric.all_reduce(torch.tensor(1.0))
         fabric.backward(nn.functional.mse_loss(model(xb), yb))
