@@ -10,6 +10,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 from lightning.fabric.plugins import TorchCheckpointIO
@@ -335,3 +336,72 @@ def test_the_save_benchmark_runs_and_the_atomic_save_keeps_no_serialized_copy_in
     assert result["lightning"]["python_heap_peak_mb"] >= 2
     assert result["atomic"]["python_heap_peak_mb"] < 0.5
     assert list((tmp_path / "bench").iterdir()) == []
+
+
+class FirstStep(L.Callback):
+    """Records the global step of a fit's first training batch (where a resume started)."""
+
+    first: int | None = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self.first is None:
+            self.first = trainer.global_step
+
+
+def one_rank_trainer(root: Path, epochs: int, **kwargs):
+    recorder = FirstStep()
+    kwargs.setdefault("logger", None)
+    trainer = L.Trainer(
+        strategy=DDPPlusStrategy(process_group_backend="gloo"),
+        accelerator="cpu",
+        devices=1,
+        max_epochs=epochs,
+        default_root_dir=root,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[recorder],
+        **kwargs,
+    )
+    return trainer, recorder
+
+
+def test_last_finds_the_previous_runs_save_under_the_default_loggers_earlier_version(tmp_path):
+    """Issue 51, item 1: with the default logger and a ``ModelCheckpoint`` without ``dirpath`` a run saves in
+    ``lightning_logs/version_K/checkpoints``; the next run writes to ``version_K+1`` and ``ckpt_path="last"`` looked
+    only there, so it trained from scratch. A real first fit, then a real second one."""
+    from tests.helpers import TinyRegression
+
+    first, _ = one_rank_trainer(tmp_path, epochs=1, logger=True)
+    first.fit(TinyRegression(num_samples=32, batch_size=4))
+    assert (tmp_path / "lightning_logs" / "version_0" / "checkpoints" / "epoch=0-step=8.ckpt").exists()
+    second, started = one_rank_trainer(tmp_path, epochs=2, logger=True)
+    second.fit(TinyRegression(num_samples=32, batch_size=4), ckpt_path="last")
+    assert second.logger.version == 1 and started.first == 8 and second.global_step == 16
+
+
+def test_last_finds_slurms_requeue_checkpoint(tmp_path, monkeypatch):
+    """Issue 51, item 1: with SLURM's ``auto_requeue`` a preemption (or a survivor's) save goes to Lightning's
+    ``hpc_ckpt_N.ckpt`` in ``default_root_dir``, where ``ckpt_path="last"`` did not look. SLURM is faked by its
+    environment variables (Lightning's ``SLURMEnvironment`` reads them); the save and the resume are real."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    from tests.helpers import TinyRegression
+
+    first, _ = one_rank_trainer(tmp_path, epochs=1, enable_checkpointing=False, logger=False)
+    first.fit(TinyRegression(num_samples=32, batch_size=4))
+    first.save_checkpoint(tmp_path / "hpc_ckpt_1.ckpt")  # what Lightning's requeue handler writes
+    for name, value in {
+        "SLURM_NTASKS": "1",
+        "SLURM_JOB_NAME": "train",
+        "SLURM_JOB_ID": "7",
+        "SLURM_PROCID": "0",
+        "SLURM_LOCALID": "0",
+        "SLURM_NODEID": "0",
+        "SLURM_NTASKS_PER_NODE": "1",
+    }.items():
+        monkeypatch.setenv(name, value)
+    second, started = one_rank_trainer(
+        tmp_path, epochs=2, enable_checkpointing=False, logger=False, plugins=[SLURMEnvironment(auto_requeue=True)]
+    )
+    second.fit(TinyRegression(num_samples=32, batch_size=4), ckpt_path="last")
+    assert started.first == 8 and second.global_step == 16

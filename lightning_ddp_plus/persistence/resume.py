@@ -27,6 +27,7 @@ import inspect
 import itertools
 import os
 import pickle
+import re
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any, Literal, Protocol
@@ -89,8 +90,13 @@ NO_CHECKPOINT_CALLBACK_PATH = os.path.join("checkpoints", "last.ckpt")
 
 
 def checkpoint_directories(trainer: Any) -> tuple[list[str], list[str]]:
-    """The directories of the run's ``ModelCheckpoint`` callbacks (resolved by their ``setup``) and the files of its
-    ``OnExceptionCheckpoint`` callbacks; without a ``ModelCheckpoint``, the preemption save's file."""
+    """Where this run's saves may be: the directories of its ``ModelCheckpoint`` callbacks (resolved by their
+    ``setup``), and, for one under a logger's version (``.../version_K/checkpoints``, no ``dirpath`` given), the same
+    folder of the earlier versions (each run of a script gets the next version, so the last run's saves are there);
+    the files of its ``OnExceptionCheckpoint`` callbacks; without a ``ModelCheckpoint``, the preemption save's file;
+    with SLURM's ``auto_requeue``, Lightning's requeue checkpoints (``hpc_ckpt_N.ckpt`` in ``default_root_dir``), where
+    a preemption or a survivor's save goes there."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment
     from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 
     directories = [
@@ -98,10 +104,45 @@ def checkpoint_directories(trainer: Any) -> tuple[list[str], list[str]]:
         for callback in trainer.checkpoint_callbacks
         if isinstance(callback, ModelCheckpoint) and callback.dirpath
     ]
+    directories += [earlier for directory in directories for earlier in earlier_versions(directory)]
     files = [str(callback.ckpt_path) for callback in trainer.callbacks if isinstance(callback, OnExceptionCheckpoint)]
     if not directories:
         files.append(os.path.join(str(trainer.default_root_dir), NO_CHECKPOINT_CALLBACK_PATH))
+    environment = getattr(trainer.strategy, "cluster_environment", None)
+    if isinstance(environment, SLURMEnvironment) and environment.auto_requeue:
+        root = str(trainer.default_root_dir)
+        requeue_files = (
+            sorted(name for name in os.listdir(root) if HPC_CHECKPOINT.fullmatch(name)) if os.path.isdir(root) else []
+        )
+        files += [os.path.join(root, name) for name in requeue_files]
     return directories, files
+
+
+#: Lightning's SLURM requeue checkpoint names, and a logger's version folder.
+HPC_CHECKPOINT = re.compile(r"hpc_ckpt_\d+\.ckpt")
+VERSION_FOLDER = re.compile(r"version_\d+")
+
+
+def earlier_versions(directory: str) -> list[str]:
+    """For ``.../version_K/checkpoints``: the ``checkpoints`` folders of the other versions beside it that exist.
+
+    >>> import tempfile
+    >>> root = tempfile.mkdtemp()
+    >>> for version in (0, 1, 2):
+    ...     os.makedirs(os.path.join(root, f"version_{version}", "checkpoints"))
+    >>> [os.path.relpath(path, root) for path in earlier_versions(os.path.join(root, "version_2", "checkpoints"))]
+    ['version_0/checkpoints', 'version_1/checkpoints']
+    >>> earlier_versions(os.path.join(root, "elsewhere"))
+    []
+    >>> import shutil; shutil.rmtree(root)
+    """
+    folder = os.path.normpath(directory)
+    version, name = os.path.split(folder)
+    base, version_name = os.path.split(version)
+    if name != "checkpoints" or not VERSION_FOLDER.fullmatch(version_name) or not os.path.isdir(base):
+        return []
+    others = sorted(entry for entry in os.listdir(base) if VERSION_FOLDER.fullmatch(entry) and entry != version_name)
+    return [path for entry in others if os.path.isdir(path := os.path.join(base, entry, "checkpoints"))]
 
 
 def writes_torch_zip(checkpoint_io: CheckpointIO) -> bool:
