@@ -234,3 +234,58 @@ def test_a_wrong_count_ends_the_fit_on_every_rank_at_its_step(results, name, exp
     assert result["error"] is not None and expected in result["error"], result
     assert "Fix:" in result["error"]
     assert result["steps"] == steps and result["replicas_equal"]
+
+
+MISMATCHED_RANKS = """
+import sys
+
+import lightning as L
+from torch import nn
+
+from lightning_ddp_plus import DDPPlusStrategy
+from tests.helpers import TinyRegression
+
+
+class CountsOnRankOne(TinyRegression):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x), y)
+        return {"loss": loss, "num_items": x.shape[0]} if self.global_rank == 1 else loss
+
+
+micro_batch_size = None if sys.argv[1] == "None" else sys.argv[1]
+trainer = L.Trainer(
+    strategy=DDPPlusStrategy(process_group_backend="gloo", timeout="60s", micro_batch_size=micro_batch_size),
+    accelerator="cpu",
+    devices=2,
+    max_epochs=1,
+    logger=False,
+    enable_checkpointing=False,
+    enable_progress_bar=False,
+    enable_model_summary=False,
+)
+trainer.fit(CountsOnRankOne(num_samples=32, batch_size=4))
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    ("micro_batch_size", "said"),
+    [
+        ("None", "at the fit's first step it was returned on rank(s) 1 and not on rank(s) 0"),
+        ("auto", "at the fit's first step some ranks' returned it and others' did not"),
+    ],
+)
+def test_ranks_that_disagree_on_num_items_end_together_with_an_error_saying_so(micro_batch_size, said):
+    """Issue 51, item 8: each rank decided "per-item on" from its own first step, so a rank that returned
+    ``num_items`` and one that did not issued different collectives at the window's end. The first step now asks
+    every rank (one gather of one integer per fit; with ``micro_batch_size="auto"``, whose out-of-memory recovery a
+    gather would not meet, two flags of the step's agreement), and every rank raises the same error. Two real ranks."""
+    import sys
+
+    from tests.helpers import start_ranks
+
+    results = start_ranks([sys.executable, "-c", MISMATCHED_RANKS, micro_batch_size], timeout=200)
+    for rank, result in enumerate(results):
+        assert result.returncode == 1, (rank, result.stdout[-3000:])
+        assert "ArgumentValueError" in result.stdout and said in result.stdout, (rank, result.stdout[-3000:])
