@@ -472,3 +472,14 @@ def times_each_row_trained(run1: dict[int, list[dict]], run2: dict[int, list[dic
             for row in record["rows"]:
                 counts[row] = counts.get(row, 0) + 1
     return counts
+
+
+@contextlib.contextmanager
+def process_group_ended_after() -> Any:
+    """Around a test's in-process fits: Lightning leaves the process group for a later fit, so the test ends it, and
+    the next test in this worker can start its own."""
+    try:
+        yield
+    finally:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()

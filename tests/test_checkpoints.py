@@ -25,7 +25,7 @@ from lightning_ddp_plus.persistence.io import (
     CheckpointSaveError,
     remove_stale_temporaries,
 )
-from tests.helpers import REPO_ROOT, mount_unavailable_reason, small_filesystem
+from tests.helpers import REPO_ROOT, mount_unavailable_reason, process_group_ended_after, small_filesystem
 
 needs_mount = pytest.mark.skipif(mount_unavailable_reason() is not None, reason=str(mount_unavailable_reason()))
 
@@ -371,11 +371,12 @@ def test_last_finds_the_previous_runs_save_under_the_default_loggers_earlier_ver
     only there, so it trained from scratch. A real first fit, then a real second one."""
     from tests.helpers import TinyRegression
 
-    first, _ = one_rank_trainer(tmp_path, epochs=1, logger=True)
-    first.fit(TinyRegression(num_samples=32, batch_size=4))
-    assert (tmp_path / "lightning_logs" / "version_0" / "checkpoints" / "epoch=0-step=8.ckpt").exists()
-    second, started = one_rank_trainer(tmp_path, epochs=2, logger=True)
-    second.fit(TinyRegression(num_samples=32, batch_size=4), ckpt_path="last")
+    with process_group_ended_after():
+        first, _ = one_rank_trainer(tmp_path, epochs=1, logger=True)
+        first.fit(TinyRegression(num_samples=32, batch_size=4))
+        assert (tmp_path / "lightning_logs" / "version_0" / "checkpoints" / "epoch=0-step=8.ckpt").exists()
+        second, started = one_rank_trainer(tmp_path, epochs=2, logger=True)
+        second.fit(TinyRegression(num_samples=32, batch_size=4), ckpt_path="last")
     assert second.logger.version == 1 and started.first == 8 and second.global_step == 16
 
 
@@ -387,9 +388,10 @@ def test_last_finds_slurms_requeue_checkpoint(tmp_path, monkeypatch):
 
     from tests.helpers import TinyRegression
 
-    first, _ = one_rank_trainer(tmp_path, epochs=1, enable_checkpointing=False, logger=False)
-    first.fit(TinyRegression(num_samples=32, batch_size=4))
-    first.save_checkpoint(tmp_path / "hpc_ckpt_1.ckpt")  # what Lightning's requeue handler writes
+    with process_group_ended_after():
+        first, _ = one_rank_trainer(tmp_path, epochs=1, enable_checkpointing=False, logger=False)
+        first.fit(TinyRegression(num_samples=32, batch_size=4))
+        first.save_checkpoint(tmp_path / "hpc_ckpt_1.ckpt")  # what Lightning's requeue handler writes
     for name, value in {
         "SLURM_NTASKS": "1",
         "SLURM_JOB_NAME": "train",
@@ -403,5 +405,6 @@ def test_last_finds_slurms_requeue_checkpoint(tmp_path, monkeypatch):
     second, started = one_rank_trainer(
         tmp_path, epochs=2, enable_checkpointing=False, logger=False, plugins=[SLURMEnvironment(auto_requeue=True)]
     )
-    second.fit(TinyRegression(num_samples=32, batch_size=4), ckpt_path="last")
+    with process_group_ended_after():
+        second.fit(TinyRegression(num_samples=32, batch_size=4), ckpt_path="last")
     assert started.first == 8 and second.global_step == 16

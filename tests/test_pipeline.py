@@ -110,7 +110,7 @@ def test_a_step_walks_the_parameters_only_for_a_feature_that_needs_it(tmp_path, 
     import lightning as L
     from torch import nn
 
-    from tests.helpers import TinyRegression
+    from tests.helpers import TinyRegression, process_group_ended_after
 
     walks: list[tuple[int, str]] = []
     step = {"now": -1}
@@ -149,7 +149,8 @@ def test_a_step_walks_the_parameters_only_for_a_feature_that_needs_it(tmp_path, 
         enable_model_summary=False,
         callbacks=[Steps()],
     )
-    trainer.fit(Items(num_samples=32, batch_size=4))
+    with process_group_ended_after():
+        trainer.fit(Items(num_samples=32, batch_size=4))
     assert trainer.global_step == 8
     steps_walked = {walked for walked, _ in walks}
     if counts_items:
