@@ -10,7 +10,6 @@ from lightning_ddp_plus import DDPPlusFabricStrategy, DDPPlusStrategy
 from lightning_ddp_plus.pipeline.agreement import AgreementFlags
 from lightning_ddp_plus.pipeline.component import EpochEnd, StepComponent, StepPipeline
 from lightning_ddp_plus.preemption.stop import STOP
-from lightning_ddp_plus.sync.item_averaging import COUNTS_ON_A_RANK, NO_COUNTS_ON_A_RANK
 from lightning_ddp_plus.sync.micro_batches import OUT_OF_MEMORY
 from lightning_ddp_plus.sync.uneven import SOME_RANK_ENDS, SOME_RANK_GOES_ON
 
@@ -73,10 +72,7 @@ def test_the_flags_are_laid_out_once_in_the_pipelines_order_and_read_by_name():
     [
         ({}, (SOME_RANK_ENDS, SOME_RANK_GOES_ON, STOP)),  # notices are on by default
         ({"preemption_signals": []}, (SOME_RANK_ENDS, SOME_RANK_GOES_ON)),
-        (
-            {"micro_batch_size": "auto"},
-            (COUNTS_ON_A_RANK, NO_COUNTS_ON_A_RANK, SOME_RANK_ENDS, SOME_RANK_GOES_ON, OUT_OF_MEMORY, STOP),
-        ),
+        ({"micro_batch_size": "auto"}, (SOME_RANK_ENDS, SOME_RANK_GOES_ON, OUT_OF_MEMORY, STOP)),
         ({"micro_batch_size": 4, "preemption_signals": []}, (SOME_RANK_ENDS, SOME_RANK_GOES_ON)),
     ],
 )

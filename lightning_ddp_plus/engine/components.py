@@ -102,9 +102,7 @@ class RunComponents:
         self.channel.record = self.ledger.collective  # the flag exchanges in the ledger too
         threshold = arguments.stall_threshold
         self.stall_watchdog = None if threshold is None else StallWatchdog(self.ledger, threshold, warn=warn)
-        self.items = ItemAveraging.for_arguments(
-            arguments, self.window, record=self.ledger.collective, info=info, gather=self.channel.gather
-        )
+        self.items = ItemAveraging.for_arguments(arguments, self.window, record=self.ledger.collective, info=info)
         self.sync_guard = SyncGuard(arguments.sync_guard, self.channel, warn=warn)
         self.uneven = UnevenInputsCheck(arguments.uneven_inputs, info=info, window=self.window)
         self.micro_batches = MicroBatchSizer(arguments.micro_batch_size, info=info)

@@ -105,11 +105,6 @@ class WindowItems:
         return None
 
 
-#: The step agreement's flags for ``num_items`` at a fit's first step, where a batch may be retried.
-COUNTS_ON_A_RANK = "num_items given on a rank"
-NO_COUNTS_ON_A_RANK = "num_items missing on a rank"
-
-
 class ItemAveraging(StepComponent):
     """The window's item counts and the rescale at its end (see the module's docstring).
 
@@ -121,11 +116,6 @@ class ItemAveraging(StepComponent):
         hooked: a comm hook sees the buckets (the first window counted after its backward is checked once).
         record: called around the all-reduce with its name and size (the engine's collective ledger).
         info: how a one-line report reaches the user (rank 0 only).
-        gather: every rank's integers, by rank (the side channel's): the fit's first backward asks every rank whether
-            it has a count, so that every rank decides alike or every rank raises.
-        retried: a batch may run again after an out-of-memory error (``micro_batch_size="auto"``). A rank whose first
-            attempt fails before its backward sits in the recovery's agreement, where a gather would not meet it, so
-            the question rides on the step's agreement after the first synced backward instead.
     """
 
     def __init__(
@@ -136,13 +126,8 @@ class ItemAveraging(StepComponent):
         hooked: bool = False,
         record: Callable[[str, int], AbstractContextManager[Any]] | None = None,
         info: Callable[[str], None] = lambda message: None,
-        gather: Callable[[list[int]], list[list[int]]] = lambda values: [values],
-        retried: bool = False,
     ) -> None:
         self.window, self.across_ranks, self.info = window, across_ranks, info
-        self.gather, self.retried = gather, retried
-        self.agreement_flags = (COUNTS_ON_A_RANK, NO_COUNTS_ON_A_RANK) if retried else ()
-        self.same_on_every_rank = False
         self.count_first, self.hooked = count_first, hooked
         self.record = record or (lambda op, size: nullcontext())
         #: A count given for the next backward (a training step's output, ``manual_backward``, ``fabric.backward``).
@@ -159,13 +144,11 @@ class ItemAveraging(StepComponent):
         window: AccumulationWindow,
         record: Callable[[str, int], AbstractContextManager[Any]] | None = None,
         info: Callable[[str], None] = lambda message: None,
-        gather: Callable[[list[int]], list[list[int]]] = lambda values: [values],
     ) -> ItemAveraging:
         """The averaging the strategy's ``arguments`` ask for (``average_items_across_ranks``, and the comm hook and
         ``micro_batch_size`` that decide ``counts_first``)."""
         first, hooked = counts_first(arguments)
-        across, retried = arguments.average_items_across_ranks, arguments.micro_batch_size == "auto"
-        return cls(window, across, first, hooked, record=record, info=info, gather=gather, retried=retried)
+        return cls(window, arguments.average_items_across_ranks, first, hooked, record=record, info=info)
 
     def fit_starts(self, fit: FitStart) -> None:
         self.reset()
@@ -178,11 +161,6 @@ class ItemAveraging(StepComponent):
 
     def agreed(self, agreed: AgreedStep) -> None:
         """After the backward that closed the window (every rank agreed, and no rank ran out of memory)."""
-        if self.retried and not self.same_on_every_rank and not agreed.out_of_memory:
-            on, off = agreed.flags.get(COUNTS_ON_A_RANK), agreed.flags.get(NO_COUNTS_ON_A_RANK)
-            self.same_on_every_rank = bool(on or off)  # no rank had decided yet (each ran out of memory): next time
-            if on and off:
-                disagree("different on different ranks", "some ranks' returned it and others' did not")
         if self._closing and not agreed.out_of_memory:
             self.window_closed(self._parameters, self._group)
 
@@ -190,8 +168,6 @@ class ItemAveraging(StepComponent):
         """A new fit: the first training step decides again whether counts are given (and a count an earlier fit
         left unused is dropped)."""
         self.on: bool | None = None
-        #: Every rank's choice was compared (by the gather, or by the step's agreement when ``retried``).
-        self.same_on_every_rank = False
         self.pending = None
         self.unit, self.first_window = 1.0, True
         #: The last window's loss per item over every rank (what one device would print); ``None`` before one.
@@ -213,8 +189,6 @@ class ItemAveraging(StepComponent):
         """The count for the backward about to run (``None``: none given); the fit's first backward decides."""
         value, self.pending = self.pending, None
         if self.on is None:
-            if not self.retried:
-                self.refuse_ranks_that_disagree([row[0] for row in self.gather([int(value is not None)])], value)
             self.on = self.window.per_item = value is not None
             if self.on:
                 self.info(
@@ -236,25 +210,6 @@ class ItemAveraging(StepComponent):
                 self._uncounted += 1
             return None
         return check_num_items(value)
-
-    def refuse_ranks_that_disagree(self, given: list[int], value: Any) -> None:
-        """Whether each rank has a count at the fit's first backward, by rank (the gather). Ranks that disagree would
-        issue different collectives at the window's end, so every rank raises instead."""
-        self.same_on_every_rank = True
-        if len(set(given)) > 1:
-            with_counts = ", ".join(str(rank) for rank, has in enumerate(given) if has)
-            without = ", ".join(str(rank) for rank, has in enumerate(given) if not has)
-            disagree(value, f"it was returned on rank(s) {with_counts} and not on rank(s) {without}")
-
-    def agreement_requested(self) -> bool:
-        """With ``retried``, before the fit's first synced backward (its count is pending; the decision comes in
-        its loss scaling): a rank with a count asks for the agreement, which then carries every rank's answer."""
-        return self.retried and not self.same_on_every_rank and (self.pending is not None or self.on is True)
-
-    def agreement_values(self) -> dict[str, int]:
-        if not self.retried or self.same_on_every_rank or self.on is None:
-            return {}
-        return {COUNTS_ON_A_RANK: int(self.on), NO_COUNTS_ON_A_RANK: int(not self.on)}
 
     def loss_factor(self, count: int | Tensor) -> Tensor | float:
         """The factor on the mean loss of a micro-batch of ``count`` items before its backward, once ``recorded``
@@ -343,18 +298,6 @@ class ItemAveraging(StepComponent):
             if self.hooked and first:
                 refuse_overflow(parameters)
         return window
-
-
-def disagree(value: Any, where: str) -> None:
-    """Every rank's error when the ranks' first steps disagree on ``num_items``."""
-    raise ArgumentValueError(
-        describe_bad_value(
-            "num_items",
-            value,
-            f"every rank's training step returns it, or none does; at the fit's first step {where}.",
-            "return `num_items` on every rank (0 when a rank's batch has no items), whatever its data.",
-        )
-    )
 
 
 def refuse_overflow(parameters: list[Tensor]) -> None:
