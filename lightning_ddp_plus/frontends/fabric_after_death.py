@@ -26,10 +26,9 @@ from typing_extensions import Self
 from lightning_ddp_plus.config.messages import ArgumentTypeError, ArgumentValueError, describe_bad_value
 from lightning_ddp_plus.crash.peer_death import peer_gone_in
 from lightning_ddp_plus.crash.survivor_save import SurvivorSave, save_from_survivor
-from lightning_ddp_plus.crash.survivors import SurvivorAgreement
+from lightning_ddp_plus.frontends.after_death import survivor_save_of
 from lightning_ddp_plus.private_apis.lightning import fabric_checkpoint
-from lightning_ddp_plus.private_apis.torch_distributed import default_store
-from lightning_ddp_plus.processes.launcher import AFTER_DEATH, launching_process_gone
+from lightning_ddp_plus.processes.launcher import AFTER_DEATH
 
 #: Each block of a process has its own keys in the store (every rank enters the same blocks in the same order).
 _BLOCKS = itertools.count()
@@ -87,28 +86,16 @@ class FabricAfterDeath:
         raise died from error
 
     def _survivor_save(self, cause: str) -> SurvivorSave:
-        strategy = self.strategy
-        store = None if launching_process_gone() else default_store()  # rank 0 hosted it: no reconnecting
-        known_dead = lambda: AFTER_DEATH.dead_ranks
-        keys = f"fabric{self.block}"
-        agreement = SurvivorAgreement(store, strategy.global_rank, strategy.world_size, keys, known_dead)
         step = self.first_step + self.steps_applied() - self.applied_before
-        not_savable = None
-        if strategy.engine.arguments.optimizer_sharding:
-            not_savable = (
-                "under `optimizer_sharding` each rank holds the only copy of its shard of the optimizer state, and the "
-                "dead rank's is lost; resume from your last periodic `fabric.save`, or train with "
-                "`optimizer_sharding=False` to have every survivor hold the whole state"
-            )
-        hint = f"resume with `fabric.load({self.path!r}, state)`: `state[{self.step_key!r}]` holds the step"
-        return SurvivorSave(
-            agreement=agreement,
+        return survivor_save_of(
+            self.strategy,
+            f"fabric{self.block}",
             step=step,
             cause=cause,
             path=self.path,
             write=lambda: self._write(step),
-            not_savable=not_savable,
-            resume_hint=hint,
+            resume_from="your last periodic `fabric.save`",
+            resume_hint=f"resume with `fabric.load({self.path!r}, state)`: `state[{self.step_key!r}]` holds the step",
         )
 
     def _write(self, step: int) -> None:

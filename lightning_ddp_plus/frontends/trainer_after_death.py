@@ -29,12 +29,11 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_ddp_plus.crash.peer_death import peer_gone_in
 from lightning_ddp_plus.crash.report import RankDied
-from lightning_ddp_plus.crash.survivor_save import SurvivorSave, save_from_survivor
-from lightning_ddp_plus.crash.survivors import SurvivorAgreement
+from lightning_ddp_plus.crash.survivor_save import save_from_survivor
+from lightning_ddp_plus.frontends.after_death import survivor_save_of
 from lightning_ddp_plus.frontends.trainer_preemption import preemption_checkpoint_path
 from lightning_ddp_plus.private_apis.lightning import LoopState, before_each_batch, trainer_checkpoint
-from lightning_ddp_plus.private_apis.torch_distributed import default_store
-from lightning_ddp_plus.processes.launcher import AFTER_DEATH, launching_process_gone
+from lightning_ddp_plus.processes.launcher import AFTER_DEATH
 
 #: Each fit of a process has its own keys in the store (every rank runs the same fits in the same order).
 _FITS = itertools.count()
@@ -102,22 +101,17 @@ def save_after_rank_death(trainer: pl.Trainer, error: BaseException) -> RankDied
     if cause is None or not fitting or boundaries is None or boundaries.last is None:
         return None
     strategy: Any = trainer.strategy
-    store = None if launching_process_gone() else default_store()  # rank 0 hosted it: no reconnecting
-    known_dead = lambda: AFTER_DEATH.dead_ranks
-    agreement = SurvivorAgreement(store, strategy.global_rank, strategy.world_size, str(boundaries.fit), known_dead)
     path, boundary = preemption_checkpoint_path(trainer), boundaries.last
-    not_savable = None
-    if strategy.engine.arguments.optimizer_sharding:
-        not_savable = (
-            "under `optimizer_sharding` each rank holds the only copy of its shard of the optimizer state, and the "
-            "dead rank's is lost; resume from your last periodic checkpoint (a `ModelCheckpoint`), or train with "
-            "`optimizer_sharding=False` to have every survivor hold the whole state"
-        )
-    write = lambda: write_boundary(trainer, boundary, path)
-    step = trainer.global_step
-    return save_from_survivor(
-        SurvivorSave(agreement=agreement, step=step, cause=cause, path=path, write=write, not_savable=not_savable)
+    save = survivor_save_of(
+        strategy,
+        str(boundaries.fit),
+        step=trainer.global_step,
+        cause=cause,
+        path=path,
+        write=lambda: write_boundary(trainer, boundary, path),
+        resume_from="your last periodic checkpoint (a `ModelCheckpoint`)",
     )
+    return save_from_survivor(save)
 
 
 def write_boundary(trainer: pl.Trainer, boundary: StepBoundary, path: str) -> None:

@@ -1,0 +1,47 @@
+"""What both front ends hand the survivors' save after a rank's death (``crash.survivor_save``): the job's store
+unless its host (rank 0 under the popen launcher) is gone, the ranks the launcher saw die, and, under
+``optimizer_sharding``, why nothing can be saved."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from lightning_ddp_plus.crash.survivor_save import SurvivorSave
+from lightning_ddp_plus.crash.survivors import SurvivorAgreement
+from lightning_ddp_plus.private_apis.torch_distributed import default_store
+from lightning_ddp_plus.processes.launcher import AFTER_DEATH, launching_process_gone
+
+
+def survivor_save_of(
+    strategy: Any,
+    keys: str,
+    *,
+    step: int,
+    cause: str,
+    path: str,
+    write: Callable[[], None],
+    resume_from: str,
+    resume_hint: str | None = None,
+) -> SurvivorSave:
+    """This rank's part in the save, for ``strategy`` (either front end); ``keys``: this fit's or block's keys in the
+    store; ``resume_from``: what to resume from when nothing can be saved."""
+    store = None if launching_process_gone() else default_store()  # rank 0 hosted it: no reconnecting
+    known_dead = lambda: AFTER_DEATH.dead_ranks
+    agreement = SurvivorAgreement(store, strategy.global_rank, strategy.world_size, keys, known_dead)
+    not_savable = None
+    if strategy.engine.arguments.optimizer_sharding:
+        not_savable = (
+            "under `optimizer_sharding` each rank holds the only copy of its shard of the optimizer state, and the "
+            f"dead rank's is lost; resume from {resume_from}, or train with `optimizer_sharding=False` to have "
+            "every survivor hold the whole state"
+        )
+    return SurvivorSave(
+        agreement=agreement,
+        step=step,
+        cause=cause,
+        path=path,
+        write=write,
+        not_savable=not_savable,
+        resume_hint=resume_hint,
+    )
