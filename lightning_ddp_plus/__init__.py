@@ -28,6 +28,7 @@ from lightning_ddp_plus.frontends.strategy import DDPPlusStrategy
 from lightning_ddp_plus.persistence.files import CheckpointResumeError
 from lightning_ddp_plus.persistence.io import AtomicCheckpointIO, CheckpointSaveError
 from lightning_ddp_plus.preemption.report import Preempted, PreemptionReport
+from lightning_ddp_plus.sharding.optimizer import elementwise_optimizer
 from lightning_ddp_plus.sync.comm_hooks import CommHook
 from lightning_ddp_plus.sync.micro_batches import MicroBatch, MicroBatchOutOfMemoryError, UnsplittableBatchError
 from lightning_ddp_plus.sync.uneven import UnevenInputsError
@@ -62,6 +63,7 @@ __all__ = [
     "ReplicaDriftError",
     "UnevenInputsError",
     "UnsplittableBatchError",
+    "elementwise_optimizer",
     "parse_timeout",
     "peer_gone_in",
 ]

@@ -17,7 +17,7 @@ ALLOWED = {
     "config": {"pipeline", "private_apis"},
     "demo": set(),
     "sync": {"config", "pipeline", "private_apis"},
-    "sharding": {"config", "private_apis"},
+    "sharding": {"config", "pipeline", "private_apis"},
     "memory": {"config", "sharding", "private_apis"},
     "conflicts": {"config", "pipeline", "private_apis"},
     "processes": {"config", "private_apis"},

@@ -89,7 +89,7 @@ class RunComponents:
         self.timeouts = GroupTimeouts(arguments.collective_timeout, arguments.setup_collective_timeout)
         self.window = AccumulationWindow(arguments.gradient_accumulation_steps, arguments.short_window)
         self.conflicts = ConflictCheck(arguments.checkpointing_conflict, warn=warn, info=info)
-        self.sharding = ZeroSharding(arguments.optimizer_sharding, info=info)
+        self.sharding = ZeroSharding(arguments.optimizer_sharding, info=info, timeout=arguments.collective_timeout)
         self.hooks = HookAssembly(
             *self.sharding.hook(arguments.comm_hook, arguments.ddp_comm_state), arguments.ddp_comm_wrapper
         )

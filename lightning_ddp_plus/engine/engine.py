@@ -65,6 +65,7 @@ class DDPPlusEngine(RunComponents):
                 self.channel,  # the side channel the agreement runs on: opened first, closed last
                 self.stall_watchdog,  # a stuck or out-of-step rank named with its line
                 self.sync_guard,  # the per-step guard: every bucket all-reduced on every rank
+                self.sharding,  # optimizer_sharding=True on gloo: the reduce-scatter's own group
                 self.hooks,  # the communication hook, on every backend
                 self.buffer_broadcast,  # DDP's buffer broadcast, in the ledger
                 self.conflicts,  # the conflict check: observes the first training forward

@@ -6,5 +6,5 @@ the step on a rank's chunks and the all-gather; ``exchange``: reduce-scatter and
 ``optimizer``: the modes and what each refuses, torch's ``ZeroRedundancyOptimizer`` for ``"all_reduce"`` and
 ``"overlap"``; ``partition``: torch's sorted-greedy assignment of whole parameters to ranks, as arithmetic.
 
-May import: ``config``, ``private_apis``.
+May import: ``config``, ``pipeline``, ``private_apis``.
 """

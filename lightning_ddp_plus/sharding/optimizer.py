@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from typing import Any, Literal, cast
+from typing import Any, Literal, TypeVar, cast
 
 import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -35,6 +35,7 @@ from lightning_ddp_plus.sharding.reduce_scatter import GradientShards
 from lightning_ddp_plus.sharding.sharded_step import BucketShardedOptimizer
 
 OptimizerSharding = bool | Literal["all_reduce", "overlap"]
+OptimizerType = TypeVar("OptimizerType", bound=Optimizer)
 SHARDING_VALUES: tuple[object, ...] = (False, True, "all_reduce", "overlap")
 
 #: torch refuses the overlap hook on these backends ("Gloo backend using Overlapping DDP with ZeRO may meet hangs").
@@ -233,11 +234,77 @@ def shard(optimizer: Optimizer, overlap: bool = False) -> ShardedOptimizer:
     return sharded
 
 
+#: torch's optimizers whose update of each element reads only that element's gradient and state, and numbers shared
+#: by the whole tensor that do not depend on its values (the step count): stepped on flat pieces of a tensor, they
+#: compute what they compute on the whole. Adafactor (factored moments: a row and a column statistic per matrix),
+#: Muon (an orthogonalized matrix), LBFGS (a line search over every parameter) and SparseAdam (sparse gradients) do not.
+ELEMENTWISE_OPTIMIZERS: tuple[type[Optimizer], ...] = (
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adamax,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.Adagrad,
+    torch.optim.Adadelta,
+    torch.optim.RMSprop,
+    torch.optim.Rprop,
+    torch.optim.ASGD,
+)
+
+
+def elementwise_optimizer(cls: type[OptimizerType]) -> type[OptimizerType]:
+    """Declare an optimizer class element-wise, so that ``optimizer_sharding=True`` steps it on flat pieces of each
+    tensor: its update of each element must read only that element's gradient and state (no norm, statistic or
+    matrix product over a tensor: LAMB's and LARS's trust ratios, factored or preconditioned moments are not).
+
+    >>> @elementwise_optimizer
+    ... class SignSGD(torch.optim.SGD): ...
+    >>> is_elementwise(SignSGD([torch.zeros(1, requires_grad=True)], lr=0.1))
+    True
+    """
+    cls.elementwise_update = True  # type: ignore[attr-defined]  # read by ``is_elementwise``
+    return cls
+
+
+def is_elementwise(optimizer: Optimizer) -> bool:
+    """Whether ``optimizer`` steps flat pieces of a tensor as it steps the whole: declared so
+    (``elementwise_optimizer``), or its ``step`` is one of ``ELEMENTWISE_OPTIMIZERS``' (a subclass that changes only
+    its constructor or defaults is)."""
+    cls = type(optimizer)
+    if getattr(cls, "elementwise_update", False):
+        return True
+    return any(isinstance(optimizer, known) and cls.step is known.step for known in ELEMENTWISE_OPTIMIZERS)
+
+
+def refuse_non_elementwise(optimizer: Optimizer) -> None:
+    """``optimizer_sharding=True`` splits tensors into pieces: an optimizer that looks at a whole tensor would
+    silently compute something else."""
+    if is_elementwise(optimizer):
+        return
+    name = type(optimizer).__name__
+    raise ArgumentValueError(
+        describe_bad_value(
+            "optimizer_sharding",
+            True,
+            f"it steps each rank's flat pieces of DDP's gradient buckets, and {name} is not known to update each "
+            "element from that element alone (Adafactor's factored moments, Muon's orthogonalized matrices, LAMB's "
+            "and LARS's per-tensor trust ratios, Shampoo's preconditioners need whole tensors): on pieces it would "
+            "silently compute something else. Element-wise: "
+            + ", ".join(k.__name__ for k in ELEMENTWISE_OPTIMIZERS)
+            + ".",
+            "use `optimizer_sharding='all_reduce'` (whole tensors per rank: exact for any optimizer), or, when "
+            f"{name} is element-wise, declare it with `@lightning_ddp_plus.elementwise_optimizer`.",
+        )
+    )
+
+
 def bucket_sharded(optimizer: Optimizer, shards: GradientShards) -> BucketShardedOptimizer:
     """``optimizer`` stepped on this rank's chunks of the gradient buckets (``optimizer_sharding=True``)."""
     if isinstance(optimizer, BucketShardedOptimizer):
         return optimizer
     refuse_sharded_twice(optimizer)
+    refuse_non_elementwise(optimizer)
     defaults = constructor_defaults(optimizer)
     return BucketShardedOptimizer(optimizer, shards, lambda groups: type(optimizer)(groups, **defaults))
 

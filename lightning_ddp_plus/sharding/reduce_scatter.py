@@ -36,6 +36,11 @@ class GradientShards:
 
     process_group: Any = None
     """The group the hook and the optimizers communicate in (``None``: the default group)."""
+    exchange_group: Any = None
+    """gloo: a group of the same ranks for the hook's exchanges alone (``ZeroSharding`` opens it at a fit's start).
+    They run on a thread of their own, and the reducer's own collectives (``find_unused_parameters``' map of the
+    parameters used, launched from the backward) would otherwise be paired across ranks in whichever order each
+    rank's threads reached the gradient group: a hang, measured from the second step on."""
     parameters: list[Tensor] = field(default_factory=list)
     """Every parameter a bucket held, in the order first seen: a ``BucketLayout`` names them by position here."""
     layout: BucketLayout | None = None
@@ -152,7 +157,8 @@ def reduce_scatter_hook(state: GradientShards, bucket: dist.GradBucket) -> torch
         return buffer
 
     if state.uses_exchange:
-        return state.in_thread(lambda: own_chunk_only(exchange_reduce_scatter(padded, group)))
+        exchange_group = state.exchange_group if state.exchange_group is not None else group
+        return state.in_thread(lambda: own_chunk_only(exchange_reduce_scatter(padded, exchange_group)))
     shard = buffer.new_empty(chunk)
     work = dist.reduce_scatter_tensor(shard, padded, group=group, async_op=True)
     return cast("torch.futures.Future[Tensor]", work.get_future().then(lambda _: own_chunk_only(shard)))

@@ -61,8 +61,19 @@ class BucketShardedOptimizer(Optimizer):
         self.pieces: list[Piece] = []  # this rank's pieces of this optimizer's parameters (``Piece.parameter`` local)
         self.tensors: list[Tensor] = []  # the inner optimizer's parameter for each piece: a view of the parameter
         self.inner_groups: list[int] = []  # the parameter group of each inner group
+        self.dtypes: list[torch.dtype] = []  # each parameter's dtype when the pieces were built
         self.pending = optimizer.state_dict() if optimizer.state else None  # a full state to slice at the next layout
         self.gathered: dict[str, Any] | None = None
+        self.regrouped = False  # a group was added: the pieces are built again at the next step, the state kept
+
+    @override
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """A group added after setup (Lightning's ``BaseFinetuning`` unfreezing layers) is stepped from the next step
+        on; the state of the others is kept."""
+        super().add_param_group(param_group)
+        if "replaced" in vars(self):  # not while ``Optimizer.__init__`` adds the groups it was given
+            self.parameters = [p for group in self.param_groups for p in group["params"]]
+            self.regrouped = True
 
     # ------------------------------------------------------------------ the step
 
@@ -74,6 +85,7 @@ class BucketShardedOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         with torch.no_grad():  # gloo's all-gather writes views of its output
+            self._refuse_another_dtype()
             self.follow_layout()
             self._step_pieces()
             self.shards.consumed()
@@ -86,12 +98,9 @@ class BucketShardedOptimizer(Optimizer):
 
         if self.inner is None:
             return
-        for tensor, piece in zip(self.tensors, self.pieces):
+        for index, piece in enumerate(self.pieces):
             parameter = self.parameters[piece.parameter]
-            current = self._slice(parameter.detach(), piece)
-            if current.data_ptr() != tensor.data_ptr():  # the parameter's storage was replaced (``param.data = ...``)
-                # the same tensor object: the inner optimizer's state stays keyed to it
-                tensor.set_(current.untyped_storage(), current.storage_offset(), current.size(), current.stride())
+            tensor = self._follow_storage(index, self._slice(parameter.detach(), piece))
             tensor.grad = None if parameter.grad is None else self._slice(parameter.grad, piece)
         for inner_group, group in zip(self.inner.param_groups, self.inner_groups):
             inner_group.update({k: v for k, v in self.param_groups[group].items() if k != "params"})
@@ -99,9 +108,34 @@ class BucketShardedOptimizer(Optimizer):
         for tensor in self.tensors:
             tensor.grad = None
 
+    def _follow_storage(self, index: int, current: Tensor) -> Tensor:
+        """The inner optimizer's tensor of piece ``index``, on the parameter's storage of now: ``param.data = ...``
+        (``module.to(...)``) replaces it, and the piece must update the parameter, not the old storage."""
+        tensor = self.tensors[index]
+        if current.data_ptr() != tensor.data_ptr():  # the same tensor object: the inner state stays keyed to it
+            tensor.set_(current.untyped_storage(), current.storage_offset(), current.size(), current.stride())
+        return tensor
+
+    def _refuse_another_dtype(self) -> None:
+        """Every rank checks every parameter (not only its pieces), so that all raise together: ``set_`` would read
+        a new dtype's bytes as the old one's."""
+        changed = [
+            f"{index} ({self.dtypes[index]} -> {parameter.dtype})"
+            for index, parameter in enumerate(self.parameters)
+            if index < len(self.dtypes) and parameter.dtype != self.dtypes[index]
+        ]
+        if changed:
+            raise ValueError(
+                f"optimizer_sharding=True: the dtype of parameters {', '.join(changed)} changed after DDP wrapped the "
+                "module. DDP's gradient buckets keep the dtype they were built with, and stock DDP then lets the "
+                "replicas drift apart (measured: its all-reduce no longer reaches those gradients). Fix: cast the "
+                "model before the strategy sets it up (in the LightningModule's `__init__` or `configure_model`, or "
+                "before `fabric.setup`), or use a precision plugin (`precision='bf16-mixed'`)."
+            )
+
     @staticmethod
     def _slice(tensor: Tensor, piece: Piece) -> Tensor:
-        return tensor.view(-1)[piece.start : piece.start + piece.length]
+        return flat_in_memory_order(tensor)[piece.start : piece.start + piece.length]
 
     def _all_gather(self) -> None:
         """Every bucket holding one of this optimizer's parameters, gathered from its owners, ``GATHER_WINDOW``
@@ -138,7 +172,7 @@ class BucketShardedOptimizer(Optimizer):
         wait()
         offset = 0
         for parameter, numel in bucket:
-            self.shards.parameters[parameter].detach().view(-1).copy_(full[offset : offset + numel])
+            flat_in_memory_order(self.shards.parameters[parameter].detach()).copy_(full[offset : offset + numel])
             offset += numel
 
     # ------------------------------------------------------------------ the layout
@@ -151,10 +185,11 @@ class BucketShardedOptimizer(Optimizer):
                 "optimizer_sharding=True: the optimizer stepped before any backward reduce-scattered its gradients. "
                 "Fix: step only after a backward of the DDP-wrapped module."
             )
-        if layout == self.layout:
+        if layout == self.layout and not self.regrouped:
             return
+        # a group is only ever added at the end: the pieces' parameter indices stay valid for the state gathered
         full = self._full_state(everyone=True) if self.layout is not None else self.pending
-        self.layout, self.pending = layout, None
+        self.layout, self.pending, self.regrouped = layout, None, False
         local = {self.shards.index_of(p): i for i, p in enumerate(self.parameters)}
         missing = [
             i
@@ -165,8 +200,11 @@ class BucketShardedOptimizer(Optimizer):
         if missing:
             raise ValueError(
                 f"optimizer_sharding=True steps what DDP's buckets hold, and parameters {missing} of this optimizer "
-                "are not in the DDP-wrapped module. Fix: give the optimizer the module's parameters only, or set "
-                "`optimizer_sharding='all_reduce'`."
+                "are in none: they are not in the DDP-wrapped module, or did not require grad when DDP wrapped it. "
+                "DDP leaves those out and never all-reduces their gradients, sharded or not (Lightning's "
+                "`BaseFinetuning` freezes in `setup`, before the wrap). Fix: give the optimizer the module's "
+                "parameters only, and freeze layers after the wrap (in `on_fit_start`, with "
+                "`find_unused_parameters=True`), so that DDP holds what is unfrozen later."
             )
         self.pieces = [
             Piece(local[piece.parameter], piece.start, piece.length, piece.bucket, piece.offset)
@@ -175,6 +213,7 @@ class BucketShardedOptimizer(Optimizer):
         ]
         # views: the inner optimizer updates the parameters in place, and a rank holds no copy of its pieces
         self.tensors = [self._slice(self.parameters[p.parameter].detach(), p) for p in self.pieces]
+        self.dtypes = [parameter.dtype for parameter in self.parameters]
         self._build_inner()
         if full is not None:
             self._slice_state(full)
@@ -231,11 +270,13 @@ class BucketShardedOptimizer(Optimizer):
                         whole = full.setdefault(key, value.new_zeros(math.prod(shape)))
                         whole[start : start + value.numel()].copy_(value)
         for parameter, full in state.items():
-            shape = self.parameters[parameter].shape
-            device = self.parameters[parameter].device
+            like = self.parameters[parameter]
             for key, value in full.items():
-                if isinstance(value, Tensor) and value.dim() == 1 and value.numel() == math.prod(shape):
-                    full[key] = value.view(shape).to(device)
+                if isinstance(value, Tensor) and value.dim() == 1 and value.numel() == like.numel():
+                    # the flat state is in the parameter's memory order (the buckets'): laid out as the parameter is
+                    laid_out = torch.empty_strided(like.shape, like.stride(), dtype=value.dtype)
+                    flat_in_memory_order(laid_out).copy_(value)
+                    full[key] = laid_out.to(like.device)
         return {"state": state, "param_groups": self._packed_groups()}
 
     def _packed_groups(self) -> list[dict[str, Any]]:
@@ -263,11 +304,11 @@ class BucketShardedOptimizer(Optimizer):
             state = states.get(piece.parameter)
             if not state:
                 continue
-            numel = self.parameters[piece.parameter].numel()
+            like = self.parameters[piece.parameter]
             self.inner.state[tensor] = {
                 key: (
-                    value.reshape(-1)[piece.start : piece.start + piece.length].to(tensor.device, copy=True)
-                    if _per_element(value, numel)
+                    self._slice(_laid_out_as(value, like), piece).to(tensor.device, copy=True)
+                    if _per_element(value, like.numel())
                     else _scalar_state(value, tensor.device if id(tensor) in on_device else None)
                 )
                 for key, value in state.items()
@@ -337,6 +378,47 @@ class BucketShardedOptimizer(Optimizer):
             for value in state.values()
             if isinstance(value, Tensor)
         )
+
+
+def flat_in_memory_order(tensor: Tensor) -> Tensor:
+    """A 1-D view of ``tensor``'s elements in the order they lie in memory: the order of DDP's gradient buckets,
+    which lay a parameter out as its strides do (a channels_last weight is dense but not contiguous).
+
+    >>> weight = torch.arange(24.0).view(1, 2, 3, 4).to(memory_format=torch.channels_last)
+    >>> flat_in_memory_order(weight)[:4].tolist()
+    [0.0, 12.0, 1.0, 13.0]
+    """
+    if tensor.is_contiguous():
+        return tensor.view(-1)
+    if not _dense(tensor):
+        raise ValueError(
+            f"optimizer_sharding=True steps pieces of each parameter as DDP's buckets lay them out, and a tensor of "
+            f"shape {tuple(tensor.shape)} and strides {tensor.stride()} has gaps or overlaps in memory. Fix: make "
+            "the parameter dense (`param.data = param.data.contiguous()`), or set `optimizer_sharding='all_reduce'`."
+        )
+    return tensor.as_strided((tensor.numel(),), (1,), tensor.storage_offset())
+
+
+def _dense(tensor: Tensor) -> bool:
+    """Whether ``tensor``'s elements fill a block of memory exactly, each once (in some order of its dimensions)."""
+    expected = 1
+    for size, stride in sorted(
+        (pair for pair in zip(tensor.shape, tensor.stride()) if pair[0] != 1), key=lambda p: p[1]
+    ):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _laid_out_as(value: Tensor, like: Tensor) -> Tensor:
+    """``value`` (a per-element state of ``like``'s shape, or flat) with ``like``'s strides: a state saved by another
+    run may be laid out otherwise."""
+    if value.shape == like.shape and value.stride() == like.stride():
+        return value
+    if value.shape != like.shape:
+        value = value.reshape(like.shape)  # a flat state of a contiguous layout
+    return torch.empty_strided(like.shape, like.stride(), dtype=value.dtype, device=value.device).copy_(value)
 
 
 def _per_element(value: Any, numel: int) -> bool:

@@ -9,30 +9,53 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
+import torch.distributed as dist
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
+from typing_extensions import override
 
 from lightning_ddp_plus.config.messages import ArgumentValueError, describe_bad_value
+from lightning_ddp_plus.pipeline.component import FitStart, StepComponent
 from lightning_ddp_plus.sharding.optimizer import OptimizerSharding, refuse_clipping, shard_optimizers
 from lightning_ddp_plus.sharding.reduce_scatter import GradientShards, reduce_scatter_hook
 from lightning_ddp_plus.sharding.sharded_step import BucketShardedOptimizer, route_norm_clipping
 
 
-class ZeroSharding:
+class ZeroSharding(StepComponent):
     """``optimizer_sharding`` as a run applies it.
 
     Args:
         mode: ``optimizer_sharding``.
         info: how a one-line report reaches the user.
+        timeout: the collective timeout of the exchange group it opens on gloo (``GradientShards.exchange_group``).
     """
 
-    def __init__(self, mode: OptimizerSharding, info: Callable[[str], None]):
-        self.mode, self._info = mode, info
+    def __init__(
+        self, mode: OptimizerSharding, info: Callable[[str], None], timeout: timedelta = timedelta(minutes=30)
+    ):
+        self.mode, self._info, self.timeout = mode, info, timeout
         #: ``True``: the reduce-scatter hook's state, shared by the sharded optimizers.
         self.shards = GradientShards() if mode is True else None
+
+    @override
+    def fit_starts(self, fit: FitStart) -> None:
+        """gloo: the hook's exchanges get a group of their own (a collective: every rank is here together)."""
+        self.fit_ends(failed=False)
+        if self.shards is not None and self.shards.uses_exchange:
+            self.shards.exchange_group = dist.new_group(backend="gloo", timeout=self.timeout)
+
+    @override
+    def fit_ends(self, failed: bool) -> None:
+        if self.shards is not None and self.shards.exchange_group is not None:
+            try:
+                dist.destroy_process_group(self.shards.exchange_group)
+            except (RuntimeError, ValueError):  # the default group went first (interpreter shutdown)
+                pass
+            self.shards.exchange_group = None
 
     def rebuilding(self, rebuild: Callable[[Any], None]) -> Callable[[Any], None]:
         """``rebuild`` (a new reducer after a failed attempt), which first drops what the failed backward received
