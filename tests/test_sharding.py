@@ -338,8 +338,9 @@ def test_pieces_follow_the_parameters_layout_and_groups_and_refuse_what_they_can
     assert channels_last["resumed_difference"] <= 1e-6
     # a group added at the third step (frozen layers unfrozen): stepped from then on (before: never, 0.04 away)
     assert added["difference"] <= 1e-6 and added["state_difference"] <= 1e-6, added
-    # frozen before the wrap, DDP never all-reduces them: said, with the way out
+    # frozen before the wrap, DDP left them out of its buckets: said, with the way out
     assert "did not require grad when DDP wrapped it" in frozen["refused"]
+    assert "`optimizer_sharding='all_reduce'`" in frozen["refused"]
     # a parameter recast after the wrap: named (before: its float64 bytes were read as float32)
     assert "parameters 0 (torch.float32 -> torch.float64)" in recast["refused"]
 

@@ -39,6 +39,7 @@ from lightning_ddp_plus.sync.accumulation import AccumulationWindow, SyncStats, 
 from lightning_ddp_plus.sync.buckets import BucketChoice, BucketTuner
 from lightning_ddp_plus.sync.comm_hooks import HookAssembly, HookCallCounter
 from lightning_ddp_plus.sync.item_averaging import ItemAveraging
+from lightning_ddp_plus.sync.left_out import LeftOutGradients
 from lightning_ddp_plus.sync.micro_batch_runner import MicroBatchRunner
 from lightning_ddp_plus.sync.micro_batches import CHECKPOINT_KEY, MicroBatchSizer
 from lightning_ddp_plus.sync.side_channel import SideChannel
@@ -62,6 +63,7 @@ class RunComponents:
     stragglers: StragglerWatch | None
     ledger: CollectiveLedger
     stall_watchdog: StallWatchdog | None
+    left_out: LeftOutGradients
     items: ItemAveraging
     sync_guard: SyncGuard
     uneven: UnevenInputsCheck
@@ -102,6 +104,7 @@ class RunComponents:
         self.channel.record = self.ledger.collective  # the flag exchanges in the ledger too
         threshold = arguments.stall_threshold
         self.stall_watchdog = None if threshold is None else StallWatchdog(self.ledger, threshold, warn=warn)
+        self.left_out = LeftOutGradients(record=self.ledger.collective, info=info)
         self.items = ItemAveraging.for_arguments(arguments, self.window, record=self.ledger.collective, info=info)
         self.sync_guard = SyncGuard(arguments.sync_guard, self.channel, warn=warn)
         self.uneven = UnevenInputsCheck(arguments.uneven_inputs, info=info, window=self.window)

@@ -69,6 +69,7 @@ class DDPPlusEngine(RunComponents):
                 self.hooks,  # the communication hook, on every backend
                 self.buffer_broadcast,  # DDP's buffer broadcast, in the ledger
                 self.conflicts,  # the conflict check: observes the first training forward
+                self.left_out,  # parameters DDP left out (frozen at the wrap), averaged once unfrozen
                 self.items,  # per-item averaging: the window's items divide its gradient
                 self.uneven,  # uneven inputs: a held flag in the agreement, "join"'s rescale
                 self.micro_batches,  # micro-batches: the out-of-memory flag in the agreement

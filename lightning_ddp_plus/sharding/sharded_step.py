@@ -200,11 +200,11 @@ class BucketShardedOptimizer(Optimizer):
         if missing:
             raise ValueError(
                 f"optimizer_sharding=True steps what DDP's buckets hold, and parameters {missing} of this optimizer "
-                "are in none: they are not in the DDP-wrapped module, or did not require grad when DDP wrapped it. "
-                "DDP leaves those out and never all-reduces their gradients, sharded or not (Lightning's "
-                "`BaseFinetuning` freezes in `setup`, before the wrap). Fix: give the optimizer the module's "
-                "parameters only, and freeze layers after the wrap (in `on_fit_start`, with "
-                "`find_unused_parameters=True`), so that DDP holds what is unfrozen later."
+                "are in none: they are not in the DDP-wrapped module, or did not require grad when DDP wrapped it "
+                "(Lightning's `BaseFinetuning` freezes in `setup`, before the wrap; DDP leaves those out). Fix: "
+                "give the optimizer the module's parameters only; for layers unfrozen later, use "
+                "`optimizer_sharding='all_reduce'` (whole tensors after the all-reduce, which the strategy extends "
+                "to them), or freeze them after the wrap (in `on_fit_start`, with `find_unused_parameters=True`)."
             )
         self.pieces = [
             Piece(local[piece.parameter], piece.start, piece.length, piece.bucket, piece.offset)

@@ -1,0 +1,25 @@
+"""Layers unfrozen during a fit (Lightning's ``BaseFinetuning``) are all-reduced like every other layer."""
+
+import pytest
+
+from tests.helpers import run_case_job
+
+CASES = [
+    {"reference": True},
+    {"reference": False, "stock": True},
+    {"reference": False},
+    {"reference": False, "strategy": {"gradient_accumulation_steps": 2}},
+    {"reference": False, "strategy": {"optimizer_sharding": "all_reduce"}},
+]
+
+
+@pytest.mark.multiprocess
+def test_layers_unfrozen_after_the_wrap_are_averaged_as_ddp_would(tmp_path):
+    reference, stock, plus, accumulated, sharded = run_case_job("finetuning_job.py", CASES, tmp_path / "out.json")
+    assert reference["replica_spread"] == 0.0 and reference["groups"] == 2
+    # stock DDP left the layer frozen at the wrap out of its all-reduce: each rank stepped its own gradient
+    assert stock["replica_spread"] > 1e-3
+    for case in (plus, sharded):
+        assert case["replica_spread"] == 0.0 and case["groups"] == 2, case
+        assert max(abs(a - b) for a, b in zip(case["params"], reference["params"], strict=True)) <= 1e-6, case
+    assert accumulated["replica_spread"] == 0.0
