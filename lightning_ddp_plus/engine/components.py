@@ -106,7 +106,8 @@ class RunComponents:
         self.stall_watchdog = None if threshold is None else StallWatchdog(self.ledger, threshold, warn=warn)
         self.left_out = LeftOutGradients(record=self.ledger.collective, info=info)
         self.items = ItemAveraging.for_arguments(arguments, self.window, record=self.ledger.collective, info=info)
-        self.sync_guard = SyncGuard(arguments.sync_guard, self.channel, warn=warn)
+        own_chunks = self.sharding.shards.received_into_grads if self.sharding.shards is not None else None
+        self.sync_guard = SyncGuard(arguments.sync_guard, self.channel, warn=warn, own_chunks=own_chunks)
         self.uneven = UnevenInputsCheck(arguments.uneven_inputs, info=info, window=self.window)
         self.micro_batches = MicroBatchSizer(arguments.micro_batch_size, info=info)
         self.preemption = PreemptionStop(arguments.preemption_signals, self.channel)

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from torch import Tensor
+
 
 @dataclass(frozen=True)
 class BucketLayout:
@@ -78,3 +80,35 @@ def bytes_per_rank(layout: BucketLayout, element_bytes: Sequence[int], world_siz
         sum(piece.length * element_bytes[piece.parameter] for piece in pieces_of(layout, rank, world_size))
         for rank in range(world_size)
     ]
+
+
+def flat_in_memory_order(tensor: Tensor) -> Tensor:
+    """A 1-D view of ``tensor``'s elements in the order they lie in memory: the order of DDP's gradient buckets,
+    which lay a parameter out as its strides do (a channels_last weight is dense but not contiguous).
+
+    >>> import torch
+    >>> weight = torch.arange(24.0).view(1, 2, 3, 4).to(memory_format=torch.channels_last)
+    >>> flat_in_memory_order(weight)[:4].tolist()
+    [0.0, 12.0, 1.0, 13.0]
+    """
+    if tensor.is_contiguous():
+        return tensor.view(-1)
+    if not _dense(tensor):
+        raise ValueError(
+            f"optimizer_sharding=True steps pieces of each parameter as DDP's buckets lay them out, and a tensor of "
+            f"shape {tuple(tensor.shape)} and strides {tensor.stride()} has gaps or overlaps in memory. Fix: make "
+            "the parameter dense (`param.data = param.data.contiguous()`), or set `optimizer_sharding='all_reduce'`."
+        )
+    return tensor.as_strided((tensor.numel(),), (1,), tensor.storage_offset())
+
+
+def _dense(tensor: Tensor) -> bool:
+    """Whether ``tensor``'s elements fill a block of memory exactly, each once (in some order of its dimensions)."""
+    expected = 1
+    for size, stride in sorted(
+        (pair for pair in zip(tensor.shape, tensor.stride()) if pair[0] != 1), key=lambda p: p[1]
+    ):
+        if stride != expected:
+            return False
+        expected *= size
+    return True

@@ -16,7 +16,7 @@ average exact, whichever rank owns those elements by then.
 
 # real (not string) annotations: torch compares the hook's with dist.GradBucket and Future
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_ddp_plus.sharding.bucket_shards import BucketLayout, chunk_size
+from lightning_ddp_plus.sharding.bucket_shards import BucketLayout, chunk_size, flat_in_memory_order
 from lightning_ddp_plus.sharding.exchange import exchange_reduce_scatter
 
 
@@ -121,6 +121,18 @@ class GradientShards:
             for start, values in self._received.pop(self.index_of(parameter), []):
                 padded[offset + start : offset + start + values.numel()].add_(values, alpha=(world - 1) / world)
             offset += parameter.numel()
+
+    def received_into_grads(self, parameters: Sequence[Tensor]) -> None:
+        """After a fault the per-step guard completed: each parameter's ``.grad`` becomes this rank's chunk of the
+        step's average, zeros elsewhere, as every bucket's reduce-scatter left it (recorded when received, whether
+        the reducer or the guard launched the bucket). A rank whose reducer did not finish still holds its local
+        gradients in ``.grad``, and a finished rank holds only its own chunk, so nothing else is exact."""
+        for parameter in parameters:
+            grad = torch.zeros_like(parameter)
+            flat = flat_in_memory_order(grad)
+            for start, values in self._received.get(self._index.get(id(parameter), -1), []):
+                flat[start : start + values.numel()].copy_(values)
+            parameter.grad = grad
 
     def consumed(self) -> None:
         """A step used the gradients, or a failed attempt's are discarded: nothing received counts again. (Gradients

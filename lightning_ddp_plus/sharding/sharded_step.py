@@ -31,7 +31,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_ddp_plus.private_apis.torch_distributed import mark_stepped
-from lightning_ddp_plus.sharding.bucket_shards import BucketLayout, Piece, chunk_size, pieces_of
+from lightning_ddp_plus.sharding.bucket_shards import BucketLayout, Piece, chunk_size, flat_in_memory_order, pieces_of
 from lightning_ddp_plus.sharding.exchange import finish_all_gather, post_all_gather
 from lightning_ddp_plus.sharding.reduce_scatter import GradientShards
 
@@ -378,37 +378,6 @@ class BucketShardedOptimizer(Optimizer):
             for value in state.values()
             if isinstance(value, Tensor)
         )
-
-
-def flat_in_memory_order(tensor: Tensor) -> Tensor:
-    """A 1-D view of ``tensor``'s elements in the order they lie in memory: the order of DDP's gradient buckets,
-    which lay a parameter out as its strides do (a channels_last weight is dense but not contiguous).
-
-    >>> weight = torch.arange(24.0).view(1, 2, 3, 4).to(memory_format=torch.channels_last)
-    >>> flat_in_memory_order(weight)[:4].tolist()
-    [0.0, 12.0, 1.0, 13.0]
-    """
-    if tensor.is_contiguous():
-        return tensor.view(-1)
-    if not _dense(tensor):
-        raise ValueError(
-            f"optimizer_sharding=True steps pieces of each parameter as DDP's buckets lay them out, and a tensor of "
-            f"shape {tuple(tensor.shape)} and strides {tensor.stride()} has gaps or overlaps in memory. Fix: make "
-            "the parameter dense (`param.data = param.data.contiguous()`), or set `optimizer_sharding='all_reduce'`."
-        )
-    return tensor.as_strided((tensor.numel(),), (1,), tensor.storage_offset())
-
-
-def _dense(tensor: Tensor) -> bool:
-    """Whether ``tensor``'s elements fill a block of memory exactly, each once (in some order of its dimensions)."""
-    expected = 1
-    for size, stride in sorted(
-        (pair for pair in zip(tensor.shape, tensor.stride()) if pair[0] != 1), key=lambda p: p[1]
-    ):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
 
 
 def _laid_out_as(value: Tensor, like: Tensor) -> Tensor:

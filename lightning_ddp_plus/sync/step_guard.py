@@ -106,7 +106,11 @@ def complete_reduction(ddp: DistributedDataParallel, message: str, every_bucket:
 
 
 def settle_gradients(
-    ddp: DistributedDataParallel, finished_ranks: list[int], no_rank_had: list[Parameter], exact: bool
+    ddp: DistributedDataParallel,
+    finished_ranks: list[int],
+    no_rank_had: list[Parameter],
+    exact: bool,
+    own_chunks: Callable[[list[Parameter]], None] | None = None,
 ) -> bool:
     """After a fault, on every rank: give ``.grad`` the exact average of this step. Returns False when it cannot be
     known here (``exact`` False: some rank's backward failed, or bucket views were reduced in place), in which case
@@ -116,6 +120,9 @@ def settle_gradients(
     buckets it completed), so its gradients are broadcast. When none finished, every rank still holds its local
     gradients (``finalize_backward`` never ran), so they are averaged once more, by hand. A parameter no rank gave a
     gradient keeps ``.grad`` None, as with ``find_unused_parameters=True``.
+
+    ``own_chunks``: the hook reduce-scatters (``optimizer_sharding=True``), so no rank holds the whole average, and
+    each rank's own chunk of it is what the hook received: it writes that into ``.grad`` (no collective).
     """
     parameters = [p for p in ddp.module.parameters() if p.requires_grad]
     if not exact:
@@ -124,6 +131,12 @@ def settle_gradients(
         return False
     skip = {id(p) for p in no_rank_had}
     kept = [p for p in parameters if id(p) not in skip]
+    if own_chunks is not None:
+        own_chunks(kept)
+        for parameter in parameters:
+            if id(parameter) in skip:
+                parameter.grad = None
+        return True
     gradients = [torch.zeros_like(p) if p.grad is None else p.grad for p in kept]
     for parameter, gradient in zip(kept, gradients):
         parameter.grad = gradient
@@ -212,10 +225,18 @@ class SyncGuard(StepComponent):
         warn: how a warning reaches the user (rank 0 only in a Trainer).
     """
 
-    def __init__(self, enabled: bool, channel: SideChannel, warn: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        enabled: bool,
+        channel: SideChannel,
+        warn: Callable[[str], None],
+        own_chunks: Callable[[list[Parameter]], None] | None = None,
+    ) -> None:
         self.enabled = enabled
         self._warn = warn
         self.channel = channel
+        #: With a reduce-scatter hook: writes each rank's received chunks into ``.grad`` (see ``settle_gradients``).
+        self.own_chunks = own_chunks
         self._parameters: list[tuple[str, Parameter]] = []
         self._active = False
         self._store: Any = None
@@ -324,8 +345,10 @@ class SyncGuard(StepComponent):
         finished = [rank for rank, row in enumerate(rows) if row[-1] < 0]
         no_rank_had = [p for index, (_, p) in enumerate(self._parameters) if all(row[size + index] for row in rows)]
         # exact unless some backward failed, or bucket views were reduced in place on ranks that all stopped early
-        exact = not aborted and (bool(finished) or not ddp.gradient_as_bucket_view)
-        applied = settle_gradients(ddp, finished, no_rank_had, exact)
+        # (the reduce-scatter's chunks are recorded as received, in place or not)
+        in_place = ddp.gradient_as_bucket_view and self.own_chunks is None
+        exact = not aborted and (bool(finished) or not in_place)
+        applied = settle_gradients(ddp, finished, no_rank_had, exact, self.own_chunks)
         return SyncFault(
             step=step,
             unused=tuple(tuple(name for (name, _), on in zip(self._parameters, row[:size]) if on) for row in rows),
