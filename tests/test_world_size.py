@@ -123,6 +123,7 @@ def resumed(tmp_path_factory):
     manual, boundary, sharded = (str(folder / name) for name in ("manual.ckpt", "boundary.ckpt", "sharded.ckpt"))
     wide, knobs, stateful = (str(folder / name) for name in ("two_b4.ckpt", "knobs.ckpt", "stateful.ckpt"))
     items, one_sharded = str(folder / "items.ckpt"), str(folder / "one_sharded.ckpt")
+    iterable = str(folder / "iterable.ckpt")
     # 240 samples: 10 steps of 24 on 2 ranks (4 rows x accumulation 3), and the 192 after 2 steps deal evenly to 3
     four_by_three = {"batch_size": 4, "accumulate": 3, "samples": 240}
     manual_case = {"manual": True, "strategy_accumulate": 2}  # the strategy's window, k = 2 on one rank
@@ -158,6 +159,12 @@ def resumed(tmp_path_factory):
             {"name": "1 -> 2", "resume": one},
             {"name": "1 -> 2, manual", "resume": manual, **manual_case},
             {"name": "1 -> 2, sharded", "resume": one_sharded, "sharding": True},
+            # the same world size: the loader restores its own place (before: skipped again, 64 samples lost)
+            {"name": "2 -> 2, stateful loader", "resume": stateful, "stateful": True},
+            # an iterable data set has no sampler to skip with (before: the 4 batches trained again)
+            {"name": "reference, iterable", "iterable": True},
+            {"name": "two, iterable, stop", "stop_after": 4, "checkpoint": iterable, "iterable": True},
+            {"name": "2 -> 2, iterable", "resume": iterable, "iterable": True},
         ],
         folder / "2.json",
     )
@@ -283,3 +290,19 @@ def test_a_loader_the_strategy_cannot_place_is_refused_unless_it_restores_its_ow
     assert "keeping the global batch of 16 (accumulation 1 -> 2); the loader restores its place." in stateful["log"]
     # its own place: 4 batches given of this rank's 32 on one rank, so 28 trained here (in 14 steps of 2)
     assert len(samples(stateful)) == 28 * 8 and stateful["global_step"] == 4 + 14
+
+
+@pytest.mark.multiprocess
+def test_a_resume_on_the_same_ranks_continues_a_stateful_loader_and_an_iterable_data_set_once(resumed):
+    for stop, resume in (
+        ("two, stateful loader, stop", "2 -> 2, stateful loader"),
+        ("two, iterable, stop", "2 -> 2, iterable"),
+    ):
+        before, after = resumed[stop], resumed[resume]
+        assert after["error"] is None and after["global_step"] == 16, after["error"]
+        assert samples(before, after) == list(range(256)), resume  # every sample once: none twice, none lost
+    iterable = resumed["2 -> 2, iterable"]
+    assert "those batches are fetched again and dropped, not trained" in iterable["log"]
+    reference = resumed["reference, iterable"]
+    assert max(abs(a - b) for a, b in zip(iterable["params"][0], reference["params"][0], strict=True)) <= 1e-6
+    assert "the loader restores its place" in resumed["2 -> 2, stateful loader"]["log"]

@@ -34,7 +34,7 @@ from typing import Any, Literal, Protocol
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
-from torch.utils.data import DataLoader, DistributedSampler, Sampler
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Sampler
 
 from lightning_ddp_plus.persistence.files import (
     NEWEST_READABLE,
@@ -249,6 +249,33 @@ class SkipFirstSampler(Sampler[Any]):
             self.sampler.set_epoch(epoch)
 
 
+def restores_its_own_place(dataloader: Any) -> bool:
+    """A loader with ``state_dict``/``load_state_dict`` (torchdata's ``StatefulDataLoader``): Lightning saves its
+    state in the checkpoint and gives it back at a resume, so it continues where it stopped by itself."""
+    return callable(getattr(dataloader, "state_dict", None)) and callable(getattr(dataloader, "load_state_dict", None))
+
+
+class SkipFirstBatches:
+    """``dataloader`` without its first ``skip`` batches, on its next pass only: they are fetched and dropped, as an
+    iterable data set has no sampler to skip with. Everything else is the loader's own.
+
+    >>> from torch.utils.data import DataLoader
+    >>> loader = SkipFirstBatches(DataLoader(range(6), batch_size=2), skip=2)
+    >>> [batch.tolist() for batch in loader], len(list(loader)), loader.batch_size
+    ([[4, 5]], 3, 2)
+    """
+
+    def __init__(self, dataloader: Any, skip: int) -> None:
+        self.dataloader, self.skip = dataloader, skip
+
+    def __iter__(self) -> Iterator[Any]:
+        skip, self.skip = self.skip, 0
+        return itertools.islice(iter(self.dataloader), skip, None)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["dataloader"], name)
+
+
 def every_ranks_generator_states() -> list[dict[str, Any]]:
     """Every rank's generator states, by rank (a gather: every rank calls it, as every rank takes part in a save)."""
     states = generator_states()
@@ -453,7 +480,19 @@ class ResumeCoordinator:
             counted = int(progress.current.ready) if at_epoch_end else consumed
             assert layout is not None  # a plan comes from a layout
             return self._resume_on_another_world_size(dataloader, trainer, layout, plan, counted)
-        if consumed == 0 or not isinstance(dataloader, DataLoader) or dataloader.batch_size is None:
+        if consumed == 0 or not isinstance(dataloader, DataLoader):
+            return dataloader
+        if restores_its_own_place(dataloader):  # Lightning gave it its state back: skipping would skip twice
+            self._info(f"DDPPlusStrategy: resuming mid-epoch after {consumed} batches; the loader restores its place.")
+            return dataloader
+        if isinstance(dataloader.dataset, IterableDataset):
+            self._info(
+                f"DDPPlusStrategy: resuming mid-epoch after {consumed} batches; the training data is an iterable data "
+                "set, which cannot skip, so those batches are fetched again and dropped, not trained (exact when it "
+                "yields the same batches in the same order again)."
+            )
+            return SkipFirstBatches(dataloader, consumed)
+        if dataloader.batch_size is None:
             return dataloader
         self._info(
             f"DDPPlusStrategy: resuming mid-epoch, skipping the {consumed} batches the epoch had consumed before the "
@@ -467,10 +506,7 @@ class ResumeCoordinator:
         """Accumulation as planned, the loop's batch counters in the new layout's batches, and the rest of the
         epoch's permutation dealt to the new ranks (``ResumeAtSample``)."""
         sampler = getattr(dataloader, "sampler", None)
-        stateful = callable(getattr(dataloader, "state_dict", None)) and callable(
-            getattr(dataloader, "load_state_dict", None)
-        )
-        if stateful:  # it restores its own place (Lightning saves and loads its state): only k changes
+        if restores_its_own_place(dataloader):  # it restores its own place (Lightning saves and loads its state): only k changes
             self._set_accumulation(plan.accumulation)
             if trainer.lightning_module.automatic_optimization:
                 trainer.accumulate_grad_batches = plan.accumulation

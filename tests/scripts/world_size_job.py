@@ -5,7 +5,8 @@ A case trains a regression model on 256 shuffled samples (or ``samples``), 8 row
 ``batch_size``), for one epoch (or ``epochs``), in manual optimization with ``manual`` (accumulating with the
 strategy's ``gradient_accumulation_steps``: ``strategy_accumulate``), with ``optimizer_sharding`` with ``sharding``,
 and with any other strategy arguments in ``strategy`` (Trainer arguments in ``trainer``); ``stateful``: the loader
-keeps its own place (``state_dict``/``load_state_dict``);
+keeps its own place (``state_dict``/``load_state_dict``); ``iterable``: each rank's rows come from an
+``IterableDataset`` that shards itself;
 ``items``: the loss is a mean over a varying subset of the rows, returned with ``num_items``; ``stop_after``
 ends it after that many optimizer steps with a checkpoint in ``checkpoint``; ``resume`` continues from one. Every
 rank records the indices of the samples it trained; rank 0 writes them with the parameters and the log lines.
@@ -20,7 +21,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from lightning_ddp_plus import DDPPlusStrategy
 from tests.helpers import QUIET_TRAINER, job_main, regression_data
@@ -39,6 +40,17 @@ class Indexed(Dataset):
     def __getitem__(self, index: int):
         x, y = self.data[index]
         return index, x, y
+
+
+class RankShardIndexed(IterableDataset):
+    """This rank's rows ``rank::world`` of ``Indexed``, in a fixed order, as an iterable without a length (Lightning
+    adds no sampler to it; the data set shards itself)."""
+
+    def __init__(self, length: int, rank: int, world: int) -> None:
+        self.rows, self.rank, self.world = Indexed(length), rank, world
+
+    def __iter__(self):
+        return (self.rows[index] for index in range(self.rank, len(self.rows), self.world))
 
 
 class StatefulLoader(DataLoader):
@@ -66,6 +78,7 @@ class Regression(L.LightningModule):
     def __init__(self, batch_size: int = 8, samples: int = 256, stateful: bool = False, items: bool = False) -> None:
         super().__init__()
         self.batch_size, self.samples, self.stateful, self.items = batch_size, samples, stateful, items
+        self.iterable = False
         torch.manual_seed(1)
         self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
         self.seen: list[int] = []
@@ -82,6 +95,10 @@ class Regression(L.LightningModule):
         return nn.functional.mse_loss(self.net(x), y)
 
     def train_dataloader(self):
+        if self.iterable:
+            return DataLoader(
+                RankShardIndexed(self.samples, self.global_rank, self.trainer.world_size), self.batch_size
+            )
         return (StatefulLoader if self.stateful else DataLoader)(
             Indexed(self.samples), batch_size=self.batch_size, shuffle=True
         )
@@ -141,7 +158,7 @@ def run_case(case: dict) -> dict:
     model = (ManualRegression if case.get("manual") else Regression)(
         case.get("batch_size", 8), case.get("samples", 256), case.get("stateful", False)
     )
-    model.items = case.get("items", False)
+    model.items, model.iterable = case.get("items", False), case.get("iterable", False)
     outcome: dict = {"error": None}
     try:
         trainer.fit(model, ckpt_path=case.get("resume"))
