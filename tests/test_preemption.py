@@ -15,7 +15,7 @@ from lightning_ddp_plus import ArgumentTypeError, ArgumentValueError, DDPPlusFab
 from lightning_ddp_plus.preemption.notice import Notice, NoticeWatch
 from lightning_ddp_plus.preemption.report import Preempted, PreemptionReport
 from lightning_ddp_plus.preemption.stop import StopDecision
-from tests.helpers import python_script, run_job, start_ranks, torchrun_command
+from tests.helpers import python_script, run_case_job, run_job, start_ranks, torchrun_command
 
 
 @pytest.mark.parametrize(
@@ -203,3 +203,17 @@ def test_torchruns_sigterm_is_saved_inside_its_window_and_the_next_attempt_resum
     for index in (i for rank in result["trained"] for i in rank):
         counts[index] = counts.get(index, 0) + 1
     assert set(counts.values()) == {2} and len(counts) == 64
+
+
+@pytest.mark.multiprocess
+def test_a_notice_after_the_last_step_waits_for_the_fits_end_and_a_save_for_its_file(tmp_path):
+    cases = [{"at": "after_training", "root": str(tmp_path / "a")}, {"at": "async_save", "root": str(tmp_path / "b")}]
+    after_training, async_save = run_case_job("preemption_end_job.py", cases, tmp_path / "out.json", timeout=200)
+    # rank 1's notice came in on_train_end, after the last agreement: passed on once the fit is over (before: inside
+    # the strategy's teardown, when only on_train_end had run, so the default handler skipped the rest of the fit)
+    assert not after_training["preempted"] and after_training["global_step"] == 4
+    assert after_training["passed_on_by_rank"] == [[], [["on_train_end", "on_fit_end", "teardown"]]]
+    # the agreed step through AsyncCheckpointIO: the report (and SLURM's requeue) wait for the write of about 1 s
+    # (before: "saved in 0.0 s", the file still being written)
+    assert async_save["preempted"] and async_save["saved"]
+    assert async_save["save_seconds"] >= 1.0

@@ -297,9 +297,14 @@ class RunComponents:
         """At the start of training: whether some rank got a notice during setup (one all-reduce of one integer)."""
         return self.preemption.before_first_step()
 
-    def end_notices(self) -> None:
-        """At the fit's end: the handlers from before it (a notice no step took is passed on, unless it failed)."""
-        self.preemption.end(pass_on=not self.failed)
+    def end_notices(self, hold: bool = False) -> None:
+        """At the fit's end: the handlers from before it (a notice no step took is passed on, unless it failed;
+        ``hold``: at ``pass_on_held_notice``, once the fit is over)."""
+        self.preemption.end(pass_on=not self.failed, hold=hold)
+
+    def pass_on_held_notice(self) -> None:
+        """After the fit, every hook of it run: the notice ``end_notices`` held, to the handlers from before."""
+        self.preemption.pass_on_held()
 
     def explain(self, exception: BaseException) -> None:
         """Append to a torch error which rule it is and the fix, or what a collective timeout means."""

@@ -46,7 +46,7 @@ from lightning_ddp_plus.frontends.trainer_loop import (
     settle_accumulation,
     training_dataloader,
 )
-from lightning_ddp_plus.frontends.trainer_preemption import watch_for_notices
+from lightning_ddp_plus.frontends.trainer_preemption import pass_on_held_notice, watch_for_notices
 from lightning_ddp_plus.persistence.resume import ResumeCoordinator
 from lightning_ddp_plus.private_apis.lightning import trainer_of, training_loaders
 from lightning_ddp_plus.processes.launcher import (
@@ -146,9 +146,8 @@ class DDPPlusStrategy(DDPPlusFrontEnd, DDPStrategy):
                 self.cluster_environment, self.num_processes, self.num_nodes, self._before_launch, after_failure
             )
         else:
-            self._launcher = ResultsReturningLauncher(
-                self, start_method=self._start_method, before_launch=self._before_launch
-            )
+            self._launcher = ResultsReturningLauncher(self, start_method=self._start_method)
+        self._launcher.before_launch, self._launcher.after_fit = self._before_launch, pass_on_held_notice
 
     def _before_launch(
         self, trainer: pl.Trainer, function: Callable[..., Any], args: tuple[Any, ...]
@@ -256,7 +255,7 @@ class DDPPlusStrategy(DDPPlusFrontEnd, DDPStrategy):
     @override
     def teardown(self) -> None:
         remove_leftover_forward_redirection(self.lightning_module)
-        self.engine.end_notices()
+        self.engine.end_notices(hold=True)  # passed on after the fit (the launcher), not amid Lightning's teardown
         self.engine.teardown()
         super().teardown()
 

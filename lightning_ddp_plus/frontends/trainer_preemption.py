@@ -52,6 +52,15 @@ def watch_for_notices(engine: DDPPlusEngine, trainer: pl.Trainer | None) -> None
         leave_signals_to(trainer, watch.reinstall, watch.previous_handlers(), "SIGTERM" in watch.signals)
 
 
+def pass_on_held_notice(trainer: pl.Trainer | None) -> None:
+    """In each process, once ``fit`` is over (the launcher calls it): a notice that came after the last step's
+    agreement, to the handlers from before the fit. Not at the strategy's teardown: ``on_fit_end``, the teardown
+    hooks and an asynchronous checkpoint's pending writes come after it, and the default handler ends the process."""
+    engine = getattr(getattr(trainer, "strategy", None), "engine", None)
+    if isinstance(engine, DDPPlusEngine):
+        engine.pass_on_held_notice()
+
+
 def preemption_checkpoint_path(trainer: pl.Trainer) -> str:
     """Where the agreed step is saved (see the module's docstring)."""
     if slurm_requeues(trainer) is not None:
@@ -69,6 +78,9 @@ def end_preempted(trainer: pl.Trainer, decision: StopDecision) -> None:
     if decision.stop_after is not None:
         path, started = preemption_checkpoint_path(trainer), time.monotonic()
         trainer.save_checkpoint(path)
+        # an asynchronous checkpoint IO returns before the file is written: the line and SLURM's requeue wait for it
+        # (its teardown finishes the pending writes; nothing is saved after this in the fit)
+        trainer.strategy.checkpoint_io.teardown()
         hint = "the requeued job resumes by itself" if requeues else 'resume with ckpt_path="last"'
         report = PreemptionReport(decision, path, time.monotonic() - started, hint)
     if trainer.is_global_zero:

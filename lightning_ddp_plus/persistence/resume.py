@@ -506,7 +506,7 @@ class ResumeCoordinator:
         """Accumulation as planned, the loop's batch counters in the new layout's batches, and the rest of the
         epoch's permutation dealt to the new ranks (``ResumeAtSample``)."""
         sampler = getattr(dataloader, "sampler", None)
-        if restores_its_own_place(dataloader):  # it restores its own place (Lightning saves and loads its state): only k changes
+        if restores_its_own_place(dataloader):  # Lightning saves and loads its state: only k changes
             self._set_accumulation(plan.accumulation)
             if trainer.lightning_module.automatic_optimization:
                 trainer.accumulate_grad_batches = plan.accumulation

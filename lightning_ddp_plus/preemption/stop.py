@@ -90,13 +90,22 @@ class PreemptionStop(StepComponent):
         if self.on:
             self.watch.install()
 
-    def end(self, pass_on: bool) -> None:
+    def end(self, pass_on: bool, hold: bool = False) -> None:
         """At the end of a fit: the handlers from before it, and (``pass_on``: the fit ended without an error) a
-        notice that no step boundary took, delivered again to them (by default, it ends the process)."""
+        notice that no step boundary took, delivered again to them (by default, it ends the process); ``hold``: not
+        now but at ``pass_on_held`` (the Trainer's teardown is not the fit's end: ``on_fit_end``, the teardown hooks
+        and an asynchronous checkpoint's writes come after it)."""
         if self.watch.installed:
             self.watch.uninstall()
-            if pass_on and self.decision is None:
+            if pass_on and self.decision is None and not hold:
                 self.watch.pass_on()
+            elif not pass_on or self.decision is not None:
+                self.watch.clear()
+
+    def pass_on_held(self) -> None:
+        """The fit is over, every hook of it run: a notice ``end`` held is delivered to the handlers from before."""
+        if not self.watch.installed:
+            self.watch.pass_on()
 
     def agreement_requested(self) -> bool:
         """Before a synced backward: a rank with a notice makes every rank take the agreeing all-reduce."""

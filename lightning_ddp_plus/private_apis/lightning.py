@@ -2,7 +2,7 @@
 
 | what | Lightning names used | checked on | probe, and what happens without it |
 |---|---|---|---|
-| the launchers the front ends extend (``SubprocessScriptLauncher``, ``MultiProcessingLauncher``, ``FabricSubprocessScriptLauncher``) | ``lightning.pytorch.strategies.launchers._SubprocessScriptLauncher``, ``_MultiProcessingLauncher``, ``lightning.fabric.strategies.launchers.subprocess_script._SubprocessScriptLauncher`` | 2.5, 2.6 | none: Lightning has no public launcher to extend |
+| the launchers the front ends extend (``SubprocessScriptLauncher``, ``MultiProcessingLauncher``, ``FabricSubprocessScriptLauncher``) | ``lightning.pytorch.strategies.launchers._SubprocessScriptLauncher``, ``_MultiProcessingLauncher``, ``lightning.fabric.strategies.launchers.subprocess_script._SubprocessScriptLauncher`` | 2.5, 2.6 | none: Lightning has no public launcher to extend; the spawn/fork worker's end is ``_MultiProcessingLauncher._wrapping_function`` (overridden: a notice held for after the fit is passed on there, after the worker's results) |
 | ending the process group at exit (``destroy_dist_connection``) | ``lightning.fabric.utilities.distributed._destroy_dist_connection`` | the same | none |
 | loading a checkpoint file as Lightning does (``load_file``, ``PathLike``) | ``lightning.fabric.utilities.cloud_io._load``, ``lightning.fabric.utilities.types._PATH`` | the same | none |
 | the async checkpoint IO's wrapper (``wrapping_checkpoint_io``, ``has_own_checkpoint_io``) | ``lightning.pytorch.plugins.io.wrapper._WrappingCheckpointIO``, ``_base_checkpoint_io_configured`` | the same | ``None`` where the class is missing: no async IO to give a default |

@@ -177,9 +177,15 @@ class ParentWatchedFabricLauncher(FabricSubprocessScriptLauncher):
 
 
 class _SettlesBeforeLaunch:
-    """Calls ``before_launch`` at the start of ``launch``, in every process, before anything is started."""
+    """Calls ``before_launch`` at the start of ``launch``, in every process, before anything is started; and
+    ``after_fit`` in every process once the launched function returned (a notice held for after the fit)."""
 
     before_launch: BeforeLaunch | None = None
+    after_fit: Callable[[Any], None] | None = None
+
+    def _fit_over(self, trainer: Any | None) -> None:
+        if self.after_fit is not None:
+            self.after_fit(trainer)
 
     def _settle(self, trainer: Any | None, function: Callable[..., Any], args: tuple[Any, ...]) -> tuple[Any, ...]:
         if trainer is not None and self.before_launch is not None:
@@ -247,7 +253,7 @@ class KillChildrenOnFailureLauncher(_SettlesBeforeLaunch, SubprocessScriptLaunch
                 first_child = self.cluster_environment.node_rank() * self.num_processes + 1
                 ChildObserver(start_children_knowing_their_parent(self), first_child).start()
             set_threads_per_rank(num_processes=self.num_processes)
-            return function(*args, **kwargs)
+            result = function(*args, **kwargs)
         except SIGTERMException:  # a preemption: every rank saved the same step and ends on its own
             wait_for_children(getattr(self, "procs", []), CHILDREN_END_GRACE_S)
             self.kill(signal.SIGKILL)
@@ -255,6 +261,8 @@ class KillChildrenOnFailureLauncher(_SettlesBeforeLaunch, SubprocessScriptLaunch
         except BaseException:
             self.kill(signal.SIGKILL)
             raise
+        self._fit_over(trainer)
+        return result
 
 
 #: How long rank 0 waits for the ranks it started to end by themselves after a preemption, before killing them.
@@ -319,6 +327,11 @@ class ResultsReturningLauncher(_SettlesBeforeLaunch, MultiProcessingLauncher):
     def launch(self, function: Callable[..., Any], *args: Any, trainer: Any | None = None, **kwargs: Any) -> Any:
         args = self._settle(trainer, function, args)
         return super().launch(function, *args, trainer=trainer, **kwargs)
+
+    @override
+    def _wrapping_function(self, process_idx: int, trainer: Any, *args: Any, **kwargs: Any) -> None:
+        super()._wrapping_function(process_idx, trainer, *args, **kwargs)
+        self._fit_over(trainer)  # in the worker, its results handed back first
 
     @override
     def get_extra_results(self, trainer: Any) -> dict[str, Any]:
