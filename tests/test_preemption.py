@@ -99,6 +99,10 @@ CASES = [
     {"to": 1, "at": "forward", "step": 5, "sync_guard": False},
     {"to": 0, "at": "forward", "step": 6, "no_checkpoint_callback": True},
     {"to": 1, "at": "forward", "step": 3, "signals": ["SIGTERM", "SIGUSR1"], "signal": "SIGUSR1", "slurm": True},
+    # synced backwards that close no window: a static graph's first micro-batch, and a manual loop accumulating in
+    # its own code (before: saved mid-window as "step 1" at global step 0, and 0.04 / 0.15 away after the resume)
+    {"to": "all", "at": "forward", "step": 0, "k": 2, "static_graph": True},
+    {"to": 1, "at": "forward", "step": 2, "k": 2, "manual": True},
 ]
 
 

@@ -273,7 +273,7 @@ class DDPPlusArguments:
     ``ckpt_path="last"`` finds it, and ``fit`` raises ``Preempted`` (a ``SIGTERMException``; exit code 128 + the
     signal's number). The agreement rides on ``sync_guard``'s, so a run without a notice pays nothing; with
     ``sync_guard=False``, one all-reduce of one integer per step. With Fabric, ask ``strategy.preemption_agreed``
-    after ``fabric.backward`` (the preemption guide)."""
+    after the optimizer step (the preemption guide)."""
 
     sync_guard: bool = argument(True, _flag)
     """After every backward that should synchronize, check on every rank that torch's reducer all-reduced every

@@ -256,9 +256,10 @@ class DDPPlusFrontEnd:
 
     @property
     def preemption_agreed(self) -> StopDecision | None:
-        """Set when every rank agreed to stop for a termination notice (``preemption_signals``), at the synced
-        backward of the step to stop after. The Trainer saves and ends by itself; a Fabric loop checks it after
-        its optimizer step, saves, and calls ``end_preempted`` (the preemption guide shows the loop)."""
+        """Set when every rank agreed to stop for a termination notice (``preemption_signals``), once the step to
+        stop after is applied (the agreement at a synced backward waits for the next optimizer step). The Trainer
+        saves and ends by itself; a Fabric loop checks it after its optimizer step, saves, and calls
+        ``end_preempted`` (the preemption guide shows the loop)."""
         return self.engine.preemption_decision
 
     def end_preempted(self, saved: str | None = None, save_seconds: float = 0.0) -> NoReturn:

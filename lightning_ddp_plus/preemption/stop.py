@@ -11,8 +11,10 @@ The decision rides on the agreement the per-step guard already makes after each 
 - With the guard off (``sync_guard=False``), one all-reduce of one integer per step on the side channel.
 
 A notice that lands during a synced backward, or during the optimizer step, is taken at the next step's: the stop
-comes at most one optimizer step after the notice. With accumulation the decision is taken at the window's synced
-backward, so a window is always finished, never cut: the saved state is a step boundary, which is exactly what an
+comes at most one optimizer step after the notice. The ranks stop after the first optimizer step applied once they
+agreed: with accumulation the agreement is at the window's synced backward, and a synced backward that closes no
+window (a static graph's first micro-batch, a manual loop that accumulates in its own code) waits for the step that
+does, so a window is always finished, never cut: the saved state is a step boundary, which is exactly what an
 uninterrupted run passes through, and the micro-batches already computed are not thrown away.
 """
 
@@ -70,8 +72,10 @@ class PreemptionStop(StepComponent):
         self.watch = NoticeWatch(signals)
         self.channel = channel
         self.agreement_flags = (STOP,) if self.on else ()
-        #: Set once the ranks agreed to stop; the front end saves and ends the fit.
+        #: Set once the ranks agreed to stop and the step to stop after was applied; the front end saves and ends.
         self.decision: StopDecision | None = None
+        #: Every rank's notice, once the ranks agreed to stop at a synced backward; the decision waits for a step.
+        self._agreed_notices: tuple[Notice, ...] | None = None
 
     @property
     def on(self) -> bool:
@@ -84,7 +88,7 @@ class PreemptionStop(StepComponent):
 
     def start(self) -> None:
         """At the start of a fit, in the main thread of every rank."""
-        self.decision = None
+        self.decision, self._agreed_notices = None, None
         self.watch.clear()
         self.watch.steps_done = 0
         if self.on:
@@ -116,12 +120,16 @@ class PreemptionStop(StepComponent):
         return {STOP: int(self.watch.pending)} if self.on else {}
 
     def agreed(self, agreed: AgreedStep) -> None:
-        """A termination notice on some rank: every rank stops after this step (the front end saves it)."""
-        if agreed.flags.get(STOP) and not agreed.out_of_memory:
-            self.stop_decided(stop_after=agreed.step)
+        """A termination notice on some rank: every rank stops after the next optimizer step it applies. Not
+        necessarily this backward's: a synced backward may close no window (a static graph's first micro-batch, a
+        manual loop that accumulates in its own code), and a stop there would save half a window."""
+        if agreed.flags.get(STOP) and not agreed.out_of_memory and self._agreed_notices is None:
+            self._agreed_notices = self.every_ranks_notice()
 
     def step_done(self, step: int) -> None:
         self.watch.steps_done = step
+        if self._agreed_notices is not None and self.decision is None:
+            self.decision = StopDecision(self._agreed_notices, step)
 
     def agree_without_guard(self) -> bool:
         """After a synced backward when the guard does not run: one flag all-reduce (only when notices are on)."""
@@ -129,16 +137,19 @@ class PreemptionStop(StepComponent):
             return False
         return bool(self.channel.maximum([int(self.watch.pending)])[0]) if self.channel.open else self.watch.pending
 
-    def stop_decided(self, stop_after: int | None) -> StopDecision:
+    def every_ranks_notice(self) -> tuple[Notice, ...]:
         """Every rank, once the flag said stop: every rank's notice (one gather, after a notice only)."""
         mine = self.watch.notice(self.channel.rank)
         row = [mine.exit_code - 128, mine.step] if mine is not None else [0, 0]
-        notices = tuple(
+        return tuple(
             Notice(signal.Signals(values[0]).name, rank, values[1])
             for rank, values in enumerate(self.channel.gather(row))
             if values[0]
         )
-        self.decision = StopDecision(notices, stop_after)
+
+    def stop_decided(self, stop_after: int | None) -> StopDecision:
+        """Every rank, once the flag said stop after ``stop_after`` steps (``None``: before the first)."""
+        self.decision = StopDecision(self.every_ranks_notice(), stop_after)
         return self.decision
 
     def before_first_step(self) -> StopDecision | None:

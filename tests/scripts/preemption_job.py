@@ -53,10 +53,21 @@ class IndexedRegression(L.LightningModule):
     def on_train_batch_end(self, outputs, batch, batch_idx):
         self.batch_ends.append([self.current_epoch, self.trainer.fit_loop.epoch_loop.batch_progress.current.ready])
 
+    #: Manual optimization that accumulates ``manual_k`` batches in its own code (the strategy's k stays 1, so every
+    #: backward is synced, and only every ``manual_k``-th batch steps); 0: automatic optimization.
+    manual_k = 0
+
     def training_step(self, batch, batch_idx):
         x, y, index = batch
         self.trained += index.tolist()
-        return nn.functional.mse_loss(self.net(x), y)
+        loss = nn.functional.mse_loss(self.net(x), y)
+        if not self.manual_k:
+            return loss
+        self.manual_backward(loss / self.manual_k)
+        if (batch_idx + 1) % self.manual_k == 0:
+            self.optimizers().step()
+            self.optimizers().zero_grad()
+        return loss
 
     def validation_step(self, batch, batch_idx):
         x, y, _ = batch
@@ -137,12 +148,13 @@ def trainer_for(case: dict, root: Path, callbacks: list, slurm: bool) -> L.Train
             process_group_backend="gloo",
             timeout="60s",
             sync_guard=case.get("sync_guard", True),
+            static_graph=case.get("static_graph", False),
             preemption_signals=case.get("signals", ["SIGTERM"]),
         ),
         accelerator="cpu",
         devices=2,
         max_epochs=EPOCHS,
-        accumulate_grad_batches=case.get("k", 1),
+        accumulate_grad_batches=1 if case.get("manual") else case.get("k", 1),
         val_check_interval=4 if case["at"] == "validation" else None,
         check_val_every_n_epoch=1,
         num_sanity_val_steps=0,
@@ -201,6 +213,8 @@ def run_case(case: dict, root: Path, reference: torch.Tensor, catch: bool = True
     signal.signal(signal.SIGTERM, before)
     notify = Notify(case, rank)
     model = IndexedRegression()
+    model.manual_k = case.get("k", 1) if case.get("manual") else 0
+    model.automatic_optimization = not model.manual_k
     trainer = trainer_for(case, root, [notify], slurm)
     started = time.monotonic()
     preempted = None
@@ -229,6 +243,7 @@ def run_case(case: dict, root: Path, reference: torch.Tensor, catch: bool = True
     }
     trained_before, ends_before = list(model.trained), list(model.batch_ends)
     resumed = IndexedRegression()
+    resumed.manual_k, resumed.automatic_optimization = model.manual_k, model.automatic_optimization
     again = trainer_for({**case, "at": "none"}, root, [], slurm)
     again.fit(resumed, ckpt_path=None if slurm else "last")
     slurm_environment(False)
