@@ -221,3 +221,22 @@ def test_a_notice_after_the_last_step_waits_for_the_fits_end_and_a_save_for_its_
     # (before: "saved in 0.0 s", the file still being written)
     assert async_save["preempted"] and async_save["saved"]
     assert async_save["save_seconds"] >= 1.0
+
+
+@pytest.mark.multiprocess
+def test_post_local_sgd_agrees_every_step_where_a_backward_waits_for_no_other_rank(tmp_path):
+    # nodes of one rank: after the warm-up a backward exchanges nothing, so a rank that finished its own knows nothing
+    # of another's notice; rank 1 gets its notice and reaches its backward a second late (before: the job ended with
+    # "the ranks are out of step" at the stall report, rank 1 alone in the agreement, nothing saved)
+    case = {"to": 1, "at": "forward", "step": 5, "post_local_sgd": True, "late": 1.0}
+    out = tmp_path / "out.json"
+    ranks = start_ranks(
+        python_script("preemption_job.py") + [str(out), json.dumps([case])],
+        timeout=300,
+        env={"DDP_PLUS_TMP": str(tmp_path / "work")},
+    )
+    assert [rank.returncode for rank in ranks] == [0, 0], ranks[1].stdout[-3000:]
+    [result] = json.loads(out.read_text())
+    assert result["preempted"] and result["notices"] == [["SIGTERM", 1, 5]]
+    assert result["stop_after"] == result["global_step"] == 6
+    assert result["resumed_global_step"] == 16 and set(result["sample_counts"]) == {2}

@@ -37,7 +37,7 @@ from lightning_ddp_plus.preemption.stop import PreemptionStop, StopDecision
 from lightning_ddp_plus.sharding.zero import ZeroSharding
 from lightning_ddp_plus.sync.accumulation import AccumulationWindow, SyncStats, WindowPosition
 from lightning_ddp_plus.sync.buckets import BucketChoice, BucketTuner
-from lightning_ddp_plus.sync.comm_hooks import HookAssembly, HookCallCounter
+from lightning_ddp_plus.sync.comm_hooks import HookAssembly, HookCallCounter, every_bucket_reaches_every_rank
 from lightning_ddp_plus.sync.item_averaging import ItemAveraging
 from lightning_ddp_plus.sync.left_out import LeftOutGradients
 from lightning_ddp_plus.sync.micro_batch_runner import MicroBatchRunner
@@ -107,7 +107,8 @@ class RunComponents:
         self.left_out = LeftOutGradients(record=self.ledger.collective, info=info)
         self.items = ItemAveraging.for_arguments(arguments, self.window, record=self.ledger.collective, info=info)
         own_chunks = self.sharding.shards.received_into_grads if self.sharding.shards is not None else None
-        self.sync_guard = SyncGuard(arguments.sync_guard, self.channel, warn=warn, own_chunks=own_chunks)
+        everywhere = every_bucket_reaches_every_rank(arguments.ddp_comm_state)
+        self.sync_guard = SyncGuard(arguments.sync_guard, self.channel, warn, own_chunks, everywhere)
         self.uneven = UnevenInputsCheck(arguments.uneven_inputs, info=info, window=self.window)
         self.micro_batches = MicroBatchSizer(arguments.micro_batch_size, info=info)
         self.preemption = PreemptionStop(arguments.preemption_signals, self.channel)

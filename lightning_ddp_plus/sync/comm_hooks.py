@@ -56,6 +56,15 @@ _HOOK_FUNCTIONS: dict[CommHook, HookFunction] = {
 _NAMES = tuple(hook.value for hook in CommHook)
 
 
+def every_bucket_reaches_every_rank(comm_state: object | None) -> bool:
+    """Whether each synced backward exchanges every bucket with every rank of the gradient group: not with post-local
+    SGD (a ``PostLocalSGDState``), whose hook all-reduces within a subgroup (a node) once its warm-up is over, so a
+    rank's backward may end before another rank's has even started."""
+    from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState
+
+    return not isinstance(comm_state, PostLocalSGDState)
+
+
 def parse_comm_hook(value: str | CommHook | HookFunction | None) -> CommHook | HookFunction | None:
     """Accept a hook name, a dotted import path to a hook function, a callable, or ``None``. torch's own functions for
     the named hooks become their names, so that they get the same treatment (PowerSGD's bucket order).

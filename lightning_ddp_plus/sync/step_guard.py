@@ -231,8 +231,11 @@ class SyncGuard(StepComponent):
         channel: SideChannel,
         warn: Callable[[str], None],
         own_chunks: Callable[[list[Parameter]], None] | None = None,
+        buckets_reach_every_rank: bool = True,
     ) -> None:
         self.enabled = enabled
+        #: False (post-local SGD): a finished backward proves nothing about another rank's, so no store look-up.
+        self.buckets_reach_every_rank = buckets_reach_every_rank
         self._warn = warn
         self.channel = channel
         #: With a reduce-scatter hook: writes each rank's received chunks into ``.grad`` (see ``settle_gradients``).
@@ -282,7 +285,7 @@ class SyncGuard(StepComponent):
             )
             return
         self._parameters = [(name, p) for name, p in ddp.module.named_parameters() if p.requires_grad]
-        self._store = store_for_agreement(ddp)
+        self._store = store_for_agreement(ddp) if self.buckets_reach_every_rank else None
         self._active = True
 
     def detach(self) -> None:

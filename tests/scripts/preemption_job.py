@@ -28,6 +28,7 @@ import torch.distributed as dist
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ddp_plus import DDPPlusStrategy, Preempted
@@ -98,6 +99,7 @@ class Notify(L.Callback):
         if self.mine and self.sent_at is None:
             self.sent_at, self.sent_step = time.monotonic(), trainer.global_step
             os.kill(os.getpid(), self.signum)
+            time.sleep(self.case.get("late", 0.0))  # this rank reaches its backward after the others finished theirs
 
     def setup(self, trainer, pl_module, stage):
         if self.at == "before_first_step":
@@ -136,6 +138,18 @@ class Notify(L.Callback):
             self.send(trainer)
 
 
+def post_local_sgd() -> dict:
+    """Post-local SGD as on nodes of one rank each: after 2 warm-up steps a backward exchanges nothing with the other
+    rank (its subgroup is itself), and the parameters are averaged every 2 steps."""
+    subgroup, _ = dist.new_subgroups(group_size=1)
+    state = post_localSGD_hook.PostLocalSGDState(process_group=None, subgroup=subgroup, start_localSGD_iter=2)
+    return {
+        "ddp_comm_hook": post_localSGD_hook.post_localSGD_hook,
+        "ddp_comm_state": state,
+        "model_averaging_period": 2,
+    }
+
+
 def trainer_for(case: dict, root: Path, callbacks: list, slurm: bool) -> L.Trainer:
     plugins = [SLURMEnvironment(auto_requeue=True)] if slurm else []
     checkpoints = (
@@ -149,6 +163,7 @@ def trainer_for(case: dict, root: Path, callbacks: list, slurm: bool) -> L.Train
             timeout="60s",
             sync_guard=case.get("sync_guard", True),
             static_graph=case.get("static_graph", False),
+            **(post_local_sgd() if case.get("post_local_sgd") else {}),
             preemption_signals=case.get("signals", ["SIGTERM"]),
         ),
         accelerator="cpu",
