@@ -120,7 +120,8 @@ class TokenModel(L.LightningModule):
             raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate 2.00 GiB ({batch[0].shape[0]} rows)")
         loss, items = loss_and_items(self.net, batch, self.case)
         override = self.case.get("override")
-        if override and batch_idx in override["batches"]:  # a count a user might get wrong, on every rank
+        mine = override and self.global_rank in override.get("ranks", (0, 1))
+        if mine and batch_idx in override["batches"]:  # a count a user might get wrong, on every rank (or some)
             items = OVERRIDES[override["value"]]
             if items is None:
                 return loss

@@ -130,6 +130,21 @@ CASES = [
     case("two elements", override={"batches": [0], "value": "two elements"}),
     case("missing on some steps", override={"batches": [2], "value": "missing"}),
     case("given after steps without", override={"batches": [0, 1], "value": "missing"}),
+    # rank 1's training step never gives a count, rank 0's does: in the agreement, in the count's all-reduce before
+    # the closing backward (a comm hook), and where no count is all-reduced (before: "the ranks are out of step" at
+    # the stall report, naming no count, and a silently mixed average)
+    *(
+        case(
+            f"given on rank 0 only{suffix}",
+            override={"batches": list(range(8)), "value": "missing", "ranks": [1]},
+            strategy=extra,
+        )
+        for suffix, extra in [
+            ("", {}),
+            (", fp16 compression", {"ddp_comm_hook": "fp16"}),
+            (", each rank's own items", {"average_items_across_ranks": False}),
+        ]
+    ),
     case("a transformers causal LM", hf=True, lr=0.1),
     case("a transformers causal LM, stock", hf=True, lr=0.1, stock=True, num_items=False),
     case("Fabric", fabric=True),
@@ -227,6 +242,10 @@ def test_the_auto_case_really_ran_out_of_memory_and_counted_its_items_once(resul
         ("two elements", "tensor of shape (2,)", 0),
         ("missing on some steps", "given for 2 and missing for 2 micro-batches of one optimizer step", 1),
         ("given after steps without", "the fit's first step did not", 1),
+        *(
+            (f"given on rank 0 only{suffix}", "given by the first training step on some ranks and not on others", 0)
+            for suffix in ("", ", fp16 compression", ", each rank's own items")
+        ),
     ],
 )
 def test_a_wrong_count_ends_the_fit_on_every_rank_at_its_step(results, name, expected, steps):

@@ -198,6 +198,8 @@ class DDPPlusEngine(RunComponents):
         by its items, ``sync.item_averaging``); a padding batch (``uneven_inputs="join"``) counts 0."""
         padding, count = self.uneven.padding, self.items.take()
         if count is None:
+            if closes:  # the others' counts may be all-reduced before this backward: joined, with none
+                self.items.closing_without_counts(ddp)
             scale: Tensor | float = self.window.loss_scale(position, divided_by_steps) * (0.0 if padding else 1.0)
         else:
             undo, count = (self.window.steps if divided_by_steps else 1), (0 if padding else count)

@@ -105,8 +105,17 @@ class WindowItems:
         return None
 
 
+#: The agreement's flags of per-item averaging: some rank averages per item, some rank does not (both: they differ).
+ITEMS_ON, ITEMS_OFF = "num_items given", "num_items not given"
+
+
 class ItemAveraging(StepComponent):
     """The window's item counts and the rescale at its end (see the module's docstring).
+
+    Every rank decides at its fit's first backward whether the training step gives counts; the ranks compare their
+    decisions in the first window's agreement (two flags, exchanged only where some rank gives counts), or, where the
+    counts are all-reduced before the closing backward (``count_first``), in that all-reduce, which every rank then
+    joins: ranks that decided otherwise would issue different collectives, so every rank ends with the reason instead.
 
     Args:
         window: the accumulation window, told when per-item averaging is on (it then rescales nothing itself).
@@ -135,6 +144,9 @@ class ItemAveraging(StepComponent):
         #: The trainable parameters and the group of the wrapper whose backward closes the window.
         self._parameters: list[Tensor] = []
         self._group: Any = None
+        #: The previous window's mean items per micro-batch (see the module's docstring); the fit's first window.
+        self.unit: float = 1.0
+        self.first_window: bool = True
         self.reset()
 
     @classmethod
@@ -150,8 +162,17 @@ class ItemAveraging(StepComponent):
         first, hooked = counts_first(arguments)
         return cls(window, arguments.average_items_across_ranks, first, hooked, record=record, info=info)
 
+    agreement_flags = (ITEMS_ON, ITEMS_OFF)
+
     def fit_starts(self, fit: FitStart) -> None:
         self.reset()
+
+    def agreement_requested(self) -> bool:
+        """In the first window, a rank that gives counts makes every rank compare (checked before ``take``)."""
+        return self.first_window and (self.on is True or (self.on is None and self.pending is not None))
+
+    def agreement_values(self) -> dict[str, int]:
+        return {ITEMS_ON: int(self.on is True), ITEMS_OFF: int(self.on is False)} if self.first_window else {}
 
     def before_backward(self, backward: BackwardStart) -> None:
         self._closing = backward.closes_window
@@ -161,8 +182,20 @@ class ItemAveraging(StepComponent):
 
     def agreed(self, agreed: AgreedStep) -> None:
         """After the backward that closed the window (every rank agreed, and no rank ran out of memory)."""
+        if agreed.flags.get(ITEMS_ON) and agreed.flags.get(ITEMS_OFF):
+            raise ArgumentValueError(_ranks_differ())
         if self._closing and not agreed.out_of_memory:
             self.window_closed(self._parameters, self._group)
+
+    def closing_without_counts(self, ddp: Any) -> None:
+        """Before the first window's closing backward of a rank that gives no counts, where the others' counts are
+        all-reduced before it (``count_first``): it joins that all-reduce with none, so that a rank that gives them
+        does not wait alone, and every rank ends with the reason when some do."""
+        if not (self.count_first and self.across_ranks and self.first_window and self.on is False):
+            return
+        self.first_window = False  # none gives counts (else this raises): none joins again
+        self._totals([p for p in ddp.module.parameters() if p.requires_grad], ddp.process_group, without_counts=True)
+        self._clear()
 
     def reset(self) -> None:
         """A new fit: the first training step decides again whether counts are given (and a count an earlier fit
@@ -256,11 +289,12 @@ class ItemAveraging(StepComponent):
                 parameter.grad.mul_(self.unit / divisor)
         self._closing_divisor = divisor
 
-    def _totals(self, parameters: list[Tensor], group: Any) -> tuple[WindowItems, int]:
+    def _totals(self, parameters: list[Tensor], group: Any, without_counts: bool = False) -> tuple[WindowItems, int]:
         """The window's numbers summed over the ranks (one all-reduce; this rank's alone with ``across_ranks=False``)
-        and the world size; raises on counts given for some micro-batches and not others, or negative."""
+        and the world size; raises on counts given for some micro-batches and not others, or negative, and on ranks
+        that give none beside ranks that do (``without_counts``: this rank gives none, see ``closing_without_counts``)."""
         device = parameters[0].device if parameters else torch.device("cpu")
-        numbers = [self._loss_sum, self._items, self._counted, self._uncounted, self._negative]
+        numbers = [self._loss_sum, self._items, self._counted, self._uncounted, self._negative, int(without_counts)]
         summed = torch.stack([torch.as_tensor(n, dtype=torch.float64, device=device).reshape(()) for n in numbers])
         world_size = 1
         if self.across_ranks and dist.is_available() and dist.is_initialized():
@@ -269,7 +303,10 @@ class ItemAveraging(StepComponent):
                 dist.all_reduce(summed, group=group)
         values = summed.tolist()  # the one host read per optimizer step
         window = WindowItems(values[0], values[1], int(values[2]), int(values[3]), int(values[4]))
-        if (problem := window.problem()) is not None:
+        ranks_without = int(values[5])
+        if ranks_without and window.counted:
+            raise ArgumentValueError(_ranks_differ())
+        if not ranks_without and (problem := window.problem()) is not None:
             raise ArgumentValueError(problem)
         return window, world_size
 
@@ -298,6 +335,16 @@ class ItemAveraging(StepComponent):
             if self.hooked and first:
                 refuse_overflow(parameters)
         return window
+
+
+def _ranks_differ() -> str:
+    return describe_bad_value(
+        "num_items",
+        "given by the first training step on some ranks and not on others",
+        "every rank's training step returns it, or none does: the ranks would otherwise average differently and "
+        "issue different collectives.",
+        "return `num_items` on every rank (0 where a batch has no items), whatever the rank's data.",
+    )
 
 
 def refuse_overflow(parameters: list[Tensor]) -> None:
