@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import lightning as L
 import torch
 import torch.distributed as dist
+from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.utils.data import DataLoader, Subset, TensorDataset
@@ -205,6 +206,8 @@ def run_case(case: dict) -> dict:
             max_epochs=1,
             accumulate_grad_batches=1 if manual else k,
             gradient_clip_val=case.get("clip"),
+            # fp16 with a gradient scaler: Lightning gives the CPU bf16 for "16-mixed", so the plugin is explicit
+            plugins=[MixedPrecision("16-mixed", "cpu")] if case.get("fp16_scaler") else None,
             use_distributed_sampler=False,
             **QUIET,
         )
@@ -213,7 +216,10 @@ def run_case(case: dict) -> dict:
         except Exception as raised:  # noqa: BLE001 - the outcome is what the test checks
             error = f"{type(raised).__name__}: {raised}"
         net, steps = model.net, trainer.global_step
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
     result = {"name": case["name"], "error": error, "steps": steps}
+    if not case.get("fabric") and scaler is not None:  # 16-mixed: each skipped (overflowed) step halved it
+        result["scaler_scale"] = float(scaler.get_scale())
     if isinstance(strategy, (DDPPlusStrategy, DDPPlusFabricStrategy)):
         result["size_changes"] = len(strategy.engine.micro_batches.changes)
     flat = torch.cat([p.detach().flatten() for p in net.parameters()])

@@ -129,7 +129,9 @@ class DDPPlusEngine(RunComponents):
     # ------------------------------------------------------------------ a step
 
     def shard_optimizers(self, optimizers: list[Optimizer], clipping: str | None, precision: Any) -> list[Optimizer]:
-        """With ``optimizer_sharding``: each optimizer sharded (ZeRO-1); see ``ZeroSharding.shard``."""
+        """With ``optimizer_sharding``: each optimizer sharded (ZeRO-1); see ``ZeroSharding.shard``. The precision's
+        gradient scaler is noted for per-item averaging (``ItemAveraging.uses_gradient_scaler``)."""
+        self.items.uses_gradient_scaler(getattr(precision, "scaler", None) is not None)
         return self.sharding.shard(optimizers, self.ddp, self.settings.static_graph, clipping, precision)
 
     def batch_starts(self, state: RankBatches, epoch: int, one_synced_backward: bool, loaders: Any = None) -> bool:

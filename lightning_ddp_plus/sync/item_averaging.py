@@ -145,7 +145,7 @@ class ItemAveraging(StepComponent):
         self._parameters: list[Tensor] = []
         self._group: Any = None
         #: The previous window's mean items per micro-batch (see the module's docstring); the fit's first window.
-        self.unit: float = 1.0
+        self.unit: Tensor | float = 1.0
         self.first_window: bool = True
         self.reset()
 
@@ -160,7 +160,23 @@ class ItemAveraging(StepComponent):
         """The averaging the strategy's ``arguments`` ask for (``average_items_across_ranks``, and the comm hook and
         ``micro_batch_size`` that decide ``counts_first``)."""
         first, hooked = counts_first(arguments)
-        return cls(window, arguments.average_items_across_ranks, first, hooked, record=record, info=info)
+        averaging = cls(window, arguments.average_items_across_ranks, first, hooked, record=record, info=info)
+        averaging.may_count_first = arguments.micro_batch_size != "auto"
+        return averaging
+
+    #: The counts may be all-reduced before the closing backward (not with ``micro_batch_size="auto"``).
+    may_count_first = True
+    #: The precision scales the loss for fp16 (a ``GradScaler``): see ``uses_gradient_scaler``.
+    scaled_for_fp16 = False
+
+    def uses_gradient_scaler(self, scaler: bool) -> None:
+        """The front end's precision has a gradient scaler (fp16): the counts are all-reduced before the closing
+        backward, so that the first window's micro-batches run at their own items' scale (the scaler's 65536 times
+        a summed loss overflowed fp16, and the scaler skipped the fit's first step without a word), and a window
+        without items is skipped through the scaler (its step asserts on gradients that are all ``None``)."""
+        self.scaled_for_fp16 = scaler
+        if scaler and self.may_count_first:
+            self.count_first = True
 
     agreement_flags = (ITEMS_ON, ITEMS_OFF)
 
@@ -184,8 +200,40 @@ class ItemAveraging(StepComponent):
         """After the backward that closed the window (every rank agreed, and no rank ran out of memory)."""
         if agreed.flags.get(ITEMS_ON) and agreed.flags.get(ITEMS_OFF):
             raise ArgumentValueError(_ranks_differ())
+        if self.on and not self._closing:
+            self.refuse_mid_window_sync()
         if self._closing and not agreed.out_of_memory:
             self.window_closed(self._parameters, self._group)
+
+    def refuse_mid_window_sync(self) -> None:
+        """A synced backward that closes no window (``static_graph=True`` with accumulation: torch's reducer needs the
+        fit's first backward synced) all-reduces the items' summed loss before any count is known. Exact on its own
+        (the window's end divides the sum), not where something acts on that sum as if it were final: a comm hook
+        (fp16 compression overflows at 65504, and the check for it runs only at the window's end), each rank's own
+        items (their division runs before the closing all-reduce, this one went unscaled). Measured: fp16
+        compression on large gradients trained to NaN on diverged replicas, and each rank's own items 2e-4 away from
+        one device (6e-8 without the static graph). ``optimizer_sharding=True`` stays exact (its reduce-scatter counts
+        the received chunk again, and the window's end divides the sum). Every rank raises here, before the optimizer
+        step."""
+        reasons = [
+            reason
+            for applies, reason in (
+                (self.hooked, "a `ddp_comm_hook` (a compressing hook would overflow on the items' summed loss)"),
+                (not self.across_ranks, "`average_items_across_ranks=False` (each rank divides before its all-reduce)"),
+            )
+            if applies
+        ]
+        if reasons:
+            raise ArgumentValueError(
+                describe_bad_value(
+                    "num_items",
+                    "given with static_graph=True and gradient accumulation",
+                    "the fit's first micro-batch is all-reduced before its window's count is known (torch's static "
+                    "graph needs it synced), which is exact only without " + "; ".join(reasons) + ".",
+                    "set `static_graph=False` (the first micro-batch then waits for its window), or drop the setting "
+                    "named.",
+                )
+            )
 
     def closing_without_counts(self, ddp: Any) -> None:
         """Before the first window's closing backward of a rank that gives no counts, where the others' counts are
@@ -253,6 +301,10 @@ class ItemAveraging(StepComponent):
         """A backward is about to run on a micro-batch of ``count`` items (0: a padding batch) whose loss is
         ``mean_loss``, a mean over them."""
         self._counted += 1
+        if self.count_first and self.first_window and self._counted == 1:
+            # this rank's own unit: the closing backward's rescale (``unit / divisor``) acts on local gradients,
+            # so the ranks need not share it, and the window starts at a mean loss's size, not a summed loss's
+            self.unit = count.clamp(min=1).double() if isinstance(count, Tensor) else float(max(count, 1))
         self._items = self._items + count
         # a mean over no item is NaN (torch's cross entropy with every label ignored): it adds nothing
         summed = mean_loss.detach().double() * count
@@ -324,9 +376,13 @@ class ItemAveraging(StepComponent):
         self.loss_per_item = window.loss_sum / window.items if window.items else None
         self._clear()
         if window.items == 0 and self.across_ranks:
-            warnings.warn("num_items: no item in this optimizer step's window on any rank; the step is skipped.")
+            through = " (through the gradient scaler, which halves its scale)" if self.scaled_for_fp16 else ""
+            warnings.warn(
+                f"num_items: no item in this optimizer step's window on any rank; the step is skipped{through}."
+            )
             for parameter in parameters:
-                parameter.grad = None
+                # the scaler's step asserts when no gradient is left; a non-finite one makes it skip the step
+                parameter.grad = torch.full_like(parameter, float("nan")) if self.scaled_for_fp16 else None
         elif not scaled_before:
             factor = world_size * unit / window.items
             for parameter in parameters:
