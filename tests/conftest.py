@@ -14,14 +14,14 @@ LONGEST_FIRST = (
     "test_restart.py",  # ~140
     "test_memory_plan.py",  # ~120 (its step-peak job alone ~110)
     "test_fabric_rank_death.py",  # ~110
+    "test_preemption.py",  # ~100
     "test_benchmarks_link_smoke.py",  # ~80
     "test_link_faults.py",  # ~65
-    "test_world_size.py",  # ~65
+    "test_world_size.py",  # ~75
     "test_comm_hooks.py",  # ~60
-    "test_preemption.py",  # ~60
     "test_resume_multinode.py",  # ~57
     "test_zoo.py",  # ~53
-    "test_sharding.py",  # ~50
+    "test_sharding.py",  # ~60
     "test_checkpoint_jobs.py",  # ~47
     "test_fabric.py",  # ~46
     "test_micro_batches.py",  # ~45
