@@ -18,7 +18,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
 from lightning_ddp_plus import DDPPlusStrategy, Preempted
-from tests.helpers import TinyRegression, job_main
+from tests.helpers import QUIET_TRAINER, TinyRegression, job_main
 
 #: How long the slow checkpoint IO takes to write a file.
 WRITE_S = 1.0
@@ -62,17 +62,15 @@ def run_case(case: dict) -> dict:
     signal.signal(signal.SIGTERM, lambda signum, frame: passed_on.append(list(events.seen)))
     root = case["root"]
     plugins = [AsyncCheckpointIO(SlowCheckpointIO())] if case["at"] == "async_save" else []
+    checkpoints = ModelCheckpoint(dirpath=os.path.join(root, "ckpt"), save_top_k=0)
+    options = {**QUIET_TRAINER, "enable_checkpointing": True, "default_root_dir": root, "plugins": plugins}
     trainer = L.Trainer(
         strategy=DDPPlusStrategy(timeout="60s"),
         accelerator="cpu",
         devices=2,
         max_epochs=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=root,
-        plugins=plugins,
-        callbacks=[events, ModelCheckpoint(dirpath=os.path.join(root, "ckpt"), save_top_k=0)],
+        callbacks=[events, checkpoints],
+        **options,
     )
     report = None
     try:
