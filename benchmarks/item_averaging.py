@@ -27,6 +27,7 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
 from datetime import timedelta
 from pathlib import Path
 
@@ -212,12 +213,17 @@ def run_case(case: dict) -> dict:
             **QUIET,
         )
         try:
-            trainer.fit(model)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                trainer.fit(model)
         except Exception as raised:  # noqa: BLE001 - the outcome is what the test checks
             error = f"{type(raised).__name__}: {raised}"
+        said = [str(warning.message) for warning in caught if "num_items" in str(warning.message)]
         net, steps = model.net, trainer.global_step
         scaler = getattr(trainer.precision_plugin, "scaler", None)
     result = {"name": case["name"], "error": error, "steps": steps}
+    if not case.get("fabric"):
+        result["num_items_warnings"] = said
     if not case.get("fabric") and scaler is not None:  # 16-mixed: each skipped (overflowed) step halved it
         result["scaler_scale"] = float(scaler.get_scale())
     if isinstance(strategy, (DDPPlusStrategy, DDPPlusFabricStrategy)):

@@ -191,6 +191,9 @@ CASES = [
         override={"batches": [2, 3], "value": "zero"},
         skipped_steps=[1],
     ),
+    case(
+        "fp16 with a gradient scaler, auto", fp16_scaler=True, k=1, batch_size=8, strategy={"micro_batch_size": "auto"}
+    ),
 ]
 
 
@@ -289,3 +292,9 @@ def test_a_gradient_scaler_skips_only_the_window_without_items(results):
     empty = results["fp16 with a gradient scaler, a window with no item"]
     assert empty["error"] is None and empty["replicas_equal"] and empty["scaler_scale"] == 32768.0
     assert empty["max_difference"] < 1e-4
+    # micro_batch_size="auto" counts after the backward (a rank may run its batch again): the first window still runs
+    # at the summed loss and overflows, and the scaler skips that one step, now said with the way to count first
+    auto = results["fp16 with a gradient scaler, auto"]
+    assert auto["error"] is None and auto["replicas_equal"] and auto["scaler_scale"] == 32768.0
+    assert len(auto["num_items_warnings"]) == 1 and "Set a fixed `micro_batch_size`" in auto["num_items_warnings"][0]
+    assert scaled["num_items_warnings"] == []

@@ -390,6 +390,8 @@ class ItemAveraging(StepComponent):
                     parameter.grad.mul_(factor)
             if self.hooked and first:
                 refuse_overflow(parameters)
+            if self.scaled_for_fp16 and first:
+                warn_first_window_overflow(parameters)
         return window
 
 
@@ -403,12 +405,28 @@ def _ranks_differ() -> str:
     )
 
 
+def _finite(parameters: list[Tensor]) -> bool:
+    gradients = [parameter.grad for parameter in parameters if parameter.grad is not None]
+    return not gradients or bool(torch.stack([torch.isfinite(gradient).all() for gradient in gradients]).all())
+
+
+def warn_first_window_overflow(parameters: list[Tensor]) -> None:
+    """A fit's first window counted after its backward under fp16's gradient scaler (``micro_batch_size="auto"``
+    keeps the count after): it ran at the items' summed loss times the scaler's scale, and where that overflowed,
+    the scaler skips the step. Said once, with the way to count first."""
+    if not _finite(parameters):
+        warnings.warn(
+            "num_items: the fit's first window overflowed fp16 (with micro_batch_size='auto' its count comes after "
+            "the backward, so it ran at the items' summed loss times the gradient scaler's scale): the scaler skips "
+            "this optimizer step and halves its scale. Set a fixed `micro_batch_size` (or none) to count first."
+        )
+
+
 def refuse_overflow(parameters: list[Tensor]) -> None:
     """A fit's first window counted after its backward, with a comm hook (``micro_batch_size="auto"``): its buckets
     held the items' summed loss, which a compressing hook may have overflowed (fp16 stops at 65504). One check of
     every gradient, once per fit, so that the run ends with the reason instead of training on from NaN."""
-    gradients = [parameter.grad for parameter in parameters if parameter.grad is not None]
-    if gradients and not bool(torch.stack([torch.isfinite(gradient).all() for gradient in gradients]).all()):
+    if not _finite(parameters):
         raise ArgumentValueError(
             describe_bad_value(
                 "num_items",
