@@ -143,7 +143,7 @@ class DDPPlusStrategy(DDPPlusFrontEnd, DDPStrategy):
         if self._start_method == "popen":
             after_failure = save_after_rank_death if self.engine.arguments.save_on_rank_death else None
             self._launcher = KillChildrenOnFailureLauncher(
-                self.cluster_environment, self.num_processes, self.num_nodes, self._before_launch, after_failure
+                self.cluster_environment, self.num_processes, self.num_nodes, after_failure
             )
         else:
             self._launcher = ResultsReturningLauncher(self, start_method=self._start_method)

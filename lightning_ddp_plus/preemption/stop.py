@@ -99,12 +99,13 @@ class PreemptionStop(StepComponent):
         notice that no step boundary took, delivered again to them (by default, it ends the process); ``hold``: not
         now but at ``pass_on_held`` (the Trainer's teardown is not the fit's end: ``on_fit_end``, the teardown hooks
         and an asynchronous checkpoint's writes come after it)."""
-        if self.watch.installed:
-            self.watch.uninstall()
-            if pass_on and self.decision is None and not hold:
-                self.watch.pass_on()
-            elif not pass_on or self.decision is not None:
-                self.watch.clear()
+        if not self.watch.installed:
+            return
+        self.watch.uninstall()
+        if not pass_on or self.decision is not None:  # a failed fit, or a notice the stop took: nothing to pass on
+            self.watch.clear()
+        elif not hold:
+            self.watch.pass_on()
 
     def pass_on_held(self) -> None:
         """The fit is over, every hook of it run: a notice ``end`` held is delivered to the handlers from before."""

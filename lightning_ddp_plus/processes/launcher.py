@@ -178,7 +178,8 @@ class ParentWatchedFabricLauncher(FabricSubprocessScriptLauncher):
 
 class _SettlesBeforeLaunch:
     """Calls ``before_launch`` at the start of ``launch``, in every process, before anything is started; and
-    ``after_fit`` in every process once the launched function returned (a notice held for after the fit)."""
+    ``after_fit`` in every process once the launched function returned (a notice held for after the fit). The
+    front end sets both on the launcher it builds."""
 
     before_launch: BeforeLaunch | None = None
     after_fit: Callable[[Any], None] | None = None
@@ -233,15 +234,10 @@ class KillChildrenOnFailureLauncher(_SettlesBeforeLaunch, SubprocessScriptLaunch
     a child's failure ends the job after rank 0's save (``ChildObserver``) instead of within 5 s."""
 
     def __init__(
-        self,
-        cluster_environment: Any,
-        num_processes: int,
-        num_nodes: int,
-        before_launch: BeforeLaunch | None = None,
-        after_failure: AfterFailure | None = None,
+        self, cluster_environment: Any, num_processes: int, num_nodes: int, after_failure: AfterFailure | None = None
     ) -> None:
         super().__init__(cluster_environment, num_processes, num_nodes)
-        self.before_launch, self.after_failure = before_launch, after_failure
+        self.after_failure = after_failure
 
     @override
     def launch(self, function: Callable[..., Any], *args: Any, trainer: Any | None = None, **kwargs: Any) -> Any:
@@ -318,10 +314,6 @@ class ResultsReturningLauncher(_SettlesBeforeLaunch, MultiProcessingLauncher):
     resolved settings) carried from rank 0's worker back to the strategy object in the launching process.
 
     No save after a rank's death here: when a worker dies, torch's ``start_processes`` ends the others at once."""
-
-    def __init__(self, *args: Any, before_launch: BeforeLaunch | None = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.before_launch = before_launch
 
     @override
     def launch(self, function: Callable[..., Any], *args: Any, trainer: Any | None = None, **kwargs: Any) -> Any:

@@ -98,23 +98,18 @@ class BucketShardedOptimizer(Optimizer):
 
         if self.inner is None:
             return
-        for index, piece in enumerate(self.pieces):
+        for tensor, piece in zip(self.tensors, self.pieces):
             parameter = self.parameters[piece.parameter]
-            tensor = self._follow_storage(index, self._slice(parameter.detach(), piece))
+            current = self._slice(parameter.detach(), piece)
+            if current.data_ptr() != tensor.data_ptr():  # the parameter's storage was replaced (``param.data = ...``)
+                # the same tensor object: the inner optimizer's state stays keyed to it
+                tensor.set_(current.untyped_storage(), current.storage_offset(), current.size(), current.stride())
             tensor.grad = None if parameter.grad is None else self._slice(parameter.grad, piece)
         for inner_group, group in zip(self.inner.param_groups, self.inner_groups):
             inner_group.update({k: v for k, v in self.param_groups[group].items() if k != "params"})
         self.inner.step()
         for tensor in self.tensors:
             tensor.grad = None
-
-    def _follow_storage(self, index: int, current: Tensor) -> Tensor:
-        """The inner optimizer's tensor of piece ``index``, on the parameter's storage of now: ``param.data = ...``
-        (``module.to(...)``) replaces it, and the piece must update the parameter, not the old storage."""
-        tensor = self.tensors[index]
-        if current.data_ptr() != tensor.data_ptr():  # the same tensor object: the inner state stays keyed to it
-            tensor.set_(current.untyped_storage(), current.storage_offset(), current.size(), current.stride())
-        return tensor
 
     def _refuse_another_dtype(self) -> None:
         """Every rank checks every parameter (not only its pieces), so that all raise together: ``set_`` would read

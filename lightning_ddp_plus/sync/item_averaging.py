@@ -127,6 +127,12 @@ class ItemAveraging(StepComponent):
         info: how a one-line report reaches the user (rank 0 only).
     """
 
+    agreement_flags = (ITEMS_ON, ITEMS_OFF)
+    #: The counts may be all-reduced before the closing backward (not with ``micro_batch_size="auto"``).
+    may_count_first = True
+    #: The precision scales the loss for fp16 (a ``GradScaler``): see ``uses_gradient_scaler``.
+    scaled_for_fp16 = False
+
     def __init__(
         self,
         window: AccumulationWindow,
@@ -164,11 +170,6 @@ class ItemAveraging(StepComponent):
         averaging.may_count_first = arguments.micro_batch_size != "auto"
         return averaging
 
-    #: The counts may be all-reduced before the closing backward (not with ``micro_batch_size="auto"``).
-    may_count_first = True
-    #: The precision scales the loss for fp16 (a ``GradScaler``): see ``uses_gradient_scaler``.
-    scaled_for_fp16 = False
-
     def uses_gradient_scaler(self, scaler: bool) -> None:
         """The front end's precision has a gradient scaler (fp16): the counts are all-reduced before the closing
         backward, so that the first window's micro-batches run at their own items' scale (the scaler's 65536 times
@@ -177,8 +178,6 @@ class ItemAveraging(StepComponent):
         self.scaled_for_fp16 = scaler
         if scaler and self.may_count_first:
             self.count_first = True
-
-    agreement_flags = (ITEMS_ON, ITEMS_OFF)
 
     def fit_starts(self, fit: FitStart) -> None:
         self.reset()

@@ -22,6 +22,7 @@ from torch import Tensor
 from torch.nn import Parameter
 
 from lightning_ddp_plus.pipeline.component import AgreedStep, BackwardStart, FitStart, StepComponent
+from lightning_ddp_plus.sync.step_guard import through_one_flat_tensor
 
 
 class LeftOutGradients(StepComponent):
@@ -69,19 +70,14 @@ class LeftOutGradients(StepComponent):
         for parameter in parameters:
             by_dtype.setdefault(parameter.dtype, []).append(parameter)
         world = dist.get_world_size(self._group)
-        for same in by_dtype.values():
-            for parameter in same:
-                if parameter.grad is None:
-                    parameter.grad = torch.zeros_like(parameter)
-            grads: list[Tensor] = [parameter.grad for parameter in same if parameter.grad is not None]
-            flat = torch.cat([grad.reshape(-1) for grad in grads])
+
+        def mean(flat: Tensor) -> None:
             with self.record("all_reduce", flat.numel() * flat.element_size()):
                 dist.all_reduce(flat, group=self._group)
             flat.div_(world)
-            offset = 0
-            for grad in grads:
-                grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
-                offset += grad.numel()
+
+        for same in by_dtype.values():
+            through_one_flat_tensor(same, mean)
 
     def _say(self, unfrozen: list[tuple[str, Parameter]]) -> None:
         if self._said:

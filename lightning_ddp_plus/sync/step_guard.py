@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 from torch.nn import Parameter
 from torch.nn.parallel import DistributedDataParallel
 
@@ -131,27 +132,31 @@ def settle_gradients(
         return False
     skip = {id(p) for p in no_rank_had}
     kept = [p for p in parameters if id(p) not in skip]
+    group = ddp.process_group
     if own_chunks is not None:
         own_chunks(kept)
-        for parameter in parameters:
-            if id(parameter) in skip:
-                parameter.grad = None
-        return True
-    gradients = [torch.zeros_like(p) if p.grad is None else p.grad for p in kept]
-    for parameter, gradient in zip(kept, gradients):
-        parameter.grad = gradient
-    flat = torch.cat([gradient.reshape(-1) for gradient in gradients])
-    if finished_ranks:
-        dist.broadcast(flat, src=finished_ranks[0], group=ddp.process_group)  # the side channel's ranks: the world
+    elif finished_ranks:  # the side channel's ranks: the world
+        through_one_flat_tensor(kept, lambda flat: dist.broadcast(flat, src=finished_ranks[0], group=group))
     else:
-        flat.div_(ddp.process_group.size())  # as the reducer does, before the sum
-        dist.all_reduce(flat, group=ddp.process_group)
-    for gradient, value in zip(gradients, flat.split([g.numel() for g in gradients])):
-        gradient.copy_(value.view_as(gradient))
+        through_one_flat_tensor(kept, lambda flat: dist.all_reduce(flat.div_(group.size()), group=group))
     for parameter in parameters:
         if id(parameter) in skip:
             parameter.grad = None
     return True
+
+
+def through_one_flat_tensor(parameters: Sequence[Parameter], collective: Callable[[Tensor], Any]) -> None:
+    """``collective`` on the gradients of ``parameters`` at once, flattened into one tensor (a parameter without a
+    gradient counts zeros), and the result copied back into each ``.grad``."""
+    gradients = []
+    for parameter in parameters:
+        if parameter.grad is None:
+            parameter.grad = torch.zeros_like(parameter)
+        gradients.append(parameter.grad)
+    flat = torch.cat([gradient.reshape(-1) for gradient in gradients])
+    collective(flat)
+    for gradient, value in zip(gradients, flat.split([g.numel() for g in gradients])):
+        gradient.copy_(value.view_as(gradient))
 
 
 @dataclass(frozen=True)
