@@ -365,19 +365,51 @@ def one_rank_trainer(root: Path, epochs: int, **kwargs):
     return trainer, recorder
 
 
-def test_last_finds_the_previous_runs_save_under_the_default_loggers_earlier_version(tmp_path):
+def test_last_finds_the_previous_runs_save_under_the_default_loggers_earlier_version(tmp_path, monkeypatch, caplog):
     """Issue 51, item 1: with the default logger and a ``ModelCheckpoint`` without ``dirpath`` a run saves in
     ``lightning_logs/version_K/checkpoints``; the next run writes to ``version_K+1`` and ``ckpt_path="last"`` looked
-    only there, so it trained from scratch. A real first fit, then a real second one."""
+    only there, so it trained from scratch. A real first fit, then a real second one: the same job (its scheduler's
+    job id, as a requeued SLURM job keeps it; issue 57, item 3 tells runs apart by it)."""
     from tests.helpers import TinyRegression
 
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
     with process_group_ended_after():
         first, _ = one_rank_trainer(tmp_path, epochs=1, logger=True)
         first.fit(TinyRegression(num_samples=32, batch_size=4))
         assert (tmp_path / "lightning_logs" / "version_0" / "checkpoints" / "epoch=0-step=8.ckpt").exists()
         second, started = one_rank_trainer(tmp_path, epochs=2, logger=True)
-        second.fit(TinyRegression(num_samples=32, batch_size=4), ckpt_path="last")
+        with caplog.at_level("INFO"):
+            second.fit(TinyRegression(num_samples=32, batch_size=4), ckpt_path="last")
     assert second.logger.version == 1 and started.first == 8 and second.global_step == 16
+    said = [line for line in caplog.text.splitlines() if "resuming from" in line]
+    assert len(said) == 1 and "version_0" in said[0], said  # one line: what was resumed
+    assert "saved by this job (SLURM job 7)" in said[0], said  # and why it was chosen
+
+
+@pytest.mark.parametrize("second_job", [None, "8"])
+def test_last_leaves_another_experiments_save_under_an_earlier_version(tmp_path, monkeypatch, caplog, second_job):
+    """Issue 57, item 3: a new experiment (another learning rate) shares ``default_root_dir`` with a finished one and
+    calls ``fit(ckpt_path="last")``; it resumed the other run's ``version_0`` save at step 16 (stock starts at step
+    0). A save of an earlier version is taken only when it records this run's own identity: no job id at all, or
+    another job's, is another experiment."""
+    from tests.helpers import TinyRegression
+
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    with process_group_ended_after():
+        first, _ = one_rank_trainer(tmp_path, epochs=2, logger=True)
+        first.fit(TinyRegression(num_samples=32, batch_size=4))
+        if second_job is None:
+            monkeypatch.delenv("SLURM_JOB_ID")
+        else:
+            monkeypatch.setenv("SLURM_JOB_ID", second_job)
+        second, started = one_rank_trainer(tmp_path, epochs=1, logger=True)
+        with caplog.at_level("INFO"):
+            second.fit(TinyRegression(num_samples=32, batch_size=4, lr=0.01), ckpt_path="last")
+    assert second.logger.version == 1
+    assert started.first == 0  # from scratch, as stock Lightning starts
+    assert second.global_step == 8
+    said = [line for line in caplog.text.splitlines() if "version_0" in line]
+    assert len(said) == 1 and "another run's" in said[0], said  # the one line says why it was left
 
 
 def test_last_finds_slurms_requeue_checkpoint(tmp_path, monkeypatch):

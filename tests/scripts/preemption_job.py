@@ -80,8 +80,17 @@ class IndexedRegression(L.LightningModule):
     def val_dataloader(self):
         return DataLoader(TensorDataset(self.x[:16], self.y[:16], torch.arange(16)), batch_size=BATCH)
 
+    #: Lightning's documented OneCycleLR recipe: its length from ``trainer.estimated_stepping_batches``, stepped every
+    #: optimizer step (reading it builds the training loader before a resume restores the loop)
+    one_cycle = False
+
     def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        if not self.one_cycle:
+            return optimizer
+        total = int(self.trainer.estimated_stepping_batches)
+        schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.05, total_steps=total)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
 
 class Notify(L.Callback):
@@ -211,8 +220,9 @@ def every_ranks(values: list) -> list:
     return gathered
 
 
-def whole_run(k: int, root: Path) -> torch.Tensor:
+def whole_run(k: int, one_cycle: bool, root: Path) -> torch.Tensor:
     model = IndexedRegression()
+    model.one_cycle = one_cycle
     trainer_for({"at": "none", "to": -1, "k": k}, root, [], slurm=False).fit(model)
     return flat(model)
 
@@ -232,6 +242,7 @@ def run_case(case: dict, root: Path, reference: torch.Tensor | None, catch: bool
     model = IndexedRegression()
     model.manual_k = case.get("k", 1) if case.get("manual") else 0
     model.automatic_optimization = not model.manual_k
+    model.one_cycle = bool(case.get("one_cycle"))
     trainer = trainer_for(case, root, [notify], slurm)
     started = time.monotonic()
     preempted = None
@@ -261,6 +272,7 @@ def run_case(case: dict, root: Path, reference: torch.Tensor | None, catch: bool
     trained_before, ends_before = list(model.trained), list(model.batch_ends)
     resumed = IndexedRegression()
     resumed.manual_k, resumed.automatic_optimization = model.manual_k, model.automatic_optimization
+    resumed.one_cycle = model.one_cycle
     again = trainer_for({**case, "at": "none"}, root, [], slurm)
     again.fit(resumed, ckpt_path=None if slurm else "last")
     slurm_environment(False)
@@ -281,21 +293,26 @@ def run_case(case: dict, root: Path, reference: torch.Tensor | None, catch: bool
     }
 
 
+def reference_of(case: dict) -> tuple[int, bool]:
+    """Which uninterrupted run a case ends like: its accumulation, and whether it schedules with OneCycleLR."""
+    return case.get("k", 1), bool(case.get("one_cycle"))
+
+
 def main() -> None:
     out, cases = sys.argv[1], json.loads(sys.argv[2])
     base = Path(os.environ["DDP_PLUS_TMP"])
     # post-local SGD trains another model than plain DDP: no uninterrupted run to compare with
-    compared = {case.get("k", 1) for case in cases if not case.get("post_local_sgd")}
-    references = {k: whole_run(k, base / f"whole-{k}") for k in sorted(compared)}
+    compared = {reference_of(case) for case in cases if not case.get("post_local_sgd")}
+    references = {key: whole_run(*key, base / f"whole-{key[0]}-{key[1]}") for key in sorted(compared)}
     results = []
     for index, case in enumerate(cases):
         root = base / f"case-{index}"
-        results.append(run_case(case, root, references.get(case.get("k", 1))))
+        results.append(run_case(case, root, references.get(reference_of(case))))
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps(results))
     final = os.environ.get("DDP_PLUS_END_WITH")
     if final:  # the process ends as a preempted process ends: nothing catches Preempted
-        run_case(json.loads(final), base / "final", references[1], catch=False)
+        run_case(json.loads(final), base / "final", references[(1, False)], catch=False)
     dist.destroy_process_group()
 
 

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import lightning as L
+import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -34,9 +35,12 @@ from tests.scripts.preemption_job import IndexedRegression as PreemptionRegressi
 ACCELERATOR = os.environ.get("DDP_PLUS_TEST_ACCELERATOR", "cpu")  # the GPU check: "gpu" (NCCL)
 
 
-def die(directory: Path, rank: int, trainer: L.Trainer, moment: str) -> None:
-    record = {"rank": rank, "at": moment, "global_step": trainer.global_step, "time": time.time()}
+def die(directory: Path, rank: int, trainer: L.Trainer, moment: str, applied: int = 0) -> None:
+    """``applied``: optimizer steps this rank applied that Lightning has not counted yet."""
+    record = {"rank": rank, "at": moment, "global_step": trainer.global_step + applied, "time": time.time()}
     (directory / "killed.json").write_text(json.dumps(record))
+    if moment == "out_of_memory":  # the process ends on the error, as a rank that runs out of memory does
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (raised by the test)")
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -78,9 +82,9 @@ class Kill(L.Callback):
         self.seed = case.get("seed", 0)
         self.mine, self.directory, self.rank = case["to"] == rank, directory, rank
 
-    def die(self, trainer, moment: str) -> None:
+    def die(self, trainer, moment: str, applied: int = 0) -> None:
         if self.mine:
-            die(self.directory, self.rank, trainer, moment)
+            die(self.directory, self.rank, trainer, moment, applied)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if trainer.global_step != self.step or not self.mine:
@@ -95,6 +99,8 @@ class Kill(L.Callback):
             threading.Timer(
                 delay, self.die, (trainer, f"random ({delay * 1e3:.1f} ms into step {self.step + 1})")
             ).start()
+        elif self.at == "out_of_memory" and last_of_window:  # torch's error in the forward; the process ends
+            pl_module.net.register_forward_hook(lambda *_: self.die(trainer, "out_of_memory"))
         elif self.at == "all_reduce" and last_of_window:
             # the other rank reaches the gradient all-reduce and waits in it; this one dies then
             pl_module.net[0].weight.register_hook(lambda grad: (time.sleep(1.0), self.die(trainer, "all_reduce")))
@@ -102,6 +108,10 @@ class Kill(L.Callback):
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         if self.at == "optimizer_step" and trainer.global_step == self.step:
             self.die(trainer, "optimizer_step")
+        elif self.at == "after_step" and trainer.global_step == self.step and self.mine:
+            # right after optimizer.step() returns, before Lightning counts the step: the other rank learns of the
+            # death in a collective the strategy runs after the step (the straggler comparison, here)
+            optimizer.register_step_post_hook(lambda *_: self.die(trainer, "after_step", applied=1))
 
     def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
         if self.at == "validation" and trainer.global_step >= self.step and not trainer.sanity_checking:
@@ -123,6 +133,7 @@ def trainer_for(case: dict, directory: Path, callbacks: list) -> L.Trainer:
             process_group_backend="nccl" if ACCELERATOR == "gpu" else "gloo",
             timeout=os.environ.get("DDP_PLUS_TEST_TIMEOUT", "60s"),  # the GPU check: longer than it takes to end
             optimizer_sharding=case.get("sharding", False),
+            find_stragglers_every_n_steps=case.get("stragglers", 50),
         ),
         accelerator=ACCELERATOR,
         devices=2,
