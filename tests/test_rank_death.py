@@ -157,6 +157,10 @@ def test_a_peer_s_death_is_told_from_other_errors():
     explained = MicroBatchOutOfMemoryError("Out of memory on rank 1 in the forward ... Every rank stops here.")
     explained.__cause__ = closed  # the agreed error of a rank whose peer then ended: not a death to save after
     assert peer_gone_in(explained) is None
+    # a survivor's collective that broke because the rank that ran out of memory ended: a death (issue 57, item 7)
+    survivors = MicroBatchOutOfMemoryError("Out of memory on rank 1 in the forward. Every rank stops here.")
+    survivors.broken_collective = closed
+    assert peer_gone_in(survivors) == "Out of memory on rank 1 in the forward"
 
 
 def test_the_survivors_choose_the_most_steps_and_the_lowest_rank_holding_them():

@@ -44,7 +44,11 @@ def peer_gone_in(error: BaseException | None) -> str | None:
     while error is not None and id(error) not in seen:
         seen.add(id(error))
         if type(error).__module__.startswith("lightning_ddp_plus."):
-            return None  # an error this package explained (one every rank agreed on, say): not a death to save after
+            # an error this package explained (one every rank agreed on, say) is not a death to save after, unless
+            # it explains a collective that broke because its peer ended (a peer's out-of-memory error): then its
+            # first sentence is the cause
+            broken = getattr(error, "broken_collective", None)
+            return str(error).split(". ")[0] if broken is not None and peer_gone_in(broken) else None
         if isinstance(error, RuntimeError):
             text = str(error).strip()
             if isinstance(error, NETWORK_ERROR) or any(mark in text for mark in PEER_GONE_MARKS):

@@ -98,5 +98,7 @@ class OutOfMemoryReports:
             if isinstance(error, RuntimeError) and world_size > 1:
                 peer = peer_report(world_size)
                 if peer is not None:
-                    raise MicroBatchOutOfMemoryError(peer) from None
+                    explained = MicroBatchOutOfMemoryError(peer)
+                    explained.broken_collective = error  # that rank's process ended: a death, saved after
+                    raise explained from None
             raise

@@ -301,6 +301,10 @@ class MicroBatchOutOfMemoryError(torch.OutOfMemoryError):
     """Out of memory on some rank that ``micro_batch_size`` cannot get around (the message says why and what to
     change); raised on every rank."""
 
+    #: On a rank whose collective broke because the rank that ran out of memory ended: that collective's error (its
+    #: peer is gone, so a survivor saves the last step, ``crash.peer_death``); ``None`` on the rank that ran out.
+    broken_collective: BaseException | None = None
+
 
 def single_row_message(failures: Sequence[OutOfMemory]) -> str:
     return (
