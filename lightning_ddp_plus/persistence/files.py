@@ -122,6 +122,12 @@ class ResumeChoice:
     path: str | None
     skipped: tuple[tuple[str, str], ...]
     candidates: int
+    searched: tuple[str, ...] = ()
+    """The folders the candidates came from."""
+    why: str | None = None
+    """Why the file was taken, where more than its being the newest readable one (a save of an earlier version)."""
+    left_out: str | None = None
+    """The line that says which folders were left out and why (``None``: none was)."""
 
     def describe_skipped(self) -> str:
         return "; ".join(f"{path} {reason}" for path, reason in self.skipped)
@@ -130,8 +136,8 @@ class ResumeChoice:
 def choose_resume(candidates: list[Path], check: Callable[[Path], str | None] = unreadable_reason) -> ResumeChoice:
     """The newest candidate that ``check`` passes, with the newer ones it skipped.
 
-    >>> choose_resume([Path("/nonexistent/last.ckpt")])
-    ResumeChoice(path=None, skipped=(('/nonexistent/last.ckpt', 'cannot be read (No such file or directory)'),), candidates=1)
+    >>> choose_resume([Path("/nonexistent/last.ckpt")]).skipped
+    (('/nonexistent/last.ckpt', 'cannot be read (No such file or directory)'),)
     """
     skipped: list[tuple[str, str]] = []
     for path in candidates:

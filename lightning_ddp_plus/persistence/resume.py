@@ -52,6 +52,7 @@ from lightning_ddp_plus.persistence.generators import (
     give_generators_back,
 )
 from lightning_ddp_plus.persistence.io import AtomicCheckpointIO, accepts_argument, is_local_path
+from lightning_ddp_plus.persistence.runs import RUN_KEY, RunIdentity, sort_earlier_versions
 from lightning_ddp_plus.persistence.world_size import (
     LAYOUT_KEY,
     DataLayout,
@@ -91,11 +92,10 @@ NO_CHECKPOINT_CALLBACK_PATH = os.path.join("checkpoints", "last.ckpt")
 
 def checkpoint_directories(trainer: Any) -> tuple[list[str], list[str]]:
     """Where this run's saves may be: the directories of its ``ModelCheckpoint`` callbacks (resolved by their
-    ``setup``), and, for one under a logger's version (``.../version_K/checkpoints``, no ``dirpath`` given), the same
-    folder of the earlier versions (each run of a script gets the next version, so the last run's saves are there);
-    the files of its ``OnExceptionCheckpoint`` callbacks; without a ``ModelCheckpoint``, the preemption save's file;
-    with SLURM's ``auto_requeue``, Lightning's requeue checkpoints (``hpc_ckpt_N.ckpt`` in ``default_root_dir``), where
-    a preemption or a survivor's save goes there."""
+    ``setup``); the files of its ``OnExceptionCheckpoint`` callbacks; without a ``ModelCheckpoint``, the preemption
+    save's file; with SLURM's ``auto_requeue``, Lightning's requeue checkpoints (``hpc_ckpt_N.ckpt`` in
+    ``default_root_dir``), where a preemption or a survivor's save goes there. The earlier logger versions beside a
+    directory are ``runs.sort_earlier_versions``'s to take."""
     from lightning.fabric.plugins.environments import SLURMEnvironment
     from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 
@@ -104,7 +104,6 @@ def checkpoint_directories(trainer: Any) -> tuple[list[str], list[str]]:
         for callback in trainer.checkpoint_callbacks
         if isinstance(callback, ModelCheckpoint) and callback.dirpath
     ]
-    directories += [earlier for directory in directories for earlier in earlier_versions(directory)]
     files = [str(callback.ckpt_path) for callback in trainer.callbacks if isinstance(callback, OnExceptionCheckpoint)]
     if not directories:
         files.append(os.path.join(str(trainer.default_root_dir), NO_CHECKPOINT_CALLBACK_PATH))
@@ -118,31 +117,8 @@ def checkpoint_directories(trainer: Any) -> tuple[list[str], list[str]]:
     return directories, files
 
 
-#: Lightning's SLURM requeue checkpoint names, and a logger's version folder.
+#: Lightning's SLURM requeue checkpoint names.
 HPC_CHECKPOINT = re.compile(r"hpc_ckpt_\d+\.ckpt")
-VERSION_FOLDER = re.compile(r"version_\d+")
-
-
-def earlier_versions(directory: str) -> list[str]:
-    """For ``.../version_K/checkpoints``: the ``checkpoints`` folders of the other versions beside it that exist.
-
-    >>> import tempfile
-    >>> root = tempfile.mkdtemp()
-    >>> for version in (0, 1, 2):
-    ...     os.makedirs(os.path.join(root, f"version_{version}", "checkpoints"))
-    >>> [os.path.relpath(path, root) for path in earlier_versions(os.path.join(root, "version_2", "checkpoints"))]
-    ['version_0/checkpoints', 'version_1/checkpoints']
-    >>> earlier_versions(os.path.join(root, "elsewhere"))
-    []
-    >>> import shutil; shutil.rmtree(root)
-    """
-    folder = os.path.normpath(directory)
-    version, name = os.path.split(folder)
-    base, version_name = os.path.split(version)
-    if name != "checkpoints" or not VERSION_FOLDER.fullmatch(version_name) or not os.path.isdir(base):
-        return []
-    others = sorted(entry for entry in os.listdir(base) if VERSION_FOLDER.fullmatch(entry) and entry != version_name)
-    return [path for entry in others if os.path.isdir(path := os.path.join(base, entry, "checkpoints"))]
 
 
 def writes_torch_zip(checkpoint_io: CheckpointIO) -> bool:
@@ -156,12 +132,18 @@ def writes_torch_zip(checkpoint_io: CheckpointIO) -> bool:
 
 
 def choose(trainer: Any, checkpoint_io: CheckpointIO) -> ResumeChoice | None:
-    """Rank 0's choice (``None`` when a checkpoint directory is not local: then Lightning's own ``"last"`` rule)."""
+    """Rank 0's choice (``None`` when a checkpoint directory is not local: then Lightning's own ``"last"`` rule):
+    the newest readable file of the run's own folders and of the earlier versions that hold this run's saves."""
     directories, files = checkpoint_directories(trainer)
     if not all(is_local_path(path) for path in [*directories, *files]):
         return None
-    check = unreadable_reason if writes_torch_zip(checkpoint_io) else present_reason
-    return choose_resume(resume_candidates(directories, files), check)
+    torch_files = writes_torch_zip(checkpoint_io)
+    earlier = sort_earlier_versions(directories, can_read=torch_files)
+    searched = (*directories, *earlier.taken)
+    choice = choose_resume(resume_candidates(searched, files), unreadable_reason if torch_files else present_reason)
+    from_earlier = choice.path is not None and os.path.dirname(choice.path) in map(os.path.realpath, earlier.taken)
+    why = f"saved by this job ({earlier.identity.describe()}) in an earlier version" if from_earlier else None
+    return dataclasses.replace(choice, searched=searched, why=why, left_out=earlier.describe_left())
 
 
 def resolve(
@@ -173,18 +155,22 @@ def resolve(
     info: Callable[[str], None],
 ) -> Any:
     """The ``ckpt_path`` that Lightning's ``resume_start`` gets for ``choice`` (the same on every rank)."""
-    where = ", ".join(directories) or "the run's checkpoint directories (none configured)"
+    where = ", ".join(choice.searched if choice else directories) or "the run's checkpoint directories (none set)"
     if choice is None:
         info("DDPPlusStrategy: the checkpoint directory is not local; Lightning's rule for 'last' picks the file.")
         return lightning_last()
+    if choice.left_out is not None:
+        info(choice.left_out)
     if choice.path is not None:
+        why = f"; {choice.why}" if choice.why else ""
         if choice.skipped:
             warn(
                 f"DDPPlusStrategy: not resuming from {len(choice.skipped)} newer checkpoint(s): "
-                f"{choice.describe_skipped()}. Resuming from {choice.path}, the newest readable checkpoint, instead."
+                f"{choice.describe_skipped()}. Resuming from {choice.path}, the newest readable checkpoint{why}, "
+                "instead."
             )
         else:
-            info(f"DDPPlusStrategy: resuming from {choice.path}, the newest readable checkpoint in {where}.")
+            info(f"DDPPlusStrategy: resuming from {choice.path}, the newest readable checkpoint in {where}{why}.")
         return choice.path
     if choice.candidates == 0:
         warn(
@@ -440,6 +426,7 @@ class ResumeCoordinator:
         trainer = trainer_of(module)
         if trainer is None:
             return checkpoint
+        checkpoint[RUN_KEY] = RunIdentity.of_this_process().as_dict()  # the job a resume may take this save for
         try:
             if gather_generators:
                 checkpoint[GENERATORS_KEY] = every_ranks_generator_states()
