@@ -123,7 +123,7 @@ def resumed(tmp_path_factory):
     manual, boundary, sharded = (str(folder / name) for name in ("manual.ckpt", "boundary.ckpt", "sharded.ckpt"))
     wide, knobs, stateful = (str(folder / name) for name in ("two_b4.ckpt", "knobs.ckpt", "stateful.ckpt"))
     items, one_sharded = str(folder / "items.ckpt"), str(folder / "one_sharded.ckpt")
-    iterable = str(folder / "iterable.ckpt")
+    iterable, one_cycle = str(folder / "iterable.ckpt"), str(folder / "one_cycle.ckpt")
     # 240 samples: 10 steps of 24 on 2 ranks (4 rows x accumulation 3), and the 192 after 2 steps deal evenly to 3
     four_by_three = {"batch_size": 4, "accumulate": 3, "samples": 240}
     manual_case = {"manual": True, "strategy_accumulate": 2}  # the strategy's window, k = 2 on one rank
@@ -156,6 +156,8 @@ def resumed(tmp_path_factory):
             {"name": "two, stateful loader, stop", "stop_after": 4, "checkpoint": stateful, "stateful": True},
             {"name": "reference, items", "items": True},
             {"name": "two, items, stop", "stop_after": 4, "checkpoint": items, "items": True},
+            {"name": "reference, one cycle", "one_cycle": True},
+            {"name": "two, one cycle, stop", "stop_at": 4, "checkpoint": one_cycle, "one_cycle": True},
             {"name": "1 -> 2", "resume": one},
             {"name": "1 -> 2, manual", "resume": manual, **manual_case},
             {"name": "1 -> 2, sharded", "resume": one_sharded, "sharding": True},
@@ -178,6 +180,7 @@ def resumed(tmp_path_factory):
             {"name": "2 -> 1, a sampler of its own", "resume": two, "trainer": {"use_distributed_sampler": False}},
             {"name": "2 -> 1, stateful loader", "resume": stateful, "stateful": True},
             {"name": "2 -> 1, num_items", "resume": items, "items": True},
+            {"name": "2 -> 1, one cycle", "resume": one_cycle, "one_cycle": True},
             {  # not a resume: "join" on a single rank whose loader Lightning does not shard (it used to pad forever)
                 "name": "one rank, join, its own sampler",
                 "strategy": {"uneven_inputs": "join"},
@@ -209,6 +212,9 @@ def samples(*results) -> list[int]:
         ("two (4 rows x 3), stop", "2 -> 3", "reference, 4 rows x 3", 10, 2),  # 3 processes
         ("two, knobs, stop", "2 -> 1, knobs", "reference", 16, 2),  # chunks, telemetry, join, replica checks
         ("two, items, stop", "2 -> 1, num_items", "reference, items", 16, 2),  # the window's items, k 1 -> 2
+        # issue 57, item 2: OneCycleLR from `estimated_stepping_batches` built the loader before the restore, and
+        # the change was planned for batch 0
+        ("two, one cycle, stop", "2 -> 1, one cycle", "reference, one cycle", 16, 2),
     ],
 )
 def test_a_resume_on_another_world_size_trains_each_sample_once_and_equals_the_uninterrupted_run(

@@ -218,7 +218,8 @@ class DDPPlusStrategy(DDPPlusFrontEnd, DDPStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        super().setup(trainer)
+        with self.resume.loop_not_restored():  # `estimated_stepping_batches` builds the loader in here
+            super().setup(trainer)
         if trainer.training and self.lightning_module is not None:
             self.engine.micro_batches_from_plan(trainer.default_root_dir, self.lightning_module, trainer.world_size)
         add_strategy_callbacks(trainer, self.engine)

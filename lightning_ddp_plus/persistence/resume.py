@@ -28,7 +28,8 @@ import itertools
 import os
 import pickle
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Literal, Protocol
 
@@ -272,18 +273,74 @@ def every_ranks_generator_states() -> list[dict[str, Any]]:
     return gathered
 
 
-def batches_consumed_before_restart(trainer: Any) -> int:
-    """Batches of the current epoch that a mid-epoch checkpoint had consumed (0 when not restarting mid-epoch).
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoopPosition:
+    """Where a resumed fit's loop stands in the data, read when the training loader is built: from the Trainer's
+    restored loop, or, for a loader built before Lightning restores it, from the checkpoint it is about to restore.
 
-    Read when the training loader is built, after the checkpoint's loop state is restored and before Lightning
-    classifies the restart (``restarted_mid_epoch`` is computed later); a checkpoint taken on the epoch's last batch
-    continues with the next epoch, whose data starts at its beginning.
+    Lightning's documented OneCycleLR recipe reads ``trainer.estimated_stepping_batches`` in ``configure_optimizers``,
+    which builds the training loader inside the strategy's ``setup``, before ``restore_training_state``; the fit loop
+    then keeps that loader. Read from the fresh loop, a mid-epoch resume would plan no skip (the epoch's first batches
+    trained again, its last ones never). The checkpoint's loop state is the one Lightning restores, so it says the
+    same as the restored loop, and a change to its batch counters (a world-size change) is restored with it.
     """
-    fit_loop = trainer.fit_loop
-    progress = fit_loop.epoch_loop.batch_progress
-    if not fit_loop.restarting or progress.is_last_batch:
-        return 0
-    return int(progress.current.ready)
+
+    restarting: bool
+    """The fit restarts inside an epoch that was not finished (Lightning's ``fit_loop.restarting``)."""
+    ready: int
+    """The epoch's batches counted ready (``batch_progress.current.ready``)."""
+    is_last_batch: bool
+    """The checkpoint was taken on the epoch's last batch."""
+    epoch: int
+    """``trainer.current_epoch`` as the restored loop says it."""
+    progress: dict[str, Any]
+    """The batch progress' state (``state_dict``), which ``shift_batches`` changes."""
+    set_progress: Callable[[dict[str, Any]], None]
+
+    @classmethod
+    def of_trainer(cls, trainer: Any) -> LoopPosition:
+        fit_loop = trainer.fit_loop
+        progress = fit_loop.epoch_loop.batch_progress
+        return cls(
+            restarting=bool(fit_loop.restarting),
+            ready=int(progress.current.ready),
+            is_last_batch=bool(progress.is_last_batch),
+            epoch=int(trainer.current_epoch),
+            progress=progress.state_dict(),
+            set_progress=progress.load_state_dict,
+        )
+
+    @classmethod
+    def of_checkpoint(cls, fit_loop: dict[str, Any], trainer: Any) -> LoopPosition:
+        """From a checkpoint's ``loops["fit_loop"]``, as Lightning's restore will set the loop (its ``restarting``
+        rule included: an epoch not finished, or training by steps)."""
+        progress, epochs = fit_loop["epoch_loop.batch_progress"], fit_loop["epoch_progress"]["current"]
+        unfinished = any(epochs[name] != epochs["processed"] for name in ("ready", "started"))
+        return cls(
+            restarting=unfinished or trainer.max_steps != -1,
+            ready=int(progress["current"]["ready"]),
+            is_last_batch=bool(progress["is_last_batch"]),
+            epoch=int(epochs["completed"]),
+            progress=progress,
+            set_progress=lambda state: fit_loop.__setitem__("epoch_loop.batch_progress", state),
+        )
+
+    @property
+    def consumed(self) -> int:
+        """Batches of the current epoch that a mid-epoch checkpoint had consumed (0 when not restarting mid-epoch;
+        a checkpoint taken on the epoch's last batch continues with the next epoch, from its beginning)."""
+        return 0 if not self.restarting or self.is_last_batch else self.ready
+
+    @property
+    def at_epoch_end(self) -> bool:
+        return self.restarting and self.is_last_batch
+
+    def shift_batches(self, shift: int) -> None:
+        """Every batch counter moved by ``shift`` (the same batches in another layout's batch size)."""
+        state = {**self.progress}
+        for tracker in ("current", "total"):
+            state[tracker] = {name: count + shift for name, count in self.progress[tracker].items()}
+        self.set_progress(state)
 
 
 class ResumingStrategy(Protocol):
@@ -343,12 +400,17 @@ class ResumeCoordinator:
         self._request: ResumeRequest = "never"
         #: The file chosen on every rank (``None`` before a choice, or when nothing was chosen).
         self.chosen: str | None = None
+        #: The loaded checkpoint's fit loop state, until the fit's loader is built, and whether the strategy's setup
+        #: (before Lightning restores the loop) is running.
+        self._loaded_fit_loop: dict[str, Any] | None = None
+        self._before_restore = False
 
     def before_launch(self, trainer: Any, function: Callable[..., Any], args: tuple[Any, ...]) -> tuple[Any, ...]:
         """The launched call's arguments: a fit that should resume gets ``NEWEST_READABLE`` as its ``ckpt_path``
         (unless it names a file), which Lightning's ``resume_start`` then resolves through ``choose_on_every_rank``."""
         from lightning.pytorch.trainer.states import TrainerFn
 
+        self._loaded_fit_loop = None  # a checkpoint of this fit's, if any, is loaded after the launch
         if trainer.state.fn != TrainerFn.FITTING:
             return args
         parameters = list(inspect.signature(function).parameters)
@@ -392,6 +454,8 @@ class ResumeCoordinator:
             checkpoint = load(self.strategy.checkpoint_io, str(path), self._warn)
         layout = checkpoint.get(LAYOUT_KEY)
         self.saved_layout = DataLayout.from_dict(layout) if isinstance(layout, dict) else None
+        loops = checkpoint.get("loops")  # restored by Lightning from this very dict, after the strategy's setup
+        self._loaded_fit_loop = loops.get("fit_loop") if isinstance(loops, dict) else None
         generators = checkpoint.get(GENERATORS_KEY)
         self._saved_generators = generators if isinstance(generators, list) else None
         self._sampler_seed = self.saved_layout.seed if self.saved_layout is not None else None
@@ -451,22 +515,36 @@ class ResumeCoordinator:
         ).as_dict()
         return checkpoint
 
+    @contextmanager
+    def loop_not_restored(self) -> Generator[None, None, None]:
+        """Around the strategy's ``setup``: a training loader built there (``estimated_stepping_batches``) is built
+        before Lightning restores the loop, so its place in the data is read from the checkpoint (``LoopPosition``)."""
+        self._before_restore = True
+        try:
+            yield
+        finally:
+            self._before_restore = False
+
+    def position(self, trainer: Any) -> LoopPosition:
+        if self._before_restore and self._loaded_fit_loop is not None:
+            return LoopPosition.of_checkpoint(self._loaded_fit_loop, trainer)
+        return LoopPosition.of_trainer(trainer)
+
     def dataloader(self, dataloader: Any, trainer: Any) -> Any:
         """The training loader continuing where the checkpoint's epoch stopped, or ``dataloader`` itself."""
-        consumed = batches_consumed_before_restart(trainer)
+        position = self.position(trainer)
+        consumed = position.consumed
         layout, self.saved_layout = self.saved_layout, None
-        progress = trainer.fit_loop.epoch_loop.batch_progress
-        at_epoch_end = trainer.fit_loop.restarting and progress.is_last_batch
         if layout is not None:  # where the restored loop stands (an epoch's end resumes at the next one's start)
-            epoch = trainer.current_epoch + 1 if at_epoch_end else trainer.current_epoch
+            epoch = position.epoch + 1 if position.at_epoch_end else position.epoch
             layout = dataclasses.replace(layout, epoch=epoch, batches_consumed=consumed)
         plan = None if layout is None else plan_world_size_change(layout, trainer.world_size, self.on_world_size_change)
         if plan is not None:
             # the loop's counters are in the checkpoint's batches, the epoch's end included: Lightning starts the
             # next epoch only when they reach the epoch's batches of this run
-            counted = int(progress.current.ready) if at_epoch_end else consumed
+            counted = position.ready if position.at_epoch_end else consumed
             assert layout is not None  # a plan comes from a layout
-            return self._resume_on_another_world_size(dataloader, trainer, layout, plan, counted)
+            return self._resume_on_another_world_size(dataloader, trainer, layout, plan, counted, position)
         if consumed == 0 or not isinstance(dataloader, DataLoader):
             return dataloader
         if restores_its_own_place(dataloader):  # Lightning gave it its state back: skipping would skip twice
@@ -488,7 +566,7 @@ class ResumeCoordinator:
         return update_dataloader(dataloader, SkipFirstSampler(dataloader.sampler, consumed * dataloader.batch_size))
 
     def _resume_on_another_world_size(
-        self, dataloader: Any, trainer: Any, layout: DataLayout, plan: Any, consumed: int
+        self, dataloader: Any, trainer: Any, layout: DataLayout, plan: Any, consumed: int, position: LoopPosition
     ) -> Any:
         """Accumulation as planned, the loop's batch counters in the new layout's batches, and the rest of the
         epoch's permutation dealt to the new ranks (``ResumeAtSample``)."""
@@ -510,13 +588,8 @@ class ResumeCoordinator:
         trainer.accumulate_grad_batches = plan.accumulation if trainer.lightning_module.automatic_optimization else 1
         samples = consumed * layout.rows_per_rank * layout.world_size
         shift = samples // (layout.rows_per_rank * plan.world_size) - consumed
-        # the loop's batch counters in the new layout's batches, through the progress' own state_dict
-        progress = trainer.fit_loop.epoch_loop.batch_progress
-        state = progress.state_dict()
-        for tracker in ("current", "total"):
-            state[tracker] = {name: count + shift for name, count in state[tracker].items()}
-        progress.load_state_dict(state)
+        position.shift_batches(shift)  # the loop's batch counters in the new layout's batches
         self._info(f"DDPPlusStrategy: {plan.message}.")
         if layout.batches_consumed == 0:  # an epoch's start: the sampler's own order, from its first sample
             return dataloader
-        return update_dataloader(dataloader, ResumeAtSample(sampler, samples, trainer.current_epoch))
+        return update_dataloader(dataloader, ResumeAtSample(sampler, samples, position.epoch))

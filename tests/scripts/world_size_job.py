@@ -7,8 +7,10 @@ strategy's ``gradient_accumulation_steps``: ``strategy_accumulate``), with ``opt
 and with any other strategy arguments in ``strategy`` (Trainer arguments in ``trainer``); ``stateful``: the loader
 keeps its own place (``state_dict``/``load_state_dict``); ``iterable``: each rank's rows come from an
 ``IterableDataset`` that shards itself;
-``items``: the loss is a mean over a varying subset of the rows, returned with ``num_items``; ``stop_after``
-ends it after that many optimizer steps with a checkpoint in ``checkpoint``; ``resume`` continues from one. Every
+``items``: the loss is a mean over a varying subset of the rows, returned with ``num_items``; ``one_cycle``: Lightning's
+OneCycleLR recipe (its length from ``trainer.estimated_stepping_batches``); ``stop_after`` ends it after that many
+optimizer steps (``max_steps``; ``stop_at``: ``trainer.should_stop``, which leaves the schedule's length as it is)
+with a checkpoint in ``checkpoint``; ``resume`` continues from one. Every
 rank records the indices of the samples it trained; rank 0 writes them with the parameters and the log lines.
 """
 
@@ -103,8 +105,26 @@ class Regression(L.LightningModule):
             Indexed(self.samples), batch_size=self.batch_size, shuffle=True
         )
 
+    one_cycle = False
+
     def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.5)
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.5)
+        if not self.one_cycle:
+            return optimizer
+        total = int(self.trainer.estimated_stepping_batches)  # builds the loader before a resume restores the loop
+        schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=total)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+class StopAt(L.Callback):
+    """Ends the fit after optimizer step ``step``, as an early stop does."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            trainer.should_stop = True
 
 
 class ManualRegression(Regression):
@@ -127,14 +147,14 @@ def run_case(case: dict) -> dict:
     handler = logging.StreamHandler(log)
     logging.getLogger("lightning.pytorch").addHandler(handler)
     world = WORLD
-    callbacks = []
-    if case.get("stop_after"):
+    callbacks: list = [StopAt(case["stop_at"])] if case.get("stop_at") else []
+    if case.get("stop_after") or case.get("stop_at"):
         path = case["checkpoint"]
         callbacks.append(
             ModelCheckpoint(
                 dirpath=path.rsplit("/", 1)[0],
                 filename=path.rsplit("/", 1)[1][:-5],
-                every_n_train_steps=case["stop_after"],
+                every_n_train_steps=case.get("stop_after") or case["stop_at"],
                 save_top_k=-1,
             )
         )
@@ -159,6 +179,7 @@ def run_case(case: dict) -> dict:
         case.get("batch_size", 8), case.get("samples", 256), case.get("stateful", False)
     )
     model.items, model.iterable = case.get("items", False), case.get("iterable", False)
+    model.one_cycle = case.get("one_cycle", False)
     outcome: dict = {"error": None}
     try:
         trainer.fit(model, ckpt_path=case.get("resume"))
