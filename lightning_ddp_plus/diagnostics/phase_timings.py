@@ -285,6 +285,7 @@ class StragglerWatch(StepComponent):
         #: Steps closed in this fit: the same on every rank, unlike the steps timed (on CUDA a step is timed once
         #: its events completed, which differs per rank), so it alone decides when the ranks compare.
         self._closed = 0
+        self._due = False  # a comparison due at the step closed last (run once the loop counted it)
 
     def fit_starts(self, fit: FitStart) -> None:
         self.reset()
@@ -294,8 +295,13 @@ class StragglerWatch(StepComponent):
             self.backward_starts(backward.loss)
 
     def step_done(self, step: int) -> None:
+        self._due = self.end_step(step)
+
+    def step_counted(self, step: int) -> None:
         assert self.channel is not None
-        self.close_step(step, self.channel.rank, self.channel.gather)
+        if self._due:
+            self._due = False
+            self._compare(step, self.channel.rank, self.channel.gather, self.every_n_steps)
 
     def epoch_ends(self, end: EpochEnd) -> None:
         assert self.channel is not None
@@ -315,15 +321,19 @@ class StragglerWatch(StepComponent):
         self.clock.reset()
         self.last_times, self.last_finding = [], None
         self._compared_at = self._closed = 0
+        self._due = False
 
     def close_step(self, step: int, rank: int, gather: Callable[[Sequence[int]], list[list[int]]]) -> None:
         """Close the step; on every ``every_n_steps``-th, compare the ranks (a collective: every rank calls it at the
         same steps) and warn about a straggler."""
+        if self.end_step(step):
+            self._compare(step, rank, gather, self.every_n_steps)
+
+    def end_step(self, step: int) -> bool:
+        """Close the step's timing; whether the ranks compare at it (every ``every_n_steps``-th)."""
         self.clock.end_step()
         self._closed += 1
-        if step % self.every_n_steps != 0 or self._closed < self.every_n_steps:
-            return
-        self._compare(step, rank, gather, self.every_n_steps)
+        return step % self.every_n_steps == 0 and self._closed >= self.every_n_steps
 
     def compare_since_last(self, step: int, rank: int, gather: Callable[[Sequence[int]], list[list[int]]]) -> None:
         """At the end of an epoch and of a fit, on every rank (a collective): the steps since the last comparison

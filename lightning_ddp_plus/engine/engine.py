@@ -123,6 +123,7 @@ class DDPPlusEngine(RunComponents):
         if training and self.before_training_forward is not None:
             self.before_training_forward(ddp)
         if training:
+            self.pipeline.count_step()  # the loop counted the last step: its collectives run
             self.forward_synced = ddp.require_backward_grad_sync
         self.pipeline.forward_starts(ForwardStart(ddp=ddp, training=training, step=self.window.stats.optimizer_steps))
 
@@ -227,7 +228,8 @@ class DDPPlusEngine(RunComponents):
         return self.window.stats.optimizer_steps
 
     def step_done(self) -> int:
-        """After every optimizer step, on every rank: returns the steps applied in this fit."""
+        """After every optimizer step, on every rank: returns the steps applied in this fit. No collective runs
+        before the loop counts the step (``StepPipeline.count_step``, at the next training forward or epoch end)."""
         step = self.window.record_optimizer_step()
         self.pipeline.step_done(step)
         return step

@@ -10,7 +10,10 @@ A component overrides the points it acts at; the others do nothing. Over a fit t
    ``agreement_values``), and each component reads the outcome by name in ``agreed(AgreedStep)``. Where the ranks
    skip the exchange when nobody has news (gloo, through the job's store), a component with news says so before
    the synced backward starts (``agreement_requested``), so that every rank takes the exchange;
-4. per optimizer step, ``step_done(step)``;
+4. per optimizer step, ``step_done(step)``, which issues no collective; then, once the front end's loop has counted
+   the step (before the next training forward, or at the epoch's end), ``step_counted(step)``, where the collectives
+   a step makes due run (the straggler comparison): a death learnt in one of them then saves a whole step, where in
+   ``step_done`` it would pair step k+1's weights with the loop's counters of step k;
 5. ``epoch_ends(EpochEnd)``, and at the end of training the same with ``training_ends``;
 6. ``fit_ends(failed)``, in the reverse order, what was attached first is detached last.
 
@@ -134,7 +137,12 @@ class StepComponent:
         """The ranks agreed after a synced backward."""
 
     def step_done(self, step: int) -> None:
-        """Optimizer step ``step`` (counted from 1 in each fit) was applied on every rank."""
+        """Optimizer step ``step`` (counted from 1 in each fit) was applied on every rank; no collective here (see
+        ``step_counted``)."""
+
+    def step_counted(self, step: int) -> None:
+        """The front end's loop has counted optimizer step ``step`` (before the next training forward, or at the
+        epoch's end): the collectives the step made due run here, on every rank."""
 
     def epoch_ends(self, end: EpochEnd) -> None:
         """A training epoch ended (and training, where ``end.training_ends``)."""
@@ -163,6 +171,8 @@ class StepPipeline:
     def __init__(self, components: Iterable[StepComponent | None]) -> None:
         #: ``None`` entries are features turned off by their arguments.
         self.components: list[StepComponent] = [c for c in components if c is not None]
+        #: The step applied last whose ``step_counted`` has not run yet.
+        self.uncounted_step: int | None = None
         wrong = [type(c).__name__ for c in self.components if not isinstance(c, StepComponent)]
         if wrong:
             raise TypeError(f"pipeline components must subclass StepComponent: {wrong}")
@@ -178,6 +188,7 @@ class StepPipeline:
         self.flags = AgreementFlags(name for c in self.components for name in c.agreement_flags)
 
     def fit_starts(self, fit: FitStart) -> None:
+        self.uncounted_step = None
         for component in self.components:
             component.fit_starts(fit)
 
@@ -207,10 +218,20 @@ class StepPipeline:
             component.agreed(agreed)
 
     def step_done(self, step: int) -> None:
+        self.uncounted_step = step
         for component in self.components:
             component.step_done(step)
 
+    def count_step(self) -> None:
+        """The front end's loop has counted the last step applied (a training forward starts, or an epoch ends):
+        its ``step_counted`` runs, once."""
+        step, self.uncounted_step = self.uncounted_step, None
+        if step is not None:
+            for component in self.components:
+                component.step_counted(step)
+
     def epoch_ends(self, end: EpochEnd) -> None:
+        self.count_step()
         for component in self.components:
             component.epoch_ends(end)
 

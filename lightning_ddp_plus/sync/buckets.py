@@ -136,7 +136,12 @@ class BucketTuner(StepComponent):
             measured = backward_ns(logging_data(ddp))
             if measured is not None:
                 self._times_ns[self._index].append(measured)
-        if self._iterations < 1 + self.timed_iterations:
+
+    def step_counted(self, step: int) -> None:
+        """A candidate timed through: the next one, or, after the last, the choice (an all-reduce: every rank
+        reaches it at the same step, once the loop counted it)."""
+        ddp = self._ddp
+        if ddp is None or not self.tuning or self._iterations < 1 + self.timed_iterations:
             return
         self._index, self._iterations = self._index + 1, 0
         if self._index < len(self.candidates):
