@@ -128,6 +128,11 @@ class StepComponent:
         exchange; without news the ranks may agree that nobody has any without it)."""
         return False
 
+    def agreement_needed(self) -> bool:
+        """Where no guard check carries the flags: whether this component's must be exchanged after this synced
+        backward (their own all-reduce; the same answer on every rank). By default whenever it declares any."""
+        return bool(self.agreement_flags)
+
     def agreement_values(self) -> Mapping[str, int]:
         """This rank's values of ``agreement_flags`` for the agreement about to run (the maximum over the ranks is
         agreed; a name left out counts 0)."""
@@ -206,6 +211,9 @@ class StepPipeline:
 
     def agreement_requested(self) -> bool:
         return any(component.agreement_requested() for component in self.components)
+
+    def agreement_needed(self) -> bool:
+        return any(component.agreement_needed() for component in self.components)
 
     def agreement_values(self) -> dict[str, int]:
         values: dict[str, int] = {}

@@ -186,6 +186,10 @@ class ItemAveraging(StepComponent):
         """In the first window, a rank that gives counts makes every rank compare (checked before ``take``)."""
         return self.first_window and (self.on is True or (self.on is None and self.pending is not None))
 
+    def agreement_needed(self) -> bool:
+        """The ranks compare their decisions in the fit's first window only."""
+        return self.first_window
+
     def agreement_values(self) -> dict[str, int]:
         return {ITEMS_ON: int(self.on is True), ITEMS_OFF: int(self.on is False)} if self.first_window else {}
 
@@ -366,6 +370,7 @@ class ItemAveraging(StepComponent):
         backward), then the gradients of ``parameters`` multiplied by ``world_size * unit / items``; with no item on
         any rank, the step is skipped (gradients set to ``None``, which every torch optimizer skips)."""
         if not self.on:
+            self.first_window = False  # the ranks compared their decisions in this window's agreement
             return None
         early = self._counted_early
         window, world_size = (early, 1) if early is not None else self._totals(parameters, group)

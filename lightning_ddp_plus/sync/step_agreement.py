@@ -113,8 +113,8 @@ class StepAgreement:
         guard takes over; with ``micro_batches.failure`` set, this rank's attempt ran out of memory, ``started``
         saying whether its synced backward had begun)."""
         flags, values = self.party.pipeline.flags, self.party.pipeline.agreement_values()
-        if not self.guard.active:  # no check to ride on: the flags' own all-reduce, only where a notice can come
-            if not any(name not in self.uneven.agreement_flags for name in flags.names):
+        if not self.guard.active:  # no check to ride on: the flags' own all-reduce, only where some flag has news
+            if not self.party.pipeline.agreement_needed():
                 return StepAgreed(flags=flags.zeros())
             return StepAgreed(flags=flags.read(self.channel.maximum(flags.pack(values))))
         failure, self.micro_batches.failure = self.micro_batches.failure, None

@@ -236,6 +236,11 @@ class UnevenInputsCheck(StepComponent):
         self.reset()
         self._parameters = fit.ddp.module.parameters
 
+    def agreement_needed(self) -> bool:
+        """Only a flag held for the guard's check travels (without the guard, the flag has its own all-reduce before
+        the batch)."""
+        return self._deferred is not None
+
     def agreement_values(self) -> dict[str, int]:
         """The flag held for the agreement after this batch's synced backward (zeros: none held)."""
         if self._deferred is None:
