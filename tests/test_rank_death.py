@@ -42,6 +42,9 @@ CASES = [
     # issue 57, item 7: rank 1 raises torch's out-of-memory error in step 5's forward and its process ends (before:
     # the survivor took its broken collective for the out-of-memory error, saved nothing, and the resume started at 0)
     {"to": 1, "at": "out_of_memory", "step": 4},
+    # issue 57, item 4: EMAWeightAveraging swaps the average in for validation, where rank 1 dies (before: the average
+    # was saved as the training weights)
+    {"to": 1, "at": "validation", "ema": True},
 ]
 #: Outside CI (``DDP_PLUS_EVERY_DEATH=1``): every moment on both ranks, and 10 random moments on each.
 EVERY_CASE = [

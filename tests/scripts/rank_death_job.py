@@ -26,7 +26,7 @@ from pathlib import Path
 import lightning as L
 import torch
 import torch.distributed as dist
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint
 
 from lightning_ddp_plus import DDPPlusStrategy, RankDied
 from tests.scripts.preemption_job import EPOCHS, flat
@@ -147,6 +147,7 @@ def trainer_for(case: dict, directory: Path, callbacks: list) -> L.Trainer:
         enable_model_summary=False,
         callbacks=[
             *callbacks,
+            *([EMAWeightAveraging(decay=0.9)] if case.get("ema") else []),  # swaps the average in for validation
             ModelCheckpoint(dirpath=checkpoints, every_n_train_steps=case.get("save_every", 1000)),
         ],
     )
@@ -184,17 +185,17 @@ def under_torchrun(directory: Path) -> None:
 def resume(out: str, cases: list) -> None:
     rank = int(os.environ["LOCAL_RANK"])  # set by start_ranks; the process group starts with the first fit
     references = {}
-    for k in sorted({case.get("k", 1) for case in cases}):
+    for k, ema in sorted({(case.get("k", 1), bool(case.get("ema"))) for case in cases}):
         model = IndexedRegression()
-        trainer_for({"at": "none", "k": k}, Path(cases[0]["dir"]) / f"whole-{k}", []).fit(model)
-        references[k] = flat(model)
+        trainer_for({"at": "none", "k": k, "ema": ema}, Path(cases[0]["dir"]) / f"whole-{k}-{ema}", []).fit(model)
+        references[k, ema] = flat(model)
     results = []
     for case in cases:
         directory = Path(case["dir"])
         model = IndexedRegression(directory / f"run2-rank{rank}.jsonl")
         trainer = trainer_for({**case, "at": "none"}, directory, [])
         trainer.fit(model, ckpt_path="last")
-        distance = float((flat(model) - references[case.get("k", 1)]).abs().max())
+        distance = float((flat(model) - references[case.get("k", 1), bool(case.get("ema"))]).abs().max())
         results.append({"dir": case["dir"], "distance": distance, "global_step": trainer.global_step})
     if rank == 0:
         Path(out).write_text(json.dumps(results))
