@@ -10,7 +10,9 @@ Which state is saved, so that every save is a whole step:
   window, leaves the parameters at that boundary, and the resume redoes the step (the whole window);
 - when the step was applied before the death (a collective in a step-end hook, in validation, or at the epoch's
   end), the loop's state as it is: Lightning's own mid-batch or mid-validation checkpoint, which its resume
-  continues as it continues any checkpoint taken at that point.
+  continues as it continues any checkpoint taken at that point;
+- the training weights, not an average that a ``WeightAveraging`` callback (``EMAWeightAveraging``) swapped in for
+  validation: its swap back runs before the save (``AverageSwapped``).
 
 The file is the one ``ckpt_path="last"`` and ``resume_from_last`` look for (``preemption_checkpoint_path``), written
 atomically through the strategy's checkpoint IO by the survivor chosen, not by rank 0, which may be the dead one.
@@ -25,6 +27,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.pytorch import callbacks as callbacks_module
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_ddp_plus.crash.peer_death import peer_gone_in
@@ -68,7 +72,9 @@ class StepBoundaries:
 
     @classmethod
     def keep(cls, trainer: pl.Trainer) -> StepBoundaries:
-        """At the setup of each fit: the Trainer's record, fresh for this fit."""
+        """At the setup of each fit: the Trainer's record, fresh for this fit (and ``AverageSwapped`` after each
+        weight-averaging callback)."""
+        AverageSwapped.follow(trainer)
         boundaries = _KEPT.get(trainer) or cls(trainer)
         _KEPT[trainer] = boundaries
         boundaries.fit, boundaries.last, boundaries._loop_state = next(_FITS), None, None
@@ -90,6 +96,39 @@ class StepBoundaries:
 
 
 _KEPT: weakref.WeakKeyDictionary[Any, StepBoundaries] = weakref.WeakKeyDictionary()
+
+
+class AverageSwapped(Callback):
+    """Right after a ``WeightAveraging`` callback: whether it holds the average in the module for validation (between
+    its ``on_validation_epoch_start`` and ``on_validation_epoch_end``, which issue no collective, so a death is learnt
+    on either side of them, never inside). A survivor's save swaps the training weights back first."""
+
+    def __init__(self, averaging: Callback) -> None:
+        self.averaging, self.swapped = averaging, False
+
+    @classmethod
+    def follow(cls, trainer: Any) -> None:  # `callbacks` is set by Lightning's callback connector
+        averaging = getattr(callbacks_module, "WeightAveraging", None)  # Lightning 2.6 on
+        callbacks: list[Callback] = trainer.callbacks
+        followed = {id(callback.averaging) for callback in callbacks if isinstance(callback, cls)}
+        for index in reversed(range(len(callbacks))):
+            callback = callbacks[index]
+            if averaging is not None and isinstance(callback, averaging) and id(callback) not in followed:
+                callbacks.insert(index + 1, cls(callback))
+
+    def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.swapped = True
+
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.swapped = False
+
+    @classmethod
+    def swap_back(cls, trainer: Any) -> None:
+        """Before a survivor's save: each average held for validation swapped out again, as its epoch's end does."""
+        for callback in trainer.callbacks:
+            if isinstance(callback, cls) and callback.swapped:
+                callback.averaging.on_validation_epoch_end(trainer, trainer.lightning_module)
+                callback.swapped = False
 
 
 def save_after_rank_death(trainer: pl.Trainer, error: BaseException) -> RankDied | None:
@@ -118,6 +157,7 @@ def write_boundary(trainer: pl.Trainer, boundary: StepBoundary, path: str) -> No
     """This rank's state written to ``path`` as a whole step (see the module's docstring), atomically, with the
     strategy's additions (the data layout, the micro-batch size) and without a collective."""
     strategy: Any = trainer.strategy
+    AverageSwapped.swap_back(trainer)
     checkpoint = trainer_checkpoint(trainer)
     if boundary.step == trainer.global_step:  # the step in progress was not applied: its batches are redone
         checkpoint["loops"] = {**checkpoint["loops"], "fit_loop": boundary.loops}
