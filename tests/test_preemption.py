@@ -107,6 +107,9 @@ CASES = [
     # before the resume restored the loop (before: the epoch's first batches trained again, its last ones never,
     # 160 distinct samples of 256 trained, 9.8e-3 away)
     {"to": "all", "at": "forward", "step": 5, "one_cycle": True},
+    # issue 57, item 6: a notice at an epoch's last batch, no validation that epoch (before: the resume trained one
+    # batch more, 17 steps, 0.74 away)
+    {"to": "all", "at": "forward", "step": 7, "val_every": 2},
 ]
 
 

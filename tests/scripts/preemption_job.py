@@ -180,7 +180,7 @@ def trainer_for(case: dict, root: Path, callbacks: list, slurm: bool) -> L.Train
         max_epochs=EPOCHS,
         accumulate_grad_batches=1 if case.get("manual") else case.get("k", 1),
         val_check_interval=4 if case["at"] == "validation" else None,
-        check_val_every_n_epoch=1,
+        check_val_every_n_epoch=case.get("val_every", 1),
         num_sanity_val_steps=0,
         default_root_dir=root,
         logger=False,
@@ -285,6 +285,8 @@ def run_case(case: dict, root: Path, reference: torch.Tensor | None, catch: bool
         **{key: every_ranks([value])[0] if key == "code" else value for key, value in first.items()},
         "seconds_to_end_by_rank": every_ranks([first["seconds_to_end"]]),
         "resumed_global_step": again.global_step,
+        # the step loggers log at: Lightning counts it at each batch's end that stepped
+        "batches_that_stepped": again.fit_loop.epoch_loop._batches_that_stepped,
         "distance": distance,
         "sample_counts": counts,
         "batch_ends_by_rank": every_ranks(ends_before + resumed.batch_ends),

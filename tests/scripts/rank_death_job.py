@@ -27,8 +27,10 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint
+from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
 from lightning_ddp_plus import DDPPlusStrategy, RankDied
+from tests.scripts.preemption_end_job import SlowCheckpointIO
 from tests.scripts.preemption_job import EPOCHS, flat
 from tests.scripts.preemption_job import IndexedRegression as PreemptionRegression
 
@@ -137,6 +139,7 @@ def trainer_for(case: dict, directory: Path, callbacks: list) -> L.Trainer:
         ),
         accelerator=ACCELERATOR,
         devices=2,
+        plugins=[AsyncCheckpointIO(SlowCheckpointIO())] if case.get("async_io") else [],  # a write of 1 s
         max_epochs=EPOCHS,
         accumulate_grad_batches=case.get("k", 1),
         val_check_interval=4 if case["at"] == "validation" else None,
@@ -159,6 +162,7 @@ def fit_until_death(trainer: L.Trainer, model: IndexedRegression, directory: Pat
         trainer.fit(model)
     except RankDied as error:
         outcome = {"error": str(error), "time": time.time(), "step": error.save.step, "gone": list(error.save.gone)}
+        outcome["save_seconds"] = error.save.save_seconds
         (directory / f"outcome-rank{rank}.json").write_text(json.dumps(outcome))
         raise
 
