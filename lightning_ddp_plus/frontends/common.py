@@ -80,6 +80,13 @@ class FrontEndIO:
         with self.engine.in_phase("checkpoint save"), self.atomic_saves.saving(io):
             return call(*args, **kwargs)
 
+    def write_now(self, io: CheckpointIO, checkpoint: dict[str, Any], path: str) -> None:
+        """A survivor's save: ``checkpoint`` written to ``path`` through an atomic view of ``io``, by this rank
+        alone, and its bytes there when this returns (an ``AsyncCheckpointIO``'s pending writes finished, its error
+        raised: the survivors say "saved" after this, and the launcher may end the process then)."""
+        self.save(io, lambda: (self.saving_view or io).save_checkpoint(checkpoint, path))
+        io.teardown()
+
     def checkpoint_io(self, passed: CheckpointIO | None) -> CheckpointIO | None:
         """The IO the framework keeps: the one you passed, as passed, or an atomic default."""
         return self.atomic_saves.default_io(passed)

@@ -102,8 +102,7 @@ class FabricAfterDeath:
         strategy = self.strategy
         checkpoint = fabric_checkpoint(strategy, {**self.state, self.step_key: step})
         os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-        # inside `io.save`, `strategy.checkpoint_io` is the atomic view of the IO the strategy keeps
-        strategy.io.save(strategy.checkpoint_io, lambda: strategy.checkpoint_io.save_checkpoint(checkpoint, self.path))
+        strategy.io.write_now(strategy.checkpoint_io, checkpoint, self.path)
 
 
 def check_block_arguments(path: Any, state: Any, step_key: Any) -> None:

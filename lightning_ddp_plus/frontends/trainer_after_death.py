@@ -162,5 +162,4 @@ def write_boundary(trainer: pl.Trainer, boundary: StepBoundary, path: str) -> No
     if boundary.step == trainer.global_step:  # the step in progress was not applied: its batches are redone
         checkpoint["loops"] = {**checkpoint["loops"], "fit_loop": boundary.loops}
     checkpoint = strategy.with_run_state(checkpoint, gather_generators=False)  # a gather would include the dead
-    # inside `io.save`, `strategy.checkpoint_io` is the atomic view of the IO the strategy keeps
-    strategy.io.save(strategy.checkpoint_io, lambda: strategy.checkpoint_io.save_checkpoint(checkpoint, path))
+    strategy.io.write_now(strategy.checkpoint_io, checkpoint, path)

@@ -9,9 +9,13 @@ Where the save goes, so that the next run finds it:
 - else the first ``ModelCheckpoint``'s ``last.ckpt``, which ``ckpt_path="last"`` and ``resume_from_last`` find;
 - else (no ``ModelCheckpoint``) ``default_root_dir/checkpoints/last.ckpt``, which they find too.
 
-The save is made once every hook of the agreed step has run: every callback's and the module's
-``on_train_batch_end``, the batch counted as completed by the loop, and the validation and schedulers the batch
-triggers. The resume continues at the next batch of the epoch, so each hook of each step runs once across both runs.
+The save is made at the step boundary after the agreed step, before the next batch is fetched (or, when no batch
+follows, at the end of training): every callback's and the module's ``on_train_batch_end``, the batch counted as
+completed, the validation and schedulers the batch triggers, and, at an epoch's last batch, the epoch's end and the
+next one's start have run. The resume continues at the next batch, so each hook of each step runs once across both
+runs. Saved amid an epoch's end (after its last batch, before its end hooks), the loop's state is one that Lightning's
+restore does not continue exactly: it trained the epoch's first batch again when no validation ran at that batch,
+and ran the batch's end twice (its schedulers, the logged step) when one did.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from lightning_ddp_plus.persistence.resume import NO_CHECKPOINT_CALLBACK_PATH
 from lightning_ddp_plus.preemption.report import Preempted, PreemptionReport
 from lightning_ddp_plus.preemption.slurm import requeue
 from lightning_ddp_plus.preemption.stop import StopDecision
-from lightning_ddp_plus.private_apis.lightning import after_each_batch, leave_signals_to, slurm_requeue_checkpoint_path
+from lightning_ddp_plus.private_apis.lightning import before_each_batch, leave_signals_to, slurm_requeue_checkpoint_path
 
 
 def slurm_requeues(trainer: pl.Trainer) -> SLURMEnvironment | None:
@@ -91,7 +95,7 @@ def end_preempted(trainer: pl.Trainer, decision: StopDecision) -> None:
 
 
 class PreemptionSave(Callback):
-    """Saves the agreed step once every hook of its batch has run, and ends the fit (added by the strategy)."""
+    """Saves the agreed step at the step boundary after it, and ends the fit (added by the strategy)."""
 
     def __init__(self, engine: DDPPlusEngine) -> None:
         self.engine = engine
@@ -101,13 +105,16 @@ class PreemptionSave(Callback):
         decision = self.engine.notice_before_first_step()
         if decision is not None:
             end_preempted(trainer, decision)
-        self._undo = after_each_batch(trainer, functools.partial(self._batch_done, trainer))
+        self._undo = before_each_batch(trainer, functools.partial(self._at_step_boundary, trainer))
 
-    def _batch_done(self, trainer: pl.Trainer) -> None:
-        decision = self.engine.preemption_decision  # agreed at this batch's synced backward; its step is applied
+    def _at_step_boundary(self, trainer: pl.Trainer) -> None:
+        decision = self.engine.preemption_decision  # agreed at an earlier synced backward; its step is applied
         if decision is not None and decision.stop_after is not None:
             self.teardown(trainer, trainer.lightning_module, "fit")
             end_preempted(trainer, decision)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._at_step_boundary(trainer)  # the agreed step was the last one: no batch follows
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self._undo is not None:

@@ -12,7 +12,7 @@
 | the training loaders of the running fit (``training_loaders``) and a module's Trainer (``trainer_of``) | ``FitLoop._combined_loader``, ``LightningModule._trainer`` | the same | ``[]`` / ``None`` before the fit has them |
 | keeping Lightning's termination handling off the preemption signals (``leave_signals_to``) | ``Trainer._signal_connector``, its ``register_signal_handlers`` and ``_original_handlers``, ``_TrainingEpochLoop._broadcast_sigterm_tensor`` | the same | each part skipped where missing: Lightning's handler would then run beside the strategy's |
 | SLURM's requeue checkpoint (``slurm_requeue_checkpoint_path``) | ``Trainer._checkpoint_connector.hpc_save_path`` | the same | none |
-| the point after every hook of a training batch, its progress counted (``after_each_batch``), and the point before a batch is fetched (``before_each_batch``) | ``Trainer.fit_loop.epoch_loop.on_advance_end`` and ``advance`` (``_TrainingEpochLoop``'s, wrapped on the instance) | the same | ``RuntimeError`` naming the missing method: no public hook runs after the module's ``on_train_batch_end``, or before the next batch is counted |
+| the step boundary: the point before a batch is fetched (``before_each_batch``), after every hook of the batch before it, its validation, and an epoch's end and the next one's start | ``Trainer.fit_loop.epoch_loop.advance`` (``_TrainingEpochLoop``'s, wrapped on the instance) | the same | ``RuntimeError`` naming the missing method: no public hook runs before the next batch is counted |
 | the fit loop's state as ``state_dict()`` gives it, in a few µs (``LoopState``) | ``lightning.pytorch.loops.loop._Loop``, ``lightning.pytorch.loops.progress._BaseProgress`` (their ``state_dict`` walk, redone), ``lightning.pytorch.loops._FitLoop`` (its own state is its stateful loaders') | the same | none |
 | a checkpoint's contents without writing them (``trainer_checkpoint``) | ``Trainer._checkpoint_connector.dump_checkpoint`` | the same | none: ``Trainer.save_checkpoint`` writes from rank 0 only, behind a barrier |
 | what ``fabric.save`` writes, built on any rank (``fabric_checkpoint``) | ``Strategy._convert_stateful_objects_in_state`` (Fabric's) | the same | none: ``fabric.save`` writes from rank 0 only, behind a barrier |
@@ -47,7 +47,6 @@ __all__ = [
     "MultiProcessingLauncher",
     "PathLike",
     "SubprocessScriptLauncher",
-    "after_each_batch",
     "before_each_batch",
     "destroy_dist_connection",
     "fabric_backward",
@@ -169,57 +168,41 @@ def slurm_requeue_checkpoint_path(trainer: Any) -> str:
     return str(trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir))
 
 
-def after_each_batch(trainer: Any, call: Callable[[], None]) -> Callable[[], None]:
-    """``call()`` once every hook of each training batch has run: the callbacks' and the module's
-    ``on_train_batch_end``, the batch counted as completed, the validation and the schedulers it triggers (the end of
-    the epoch loop's ``on_advance_end``). Returns what undoes it."""
-    return _call_around(trainer, "on_advance_end", call, after=True)
-
-
 def before_each_batch(trainer: Any, call: Callable[[], None]) -> Callable[[], None]:
     """``call()`` before each training batch is fetched and counted (the start of the epoch loop's ``advance``):
     the loop's state then is the one after the previous batch and everything that followed it (its validation, an
     epoch's end and the next one's start). Returns what undoes it."""
-    return _call_around(trainer, "advance", call, after=False)
-
-
-class _CallsAround:
-    """A loop method, with the calls before or after it (several callers share one wrapper)."""
-
-    def __init__(self, method: Callable[..., Any], after: bool) -> None:
-        self.method, self.after = method, after
-        self.calls: list[Callable[[], None]] = []
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not self.after:
-            for call in list(self.calls):
-                call()
-        result = self.method(*args, **kwargs)
-        if self.after:
-            for call in list(self.calls):
-                call()
-        return result
-
-
-def _call_around(trainer: Any, method: str, call: Callable[[], None], after: bool) -> Callable[[], None]:
     loop: Any = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
-    original = getattr(loop, method, None)
+    original = getattr(loop, "advance", None)
     if original is None:
         raise RuntimeError(
-            f"lightning-ddp-plus: this Lightning's training epoch loop has no `{method}`, where the strategy keeps "
+            "lightning-ddp-plus: this Lightning's training epoch loop has no `advance`, where the strategy keeps "
             "every save a whole step. Use Lightning 2.5 or 2.6."
         )
-    wrapper = original if isinstance(original, _CallsAround) else _CallsAround(original, after)
-    setattr(loop, method, wrapper)
+    wrapper = original if isinstance(original, _CallsBefore) else _CallsBefore(original)
+    loop.advance = wrapper
     wrapper.calls.append(call)
 
     def undo() -> None:
         if call in wrapper.calls:
             wrapper.calls.remove(call)
-        if not wrapper.calls and vars(loop).get(method) is wrapper:
-            delattr(loop, method)  # the class's method again
+        if not wrapper.calls and vars(loop).get("advance") is wrapper:
+            del loop.advance  # the class's method again
 
     return undo
+
+
+class _CallsBefore:
+    """A loop method, with the calls before it (several callers share one wrapper)."""
+
+    def __init__(self, method: Callable[..., Any]) -> None:
+        self.method = method
+        self.calls: list[Callable[[], None]] = []
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        for call in list(self.calls):
+            call()
+        return self.method(*args, **kwargs)
 
 
 class LoopState:
