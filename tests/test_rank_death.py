@@ -233,6 +233,35 @@ def test_under_optimizer_sharding_nothing_is_saved_the_error_says_why_and_the_pe
 
 
 @pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    ("case", "words"),
+    [
+        # rank 2 of 3 dies; the writer's save runs a collective (a gather in `on_save_checkpoint`) that fails
+        # against it: the failure is announced, so the other survivor ends with it (before: it waited 300 s for a
+        # save that never came, then said rank 0 "did not say it had")
+        (
+            {"to": 2, "at": "backward", "world": 3, "gather_in_save": True},
+            ["rank 2 is gone", "nothing was saved: writing", "failed"],
+        ),
+        # a user's ZeroRedundancyOptimizer gathers its state from every rank to save it: refused, with what to
+        # resume from (before: the save's gather failed against the dead rank, unannounced)
+        ({"to": 1, "at": "backward", "zero": True}, ["rank 1 is gone", "nothing was saved", "ZeroRedundancyOptimizer"]),
+    ],
+)
+def test_what_cannot_be_saved_without_the_dead_rank_is_refused_and_every_survivor_says_so(tmp_path, case, words):
+    result = run_job(python_script("rank_death_job.py") + ["kill", str(tmp_path), json.dumps(case)], timeout=200)
+    assert result.returncode == 1, result.stdout[-4000:]
+    survivors = [rank for rank in range(case.get("world", 2)) if rank != case["to"]]
+    for rank in survivors:
+        assert (tmp_path / f"outcome-rank{rank}.json").exists(), (rank, result.stdout[-4000:])
+        outcome = json.loads((tmp_path / f"outcome-rank{rank}.json").read_text())
+        assert outcome["step"] is None, (rank, outcome["error"])
+        for said in words:
+            assert said in outcome["error"], (rank, said, outcome["error"])
+    assert not (tmp_path / "ckpt" / "last.ckpt").exists()
+
+
+@pytest.mark.multiprocess
 def test_a_full_disk_during_the_survivors_save_keeps_the_previous_file_whole_and_says_so(tmp_path):
     reason = mount_unavailable_reason()
     if reason is not None:

@@ -128,6 +128,14 @@ class Kill(L.Callback):
             self.die(trainer, "between_epochs")
 
 
+class GatherInSave(L.Callback):
+    """A collective in ``on_save_checkpoint`` (every rank's loss gathered into the checkpoint, say): a survivor's
+    save cannot run it without the dead rank."""
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+        checkpoint["every_ranks_step"] = trainer.strategy.all_gather(torch.tensor(trainer.global_step)).tolist()
+
+
 def trainer_for(case: dict, directory: Path, callbacks: list) -> L.Trainer:
     checkpoints = case.get("checkpoints", directory / "ckpt")  # "checkpoints": elsewhere (a full filesystem)
     return L.Trainer(
@@ -138,7 +146,7 @@ def trainer_for(case: dict, directory: Path, callbacks: list) -> L.Trainer:
             find_stragglers_every_n_steps=case.get("stragglers", 50),
         ),
         accelerator=ACCELERATOR,
-        devices=2,
+        devices=case.get("world", 2),
         plugins=[AsyncCheckpointIO(SlowCheckpointIO())] if case.get("async_io") else [],  # a write of 1 s
         max_epochs=EPOCHS,
         accumulate_grad_batches=case.get("k", 1),
@@ -151,6 +159,7 @@ def trainer_for(case: dict, directory: Path, callbacks: list) -> L.Trainer:
         callbacks=[
             *callbacks,
             *([EMAWeightAveraging(decay=0.9)] if case.get("ema") else []),  # swaps the average in for validation
+            *([GatherInSave()] if case.get("gather_in_save") else []),
             ModelCheckpoint(dirpath=checkpoints, every_n_train_steps=case.get("save_every", 1000)),
         ],
     )
@@ -167,9 +176,18 @@ def fit_until_death(trainer: L.Trainer, model: IndexedRegression, directory: Pat
         raise
 
 
+class ZeroRegression(IndexedRegression):
+    """The same model with torch's ``ZeroRedundancyOptimizer``: each rank holds the only copy of its shard."""
+
+    def configure_optimizers(self):
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(self.parameters(), optimizer_class=torch.optim.SGD, lr=0.05, momentum=0.9)
+
+
 def kill(directory: Path, case: dict) -> None:
     rank = int(os.environ.get("LOCAL_RANK", "0"))  # the popen launcher sets it in the child it starts
-    model = IndexedRegression(directory / f"run1-rank{rank}.jsonl")
+    model = (ZeroRegression if case.get("zero") else IndexedRegression)(directory / f"run1-rank{rank}.jsonl")
     fit_until_death(trainer_for(case, directory, [Kill(case, rank, directory)]), model, directory, rank)
 
 
