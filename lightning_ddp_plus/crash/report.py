@@ -50,6 +50,10 @@ class RankDied(RuntimeError):
         save: what the survivors did.
     """
 
+    #: Every survivor raises it by itself once the save is over (the launcher lets the others end, see
+    #: ``processes.launcher``).
+    ends_every_survivor = True
+
     def __init__(self, save: AfterDeathSave) -> None:
         super().__init__(save.line())
         self.save = save

@@ -56,8 +56,10 @@ def save_from_survivor(save: SurvivorSave) -> RankDied:
     started = time.monotonic()
     try:
         save.write()
-    except OSError as write_error:  # a full disk, say: the previous file is whole (the write is atomic)
-        why = f"writing {save.path} failed ({write_error}); the file there before, if any, is whole"
+    except Exception as write_error:  # noqa: BLE001 - whatever failed is announced: the others wait for the word
+        # a full disk, or a collective in the save (a hook's gather) that cannot run without the dead rank; the
+        # write is atomic, so the previous file is whole
+        why = f"writing {save.path} failed ({type(write_error).__name__}: {first_line(write_error)}); the file there before, if any, is whole"
         agreement.announce_saved({"not_saved": why})
         return RankDied(replace(said, not_saved=why))
     saved = replace(said, step=agreed.step, path=save.path, writer=agreement.rank)
@@ -66,6 +68,10 @@ def save_from_survivor(save: SurvivorSave) -> RankDied:
         {"step": saved.step, "path": saved.path, "writer": saved.writer, "save_seconds": saved.save_seconds}
     )
     return RankDied(saved)
+
+
+def first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [""])[0]
 
 
 def gone_ranks(agreed: SurvivorsAgreed, rank: int, world_size: int) -> tuple[int, ...]:

@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
 from lightning_ddp_plus.crash.survivor_save import SurvivorSave
 from lightning_ddp_plus.crash.survivors import SurvivorAgreement
 from lightning_ddp_plus.private_apis.torch_distributed import default_store
@@ -35,6 +37,12 @@ def survivor_save_of(
             "under `optimizer_sharding` each rank holds the only copy of its shard of the optimizer state, and the "
             f"dead rank's is lost; resume from {resume_from}, or train with `optimizer_sharding=False` to have "
             "every survivor hold the whole state"
+        )
+    elif any(isinstance(optimizer, ZeroRedundancyOptimizer) for optimizer in getattr(strategy, "optimizers", [])):
+        not_savable = (
+            "a `ZeroRedundancyOptimizer` holds each rank's shard of its state on that rank only (saving gathers them, "
+            f"`consolidate_state_dict`), and the dead rank's is lost; resume from {resume_from}, or use a plain "
+            "optimizer to have every survivor hold the whole state"
         )
     return SurvivorSave(
         agreement=agreement,

@@ -250,18 +250,19 @@ class KillChildrenOnFailureLauncher(_SettlesBeforeLaunch, SubprocessScriptLaunch
                 ChildObserver(start_children_knowing_their_parent(self), first_child).start()
             set_threads_per_rank(num_processes=self.num_processes)
             result = function(*args, **kwargs)
-        except SIGTERMException:  # a preemption: every rank saved the same step and ends on its own
-            wait_for_children(getattr(self, "procs", []), CHILDREN_END_GRACE_S)
-            self.kill(signal.SIGKILL)
-            raise
-        except BaseException:
+        except BaseException as error:
+            # a preemption (every rank saved the same step) or a death the survivors saved after (each raises the
+            # same error once the save is over): the others end on their own
+            if isinstance(error, SIGTERMException) or getattr(error, "ends_every_survivor", False):
+                wait_for_children(getattr(self, "procs", []), CHILDREN_END_GRACE_S)
             self.kill(signal.SIGKILL)
             raise
         self._fit_over(trainer)
         return result
 
 
-#: How long rank 0 waits for the ranks it started to end by themselves after a preemption, before killing them.
+#: How long rank 0 waits for the ranks it started to end by themselves after a preemption or a survivors' save,
+#: before killing them.
 CHILDREN_END_GRACE_S = 20.0
 
 
