@@ -58,6 +58,9 @@ class Comparisons(L.Callback):
         if latest and (not self.times or latest is not self.times[-1]):
             self.times.append(latest)
 
+    def on_train_end(self, trainer, pl_module) -> None:  # the last step's comparison runs at the fit's end
+        self.on_train_batch_end(trainer, pl_module, None, None, 0)
+
 
 def margins(times: list[PhaseTimes]) -> dict:
     """Per own phase: the slowest rank's excess over the others' median (ms, share of the step), and how much longer

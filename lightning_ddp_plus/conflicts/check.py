@@ -152,7 +152,7 @@ class ConflictCheck(StepComponent):
         self._probe = ForwardProbe(self._module, repair_input_grads=repair)
 
     def _forward_starts(self, ddp: Module, args: Any) -> None:
-        if self._probe is not None and ddp.training and torch.is_grad_enabled():
+        if self._probe is not None and torch.is_grad_enabled():  # a training forward, as DDP tells it
             self._probe.start()
 
     def _forward_ends(self, ddp: Module, args: Any, output: Any) -> None:

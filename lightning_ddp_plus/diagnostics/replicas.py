@@ -173,7 +173,7 @@ class ReplicaGuard(StepComponent):
             self._due_step = step
 
     def _before_forward(self, ddp: Module, args: Any) -> None:
-        if ddp.training and torch.is_grad_enabled():
+        if torch.is_grad_enabled():  # a training forward, as DDP tells it (the wrapper may be in eval mode)
             self.check_due(with_buffers=self._with_buffers)
 
     def check_due(self, with_buffers: bool) -> None:

@@ -198,9 +198,22 @@ class DDPTelemetry(pl.Callback):
         self._logged_step = -1
         self._logged_phase_times: list[PhaseTimes] | None = None
 
+    def log_comparison(self, trainer: pl.Trainer) -> None:
+        """Every rank's phase times at a new comparison (made once the loop counted a step: at the next batch, or,
+        for the last step, at the fit's end)."""
+        phase_times = getattr(trainer.strategy, "phase_times", None)
+        if phase_times and phase_times is not self._logged_phase_times:
+            self._logged_phase_times = phase_times
+            for logger in trainer.loggers:
+                logger.log_metrics(phase_metrics(phase_times), step=trainer.global_step)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.log_comparison(trainer)
+
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        self.log_comparison(trainer)
         telemetry: SyncTelemetry | None = getattr(trainer.strategy, "telemetry", None)
         if telemetry is None or telemetry.last is None or telemetry.last.step == self._logged_step:
             return
@@ -208,11 +221,6 @@ class DDPTelemetry(pl.Callback):
         if telemetry.last.step % max(1, getattr(trainer, "log_every_n_steps", 1)) == 0:
             for logger in trainer.loggers:
                 logger.log_metrics(telemetry.last.as_metrics(), step=trainer.global_step)
-        phase_times = getattr(trainer.strategy, "phase_times", None)
-        if phase_times and phase_times is not self._logged_phase_times:  # a new comparison of the ranks
-            self._logged_phase_times = phase_times
-            for logger in trainer.loggers:
-                logger.log_metrics(phase_metrics(phase_times), step=trainer.global_step)
         if trainer.progress_bar_callback is not None:
             pl_module.log(
                 "ddp_MB", telemetry.last.bytes_sent / 2**20, on_step=True, on_epoch=False, prog_bar=True, logger=False

@@ -119,7 +119,9 @@ class DDPPlusEngine(RunComponents):
         self.ddp = self.agreement.ddp = None
 
     def _forward_starts(self, ddp: DistributedDataParallel, args: Any) -> None:
-        training = ddp.training and torch.is_grad_enabled()
+        # as DDP tells it, by grad mode: Lightning's validation leaves the wrapper in eval mode (it gives the
+        # train mode back to the LightningModule only), so `ddp.training` says nothing after one
+        training = torch.is_grad_enabled()
         if training and self.before_training_forward is not None:
             self.before_training_forward(ddp)
         if training:

@@ -39,6 +39,12 @@ class Comparisons(L.Callback):
         if latest and (not self.times or latest != self.times[-1]):
             self.times.append(latest)
 
+    def on_train_end(self, trainer, pl_module) -> None:
+        # a step's comparison runs once the loop counted it (at the next forward): the last step's, at the fit's end,
+        # where the tail's own comparison (``compare_since_last``) would run too: only the cadence's is kept
+        if trainer.global_step % trainer.strategy.engine.arguments.find_stragglers_every_n_steps == 0:
+            self.on_train_batch_end(trainer, pl_module, None, None, 0)
+
 
 class Slow(TinyRegression):
     def __init__(self, slow: str | None, rank: int, delay_s: float, steps: int, buffers: bool) -> None:
