@@ -3,6 +3,7 @@ of a step; the survivor saves the last step, the job ends with an error, and a r
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -259,6 +260,37 @@ def test_what_cannot_be_saved_without_the_dead_rank_is_refused_and_every_survivo
         for said in words:
             assert said in outcome["error"], (rank, said, outcome["error"])
     assert not (tmp_path / "ckpt" / "last.ckpt").exists()
+
+
+@pytest.mark.multiprocess
+def test_on_two_nodes_the_children_of_a_nodes_dead_launcher_agree_through_the_job_store(tmp_path):
+    """Issue 57, item 11: 2 nodes of 2 ranks started by Lightning's popen launcher, one command per node; node 1's
+    launching process (global rank 2) is SIGKILLed. Its child (rank 3) took its parent for global rank 0, the store's
+    host, and decided alone (writing its own file, racing the writer the store chose); the store lives on node 0."""
+    import threading
+
+    from tests.helpers import free_port
+
+    case = {"to": 2, "at": "backward", "nodes": 2}
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    args = python_script("rank_death_job.py") + ["kill", str(tmp_path), json.dumps(case)]
+    results: dict[int, subprocess.CompletedProcess] = {}
+    nodes = [
+        threading.Thread(target=lambda n=node: results.update({n: run_job(args, 200, {**env, "NODE_RANK": str(n)})}))
+        for node in (0, 1)
+    ]
+    for node in nodes:
+        node.start()
+    for node in nodes:
+        node.join()
+    said = {}
+    for rank in (0, 1, 3):
+        assert (tmp_path / f"outcome-rank{rank}.json").exists(), (rank, results[rank // 2].stdout[-3000:])
+        outcome = json.loads((tmp_path / f"outcome-rank{rank}.json").read_text())
+        assert 2 in outcome["gone"] and 3 not in outcome["gone"], (rank, outcome["error"])
+        assert "decided alone" not in outcome["error"], (rank, outcome["error"])
+        said[rank] = re.search(r"saved optimizer step (\d+) to .* \(written by rank (\d+)", outcome["error"]).groups()
+    assert len(set(said.values())) == 1, said  # one writer, one step, the same in every survivor's report
 
 
 @pytest.mark.multiprocess

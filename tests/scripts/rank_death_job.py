@@ -147,6 +147,7 @@ def trainer_for(case: dict, directory: Path, callbacks: list) -> L.Trainer:
         ),
         accelerator=ACCELERATOR,
         devices=case.get("world", 2),
+        num_nodes=case.get("nodes", 1),
         plugins=[AsyncCheckpointIO(SlowCheckpointIO())] if case.get("async_io") else [],  # a write of 1 s
         max_epochs=EPOCHS,
         accumulate_grad_batches=case.get("k", 1),
@@ -186,7 +187,8 @@ class ZeroRegression(IndexedRegression):
 
 
 def kill(directory: Path, case: dict) -> None:
-    rank = int(os.environ.get("LOCAL_RANK", "0"))  # the popen launcher sets it in the child it starts
+    # the popen launcher sets LOCAL_RANK in the child it starts; NODE_RANK is the node's (several nodes: "nodes")
+    rank = int(os.environ.get("NODE_RANK", "0")) * case.get("world", 2) + int(os.environ.get("LOCAL_RANK", "0"))
     model = (ZeroRegression if case.get("zero") else IndexedRegression)(directory / f"run1-rank{rank}.jsonl")
     fit_until_death(trainer_for(case, directory, [Kill(case, rank, directory)]), model, directory, rank)
 
