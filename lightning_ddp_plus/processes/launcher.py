@@ -356,8 +356,11 @@ _launched_by: list[int] = []
 
 
 def launching_process_gone() -> bool:
-    """In a child rank of the popen launcher: whether the launching process (rank 0, the store's host) is gone."""
-    return bool(_launched_by) and os.getppid() != _launched_by[-1]
+    """In a child rank of the popen launcher: whether the launching process that hosted the job's store is gone.
+    Only node 0's launching process (global rank 0) hosts it; another node's launching process is a rank like any
+    other, whose death leaves the store to its children (Lightning sets ``NODE_RANK`` for them)."""
+    hosted_store = os.environ.get("NODE_RANK", "0") == "0"
+    return hosted_store and bool(_launched_by) and os.getppid() != _launched_by[-1]
 
 
 def watch_parent(poll_seconds: float = 1.0) -> threading.Thread | None:
