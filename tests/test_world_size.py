@@ -312,3 +312,28 @@ def test_a_resume_on_the_same_ranks_continues_a_stateful_loader_and_an_iterable_
     reference = resumed["reference, iterable"]
     assert max(abs(a - b) for a, b in zip(iterable["params"][0], reference["params"][0], strict=True)) <= 1e-6
     assert "the loader restores its place" in resumed["2 -> 2, stateful loader"]["log"]
+
+
+def test_a_skipped_sized_iterable_stays_sized_for_lightning():
+    """Issue 57: ``SkipFirstBatches`` had no ``__len__``, so a resumed epoch of a sized ``IterableDataset`` became
+    unsized to Lightning, and a fractional ``val_check_interval`` then raised. Its length is the loader's."""
+    from lightning.fabric.utilities.data import has_len
+    from torch.utils.data import DataLoader, IterableDataset
+
+    from lightning_ddp_plus.persistence.resume import SkipFirstBatches
+
+    class Sized(IterableDataset):
+        def __iter__(self):
+            return iter(range(10))
+
+        def __len__(self):
+            return 10
+
+    class Unsized(IterableDataset):
+        def __iter__(self):
+            return iter(range(10))
+
+    skipped = SkipFirstBatches(DataLoader(Sized(), batch_size=2), skip=3)
+    assert has_len(skipped) and len(skipped) == 5
+    assert [batch.tolist() for batch in skipped] == [[6, 7], [8, 9]]
+    assert not has_len(SkipFirstBatches(DataLoader(Unsized(), batch_size=2), skip=3))

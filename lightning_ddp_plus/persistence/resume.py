@@ -248,8 +248,12 @@ class SkipFirstBatches:
 
     >>> from torch.utils.data import DataLoader
     >>> loader = SkipFirstBatches(DataLoader(range(6), batch_size=2), skip=2)
-    >>> [batch.tolist() for batch in loader], len(list(loader)), loader.batch_size
-    ([[4, 5]], 3, 2)
+    >>> [batch.tolist() for batch in loader], len(list(loader)), loader.batch_size, len(loader)
+    ([[4, 5]], 3, 2, 3)
+
+    Its length is the loader's, as ``SkipFirstSampler``'s is the sampler's: the epoch's batches, which the restored
+    loop counts from where it stopped (a sized iterable data set stays sized, so a fractional
+    ``val_check_interval`` still has an epoch to take a fraction of).
     """
 
     def __init__(self, dataloader: Any, skip: int) -> None:
@@ -258,6 +262,9 @@ class SkipFirstBatches:
     def __iter__(self) -> Iterator[Any]:
         skip, self.skip = self.skip, 0
         return itertools.islice(iter(self.dataloader), skip, None)
+
+    def __len__(self) -> int:
+        return len(self.dataloader)  # a TypeError, as the loader's, where it has no length
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["dataloader"], name)
