@@ -247,6 +247,13 @@ def test_under_optimizer_sharding_nothing_is_saved_the_error_says_why_and_the_pe
         # a user's ZeroRedundancyOptimizer gathers its state from every rank to save it: refused, with what to
         # resume from (before: the save's gather failed against the dead rank, unannounced)
         ({"to": 1, "at": "backward", "zero": True}, ["rank 1 is gone", "nothing was saved", "ZeroRedundancyOptimizer"]),
+        # issue 57, item 5: manual optimization with two optimizers (a GAN); rank 1 dies in the second optimizer's
+        # backward, after the first one stepped: a save would hold half a batch (before: saved, the counters a
+        # step off the data for the rest of the epoch)
+        (
+            {"to": 1, "at": "second_backward", "gan": True, "step": 6},
+            ["rank 1 is gone", "nothing was saved", "1 of its optimizer steps", "half a batch"],
+        ),
     ],
 )
 def test_what_cannot_be_saved_without_the_dead_rank_is_refused_and_every_survivor_says_so(tmp_path, case, words):

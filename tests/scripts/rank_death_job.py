@@ -101,6 +101,15 @@ class Kill(L.Callback):
             threading.Timer(
                 delay, self.die, (trainer, f"random ({delay * 1e3:.1f} ms into step {self.step + 1})")
             ).start()
+        elif self.at == "second_backward":  # the second optimizer's backward of this batch (two optimizers)
+            calls: list[int] = []
+
+            def dies(grad):
+                calls.append(1)
+                if len(calls) == 2:
+                    self.die(trainer, "second_backward")
+
+            pl_module.net[0].weight.register_hook(dies)
         elif self.at == "out_of_memory" and last_of_window:  # torch's error in the forward; the process ends
             pl_module.net.register_forward_hook(lambda *_: self.die(trainer, "out_of_memory"))
         elif self.at == "all_reduce" and last_of_window:
@@ -177,6 +186,27 @@ def fit_until_death(trainer: L.Trainer, model: IndexedRegression, directory: Pat
         raise
 
 
+class TwoOptimizers(IndexedRegression):
+    """Manual optimization with two optimizers, a step of each per batch (a GAN's generator and discriminator):
+    ``global_step`` moves twice inside each training step."""
+
+    def __init__(self, log: Path | None = None) -> None:
+        super().__init__(log)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        x, y, index = batch
+        self.record(kind="trained", epoch=self.current_epoch, step_before=self.trainer.global_step, rows=index.tolist())
+        for optimizer in self.optimizers():
+            self.manual_backward(torch.nn.functional.mse_loss(self.net(x), y))
+            optimizer.step()
+            optimizer.zero_grad()
+
+    def configure_optimizers(self):
+        first, second = self.net[0].parameters(), self.net[2].parameters()
+        return torch.optim.SGD(first, lr=0.05), torch.optim.SGD(second, lr=0.05)
+
+
 class ZeroRegression(IndexedRegression):
     """The same model with torch's ``ZeroRedundancyOptimizer``: each rank holds the only copy of its shard."""
 
@@ -189,7 +219,8 @@ class ZeroRegression(IndexedRegression):
 def kill(directory: Path, case: dict) -> None:
     # the popen launcher sets LOCAL_RANK in the child it starts; NODE_RANK is the node's (several nodes: "nodes")
     rank = int(os.environ.get("NODE_RANK", "0")) * case.get("world", 2) + int(os.environ.get("LOCAL_RANK", "0"))
-    model = (ZeroRegression if case.get("zero") else IndexedRegression)(directory / f"run1-rank{rank}.jsonl")
+    kind = ZeroRegression if case.get("zero") else TwoOptimizers if case.get("gan") else IndexedRegression
+    model = kind(directory / f"run1-rank{rank}.jsonl")
     fit_until_death(trainer_for(case, directory, [Kill(case, rank, directory)]), model, directory, rank)
 
 
