@@ -25,20 +25,22 @@ def survivor_save_of(
     write: Callable[[], None],
     resume_from: str,
     resume_hint: str | None = None,
+    not_savable: str | None = None,
 ) -> SurvivorSave:
     """This rank's part in the save, for ``strategy`` (either front end); ``keys``: this fit's or block's keys in the
-    store; ``resume_from``: what to resume from when nothing can be saved."""
+    store; ``resume_from``: what to resume from when nothing can be saved; ``not_savable``: why the front end can
+    save nothing whole (the others' reasons, the strategy's, are added here)."""
     store = None if launching_process_gone() else default_store()  # rank 0 hosted it: no reconnecting
     known_dead = lambda: AFTER_DEATH.dead_ranks
     agreement = SurvivorAgreement(store, strategy.global_rank, strategy.world_size, keys, known_dead)
-    not_savable = None
-    if strategy.engine.arguments.optimizer_sharding:
+    zero = any(isinstance(optimizer, ZeroRedundancyOptimizer) for optimizer in getattr(strategy, "optimizers", []))
+    if not_savable is None and strategy.engine.arguments.optimizer_sharding:
         not_savable = (
             "under `optimizer_sharding` each rank holds the only copy of its shard of the optimizer state, and the "
             f"dead rank's is lost; resume from {resume_from}, or train with `optimizer_sharding=False` to have "
             "every survivor hold the whole state"
         )
-    elif any(isinstance(optimizer, ZeroRedundancyOptimizer) for optimizer in getattr(strategy, "optimizers", [])):
+    elif not_savable is None and zero:
         not_savable = (
             "a `ZeroRedundancyOptimizer` holds each rank's shard of its state on that rank only (saving gathers them, "
             f"`consolidate_state_dict`), and the dead rank's is lost; resume from {resume_from}, or use a plain "

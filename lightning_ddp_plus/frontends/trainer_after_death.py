@@ -141,6 +141,7 @@ def save_after_rank_death(trainer: pl.Trainer, error: BaseException) -> RankDied
         return None
     strategy: Any = trainer.strategy
     path, boundary = preemption_checkpoint_path(trainer), boundaries.last
+    resume_from = "your last periodic checkpoint (a `ModelCheckpoint`)"
     save = survivor_save_of(
         strategy,
         str(boundaries.fit),
@@ -148,9 +149,27 @@ def save_after_rank_death(trainer: pl.Trainer, error: BaseException) -> RankDied
         cause=cause,
         path=path,
         write=lambda: write_boundary(trainer, boundary, path),
-        resume_from="your last periodic checkpoint (a `ModelCheckpoint`)",
+        resume_from=resume_from,
+        not_savable=half_a_batch(trainer, boundary, resume_from),
     )
     return save_from_survivor(save)
+
+
+def half_a_batch(trainer: Any, boundary: StepBoundary, resume_from: str) -> str | None:
+    """Why nothing whole can be saved when a death came inside a training step of manual optimization that had
+    applied some of its optimizer steps (a GAN's generator, not yet its discriminator): those steps are in the
+    weights, the batch's others and its end are not, and no loop state pairs with that (a mid-batch checkpoint runs
+    the batch again, so its applied steps twice). ``None`` otherwise."""
+    progress = trainer.fit_loop.epoch_loop.batch_progress.current
+    applied = trainer.global_step - boundary.step  # manual optimization counts each optimizer.step() at once
+    in_training_step = progress.processed < progress.started
+    if trainer.lightning_module.automatic_optimization or not in_training_step or applied <= 0:
+        return None
+    return (
+        f"it died inside a training step of manual optimization after {applied} of its optimizer steps, so a save "
+        f"would hold half a batch (those steps applied, the others and the batch's end not); resume from "
+        f"{resume_from}"
+    )
 
 
 def write_boundary(trainer: pl.Trainer, boundary: StepBoundary, path: str) -> None:
