@@ -248,6 +248,7 @@ def test_train_micro_batches_in_a_fabric_loop(results, index, k, size):
     assert result["hook_calls"] == result["optimizer_steps"] + (2 if index == 16 else 0)
 
 
+@pytest.mark.multiprocess
 def test_a_fabric_loop_stops_every_rank_after_the_agreed_step_saves_it_and_resumes_exactly(results):
     preempted, whole = results[18], results[0]  # the same model, data and optimizer without a notice
     assert preempted["code"] == 143 and preempted["saved_steps"] == 4, preempted["message"]

@@ -228,6 +228,7 @@ EXACT = [
 ]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", EXACT)
 def test_every_step_equals_one_process_training_the_global_batch(results, name):
     result = results[name]
@@ -237,6 +238,7 @@ def test_every_step_equals_one_process_training_the_global_batch(results, name):
         assert result["loss_per_item"] == pytest.approx(result["reference_loss"], abs=1e-5) or name.startswith("each")
 
 
+@pytest.mark.multiprocess
 def test_without_num_items_micro_batches_weigh_the_same_and_differ(results):
     for name in ("stock DDPStrategy", "ddp_plus without num_items", "chunks without num_items"):
         assert results[name]["error"] is None and results[name]["max_difference"] > 1e-3, results[name]
@@ -246,6 +248,7 @@ def test_without_num_items_micro_batches_weigh_the_same_and_differ(results):
     assert results["a transformers causal LM, stock"]["max_difference"] > 1e-3
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", ["fp16 compression", "fp16 compression, large gradients"])
 def test_fp16_compression_stays_within_its_rounding(results, name):
     result = results[name]
@@ -253,10 +256,12 @@ def test_fp16_compression_stays_within_its_rounding(results, name):
     assert result["max_difference"] < 1e-4  # fp16 buckets: about 2 significant digits fewer than fp32
 
 
+@pytest.mark.multiprocess
 def test_the_auto_case_really_ran_out_of_memory_and_counted_its_items_once(results):
     assert results["auto after an out-of-memory error"]["size_changes"] >= 1
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(
     ("name", "expected", "steps"),
     [
@@ -282,6 +287,7 @@ def test_a_wrong_count_ends_the_fit_on_every_rank_at_its_step(results, name, exp
     assert result["steps"] == steps and result["replicas_equal"]
 
 
+@pytest.mark.multiprocess
 def test_a_gradient_scaler_skips_only_the_window_without_items(results):
     # the counts come before the closing backward and the first window runs at its own items' scale: before, the
     # scaler's 65536 times a summed loss overflowed fp16 and the fit's first step was skipped (scale 32768, 0.03 away)
