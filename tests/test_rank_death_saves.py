@@ -40,9 +40,6 @@ def test_under_optimizer_sharding_nothing_is_saved_the_error_says_why_and_the_pe
             {"to": 2, "at": "backward", "world": 3, "gather_in_save": True},
             ["rank 2 is gone", "nothing was saved: writing", "failed"],
         ),
-        # a user's ZeroRedundancyOptimizer gathers its state from every rank to save it: refused, with what to
-        # resume from (before: the save's gather failed against the dead rank, unannounced)
-        ({"to": 1, "at": "backward", "zero": True}, ["rank 1 is gone", "nothing was saved", "ZeroRedundancyOptimizer"]),
         # issue 57, item 5: manual optimization with two optimizers (a GAN); rank 1 dies in the second optimizer's
         # backward, after the first one stepped: a save would hold half a batch (before: saved, the counters a
         # step off the data for the rest of the epoch)
@@ -111,3 +108,31 @@ def test_a_full_disk_during_the_survivors_save_keeps_the_previous_file_whole_and
             assert words in outcome["error"], (words, outcome["error"])
         assert previous.read_bytes() == b"the previous checkpoint, whole"
         assert sorted(path.name for path in checkpoints.iterdir()) == ["filler", "last.ckpt"]  # no temporary file
+
+
+def test_a_users_zero_redundancy_optimizer_is_refused_before_the_survivors_write(tmp_path):
+    """Issue 57, item 8: a user's ``ZeroRedundancyOptimizer`` holds each rank's shard of its state on that rank only,
+    and saving it gathers them (``consolidate_state_dict``), which fails against the dead rank (before: unannounced,
+    as above). The survivors' save is refused before any write, naming what to resume from. A real optimizer on a
+    real one-rank gloo group, and the strategy's own survivor save."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    from lightning_ddp_plus import DDPPlusStrategy
+    from lightning_ddp_plus.frontends.after_death import survivor_save_of
+    from tests.helpers import process_group_ended_after
+
+    written: list[bool] = []
+    with process_group_ended_after():
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+        strategy = DDPPlusStrategy(process_group_backend="gloo")
+        model = torch.nn.Linear(4, 2)
+        strategy.optimizers = [ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD, lr=0.1)]
+        path = str(tmp_path / "last.ckpt")
+        save = survivor_save_of(
+            strategy, "zero", step=3, cause="gone", path=path, write=lambda: written.append(True), resume_from="X"
+        )
+    assert save.not_savable is not None
+    assert "ZeroRedundancyOptimizer" in save.not_savable and "resume from X" in save.not_savable
+    assert written == []

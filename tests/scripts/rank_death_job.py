@@ -214,19 +214,10 @@ class TwoOptimizers(IndexedRegression):
         return torch.optim.SGD(first, lr=0.05), torch.optim.SGD(second, lr=0.05)
 
 
-class ZeroRegression(IndexedRegression):
-    """The same model with torch's ``ZeroRedundancyOptimizer``: each rank holds the only copy of its shard."""
-
-    def configure_optimizers(self):
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-
-        return ZeroRedundancyOptimizer(self.parameters(), optimizer_class=torch.optim.SGD, lr=0.05, momentum=0.9)
-
-
 def kill(directory: Path, case: dict) -> None:
     # the popen launcher sets LOCAL_RANK in the child it starts; NODE_RANK is the node's (several nodes: "nodes")
     rank = int(os.environ.get("NODE_RANK", "0")) * case.get("world", 2) + int(os.environ.get("LOCAL_RANK", "0"))
-    kind = ZeroRegression if case.get("zero") else TwoOptimizers if case.get("gan") else IndexedRegression
+    kind = TwoOptimizers if case.get("gan") else IndexedRegression
     model = kind(directory / f"run1-rank{rank}.jsonl")
     fit_until_death(trainer_for(case, directory, [Kill(case, rank, directory)]), model, directory, rank)
 
