@@ -9,8 +9,8 @@ import pytest
 #: Longest first (seconds of one worker, from `--durations`, rounded): a new slow file goes where its time puts it.
 LONGEST_FIRST = (
     "test_failures.py",  # ~205
-    "test_rank_death.py",  # ~260 (its 12 kills and their resume ~220)
-    "test_rank_death_saves.py",  # ~230 (6 jobs, one on 2 nodes of 2 ranks)
+    "test_rank_death.py",  # ~215 (its 10 kills and their resume ~185)
+    "test_rank_death_saves.py",  # ~115 (5 jobs, one on 2 nodes of 2 ranks)
     "test_benchmarks_smoke.py",  # ~150
     "test_restart.py",  # ~140
     "test_memory_plan.py",  # ~120 (its step-peak job alone ~110)
