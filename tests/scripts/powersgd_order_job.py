@@ -1,8 +1,9 @@
 """PowerSGD over two gradient buckets whose readiness differs between ranks: ``powersgd_order_job.py stock|ddp_plus``.
 
-Rank 1's backward pauses between the two buckets. Rank 0 then issues the second bucket's first all-reduce before the
-callback of the first bucket issues its next one, and rank 1 the other way round: unless the hook keeps the order, the
-process group pairs collectives of different sizes. Launched with the popen launcher (2 ranks); prints
+Rank 1's backward pauses before its first bucket and again between the two buckets. Rank 0 then issues the second
+bucket's first all-reduce before the first bucket's can complete, so before that bucket's callback issues its next one;
+rank 1 issues them the other way round. Unless the hook keeps the order, the process group pairs collectives of
+different sizes, however loaded the machine is. Launched with the popen launcher (2 ranks); prints
 ``TRAINED step=N`` and whether the replicas agree.
 """
 
@@ -41,7 +42,8 @@ class TwoBuckets(L.LightningModule):
 
     def training_step(self, batch, batch_idx):
         (x,) = batch
-        return self.second(PauseOnRank1.apply(torch.tanh(self.first(x)))).pow(2).mean()
+        hidden = PauseOnRank1.apply(torch.tanh(self.first(x)))
+        return PauseOnRank1.apply(self.second(hidden)).pow(2).mean()
 
     def train_dataloader(self):
         return DataLoader(
