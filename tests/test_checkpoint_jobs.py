@@ -63,6 +63,12 @@ def test_resume_skips_torn_checkpoints_and_a_small_temp_dir_does_not_stop_saving
         assert results[name]["error"] is None, results[name]["message"]
         assert results[name]["params"][0] == results[name]["params"][1]  # every rank loaded the same file
 
+    # only rank 0 calls torch.save, once for each of Lightning's saves, as Lightning's own test asks of DDP
+    rank0, rank1 = results["uninterrupted"]["save_calls"]
+    assert rank0["checkpoint"] > 0
+    assert rank0["torch"] == rank0["checkpoint"]
+    assert rank1["torch"] == 0
+
     torn = results["torn"]
     assert torn["start_step"] == [6, 6] and torn["global_step"] == 10  # epoch=0-step=6.ckpt, nothing redone
     assert largest_difference(torn["params"][0], reference) <= 1e-6

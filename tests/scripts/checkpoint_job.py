@@ -39,6 +39,32 @@ class AnnouncedCheckpoint(ModelCheckpoint):
         print(f"[{time.time():.6f}] save ends {os.path.basename(filepath)}", flush=True)
 
 
+class SaveCalls(L.Callback):
+    """Counts this rank's ``torch.save`` calls and ``Trainer.save_checkpoint`` calls during the fit, wrapped where
+    Lightning's own ``test_model_checkpoint_no_extraneous_invocations`` wraps ``torch.save``: only rank 0 may call it,
+    once per save (``torch.save`` also serializes any tensor that ``pickle`` meets, e.g. in ``all_gather_object``)."""
+
+    def __init__(self) -> None:
+        self.torch_saves = self.checkpoint_saves = 0
+
+    def on_train_start(self, trainer, pl_module):
+        save, save_checkpoint = torch.save, trainer.save_checkpoint
+
+        def counted_save(*args, **kwargs):
+            self.torch_saves += 1
+            return save(*args, **kwargs)
+
+        def counted_save_checkpoint(*args, **kwargs):
+            self.checkpoint_saves += 1
+            return save_checkpoint(*args, **kwargs)
+
+        torch.save, trainer.save_checkpoint = counted_save, counted_save_checkpoint
+        self.restore = lambda: setattr(torch, "save", save) or vars(trainer).pop("save_checkpoint")
+
+    def on_train_end(self, trainer, pl_module):
+        self.restore()
+
+
 class StartStep(L.Callback):
     def __init__(self) -> None:
         self.step = None
@@ -67,7 +93,7 @@ def run_case(case: dict) -> dict:
         resume_from_last=case.get("resume_from_last", "never"),
         atomic_checkpoints=case.get("atomic", True),
     )
-    start = StartStep()
+    start, saves = StartStep(), SaveCalls()
     checkpoint = (AnnouncedCheckpoint if case.get("announce_saves") else ModelCheckpoint)(
         dirpath=case["dir"], every_n_train_steps=2, save_top_k=-1, save_last=case.get("save_last", True)
     )
@@ -80,7 +106,7 @@ def run_case(case: dict) -> dict:
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[checkpoint, start],
+        callbacks=[checkpoint, start, saves],
     )
     model = BallastRegression(ballast_mb=case.get("ballast_mb", 0.0), num_samples=64, batch_size=4, momentum=0.9)
     outcome = {"error": None, "message": None}
@@ -99,6 +125,8 @@ def run_case(case: dict) -> dict:
     dist.all_gather(gathered, flat)
     starts = [None, None]
     dist.all_gather_object(starts, start.step)
+    save_calls = [None, None]
+    dist.all_gather_object(save_calls, {"torch": saves.torch_saves, "checkpoint": saves.checkpoint_saves})
     directory = Path(case["dir"])
     files = {path.name: unreadable_reason(path) for path in sorted(directory.iterdir())} if directory.exists() else {}
     return {
@@ -108,6 +136,7 @@ def run_case(case: dict) -> dict:
         "params": [t.tolist() for t in gathered],
         "global_step": trainer.global_step,
         "start_step": starts,
+        "save_calls": save_calls,
         "files": files,
         "links": {p.name: os.readlink(p) for p in directory.iterdir() if p.is_symlink()} if directory.exists() else {},
     }
