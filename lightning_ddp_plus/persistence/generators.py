@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from lightning_utilities.core.apply_func import apply_to_collection
 
 #: Where the checkpoint holds the list of every rank's states, by rank.
 GENERATORS_KEY = "ddp_plus_generator_states"
@@ -38,6 +39,26 @@ def generator_states() -> dict[str, Any]:
     name, keys, position, has_gauss, cached = numpy.random.get_state()
     states["numpy"] = [name, [int(k) for k in keys], int(position), int(has_gauss), float(cached)]
     return states
+
+
+def every_ranks_generator_states() -> list[dict[str, Any]]:
+    """Every rank's generator states, by rank (a gather: every rank calls it, as every rank takes part in a save)."""
+    states = generator_states()
+    if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return [states]
+    # pickling a tensor goes through torch.save, which a non-zero rank must not call during a fit (Lightning's own
+    # checkpoint tests count it): the generators' byte tensors travel as bytes
+    gathered: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, apply_to_collection(states, torch.Tensor, _tensor_bytes))
+    return [apply_to_collection(rank_states, bytes, _byte_tensor) for rank_states in gathered]
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> bytes:
+    return tensor.cpu().numpy().tobytes()
+
+
+def _byte_tensor(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
 def set_generator_states(states: dict[str, Any]) -> None:

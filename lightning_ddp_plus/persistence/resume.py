@@ -49,7 +49,7 @@ from lightning_ddp_plus.persistence.files import (
 from lightning_ddp_plus.persistence.generators import (
     GENERATORS_KEY,
     base_seed,
-    generator_states,
+    every_ranks_generator_states,
     give_generators_back,
 )
 from lightning_ddp_plus.persistence.io import AtomicCheckpointIO, accepts_argument, is_local_path
@@ -268,16 +268,6 @@ class SkipFirstBatches:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["dataloader"], name)
-
-
-def every_ranks_generator_states() -> list[dict[str, Any]]:
-    """Every rank's generator states, by rank (a gather: every rank calls it, as every rank takes part in a save)."""
-    states = generator_states()
-    if not torch.distributed.is_available() or not torch.distributed.is_initialized():
-        return [states]
-    gathered: list[Any] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(gathered, states)
-    return gathered
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
