@@ -64,6 +64,20 @@ def test_backend_missing_from_installed_torch():
         resolve_backend_for_device("mpi", "cpu", is_available=never)
 
 
+@pytest.mark.parametrize(
+    ("backend", "device", "installed", "fix"),
+    [
+        ("nccl", "cuda", {"gloo"}, "or use 'gloo'"),  # a CPU build of torch on a machine whose devices are faked
+        ("gloo", "cpu", {"mpi", "ucc"}, "or use 'mpi'"),
+        ("nccl", "cuda", set(), "or use a backend this torch provides for 'cuda'"),
+    ],
+)
+def test_a_missing_backends_fix_names_an_installed_one(backend, device, installed, fix):
+    with pytest.raises(ValueError, match="Fix: install") as raised:
+        resolve_backend_for_device(backend, device, is_available=installed.__contains__)
+    assert str(raised.value).endswith(f"{fix}.")
+
+
 @pytest.mark.parametrize(("backend", "device"), [("gloo", "cpu"), ("nccl", "cuda"), ("mpi", "cpu"), ("ucc", "cpu")])
 def test_real_availability_follows_the_installed_torch(backend, device):
     # The real check (not a stand-in), on whatever build is installed: a CPU build has gloo only, a CUDA build NCCL too.
