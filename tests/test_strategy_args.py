@@ -274,6 +274,44 @@ def test_on_nccl_the_stall_report_turns_on_nccls_flight_recorder_and_the_timeout
     assert "/tmp/nccl_trace_rank_<rank>; read with `python -m torch.distributed.flight_recorder.fr_trace" in str(error)
 
 
+def fabric_on_faked_cuda():
+    from lightning.fabric.accelerators import CPUAccelerator as FabricCPUAccelerator
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    from lightning_ddp_plus import DDPPlusFabricStrategy
+
+    return DDPPlusFabricStrategy(
+        accelerator=FabricCPUAccelerator(),
+        parallel_devices=[torch.device("cuda", 0)],
+        cluster_environment=LightningEnvironment(),
+    )
+
+
+FRONT_ENDS_ON_FAKED_CUDA = {
+    "Trainer": lambda: trainer(DDPPlusStrategy(), accelerator=FakeCUDAAccelerator()).strategy,
+    "Fabric": fabric_on_faked_cuda,
+}
+
+
+@pytest.mark.parametrize("front_end", FRONT_ENDS_ON_FAKED_CUDA)
+def test_the_flight_recorders_variables_are_gone_after_teardown_and_a_failed_setup_sets_none(front_end, monkeypatch):
+    # Lightning's Fabric tests check that no test leaves variables in the environment: the user's process (rank 0)
+    # must get back what it had, whether the fit ended or its setup failed.
+    for name in FLIGHT_RECORDER_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TORCH_NCCL_DUMP_ON_TIMEOUT", "0")  # the user's own: kept
+    strategy = FRONT_ENDS_ON_FAKED_CUDA[front_end]()
+    if not torch.distributed.is_nccl_available():
+        with pytest.raises(ValueError, match="has no 'nccl' backend"):
+            strategy.setup_environment()
+        assert {name for name in FLIGHT_RECORDER_VARIABLES if name in os.environ} == {"TORCH_NCCL_DUMP_ON_TIMEOUT"}
+    strategy.engine.prepare_process_group("nccl", os.environ)
+    assert os.environ["TORCH_FR_BUFFER_SIZE"] == "2000"
+    strategy.teardown()
+    assert {name for name in FLIGHT_RECORDER_VARIABLES if name in os.environ} == {"TORCH_NCCL_DUMP_ON_TIMEOUT"}
+    assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "0"
+
+
 @pytest.mark.parametrize(
     ("backend", "arguments", "environ", "expected"),
     [

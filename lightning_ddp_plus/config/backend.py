@@ -105,6 +105,14 @@ def has_default_backend(device_type: str) -> bool:
     return device_type in AUTO_BACKEND_BY_DEVICE or device_type in torch.distributed.Backend.default_device_backend_map
 
 
+def _installed_alternative(backend: str, device_type: str, is_available: Callable[[str], bool]) -> str:
+    """Another backend for ``device_type`` that this torch provides, the device's own first."""
+    fitting = [name for name, types in DEVICES_BY_BACKEND.items() if device_type in types and name != backend]
+    fitting.sort(key=lambda name: name != AUTO_BACKEND_BY_DEVICE.get(device_type))
+    installed = next((name for name in fitting if is_available(name)), None)
+    return repr(installed) if installed is not None else f"a backend this torch provides for {device_type!r}"
+
+
 def resolve_backend_for_device(
     requested: str | None,
     device_type: str,
@@ -146,7 +154,7 @@ def resolve_backend_for_device(
                 f"the installed torch {torch.__version__} has no {backend!r} backend "
                 "(torch.distributed.is_backend_available() is False).",
                 f"install a torch build (or the vendor plugin) that provides {backend!r}, or use "
-                f"{AUTO_BACKEND_BY_DEVICE.get(device_type, 'gloo')!r}.",
+                f"{_installed_alternative(backend, device_type, is_available)}.",
             )
         )
     return backend
