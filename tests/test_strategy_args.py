@@ -259,8 +259,8 @@ def test_on_nccl_the_stall_report_turns_on_nccls_flight_recorder_and_the_timeout
         with pytest.raises(ValueError, match="has no 'nccl' backend"):
             strategy.setup_environment()
         assert not torch.distributed.is_initialized()
-    else:
-        strategy.engine.prepare_process_group(strategy.process_group_backend, os.environ)
+        assert "TORCH_FR_BUFFER_SIZE" not in os.environ  # the backend is checked first
+    strategy.engine.prepare_process_group(strategy.process_group_backend, os.environ)
     assert os.environ["TORCH_FR_BUFFER_SIZE"] == os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "2000"
     assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
     assert os.environ["TORCH_FR_DUMP_TEMP_FILE"] == "/tmp/nccl_trace_rank_"
@@ -280,8 +280,12 @@ def fabric_on_faked_cuda():
 
     from lightning_ddp_plus import DDPPlusFabricStrategy
 
+    class FakeCUDA(FabricCPUAccelerator):
+        def setup_device(self, device: torch.device) -> None:
+            """Nothing to set up: no kernel runs on the claimed device."""
+
     return DDPPlusFabricStrategy(
-        accelerator=FabricCPUAccelerator(),
+        accelerator=FakeCUDA(),
         parallel_devices=[torch.device("cuda", 0)],
         cluster_environment=LightningEnvironment(),
     )

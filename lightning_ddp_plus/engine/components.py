@@ -125,6 +125,7 @@ class RunComponents:
         self.telemetry = SyncTelemetry(self.hooks) if arguments.telemetry else None
         self.buffer_broadcast = BufferBroadcastRecord(self.ledger)
         self.flight_recorder = None  # NCCL's, where prepare_process_group turned it on
+        self._environ: MutableMapping[str, str] = {}  # where prepare_process_group set it
 
     def _reducer_rebuilt(self, ddp: DistributedDataParallel) -> None:  # telemetry reads the buckets again
         if self.telemetry is not None:
@@ -319,6 +320,14 @@ class RunComponents:
     def prepare_process_group(self, backend: str, environ: MutableMapping[str, str]) -> None:
         """Before the process group exists: on NCCL, with the stall report on, NCCL's flight recorder."""
         self.flight_recorder = flight_recorder_for(backend, self.stall_watchdog is not None, environ, self._info)
+        self._environ = environ
+
+    def release_environment(self) -> None:
+        """At the front end's teardown: the variables ``prepare_process_group`` set are taken back (rank 0 is the
+        user's own process; what the user had set stays)."""
+        if self.flight_recorder is not None:
+            for name in self.flight_recorder.set_here:
+                self._environ.pop(name, None)
 
     def results(self) -> WorkerResults:  # what a worker found and counted, for the process that launched it
         return WorkerResults.of(self)

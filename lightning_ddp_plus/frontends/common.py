@@ -241,7 +241,9 @@ class DDPPlusFrontEnd:
         return resolve_backend_for_device(self.engine.arguments.backend, self.root_device.type, check_available=False)
 
     def _prepare_environment(self) -> None:
-        """Before Lightning's ``setup_environment`` creates the process group."""
+        """First in ``setup_distributed``, right before the process group is created: the backend exists in this
+        torch, then what the engine sets in this process's environment for it (taken back at ``teardown``)."""
+        self._check_backend_present()
         self.engine.prepare_process_group(self._backend_for_device(), os.environ)
 
     @staticmethod

@@ -119,7 +119,6 @@ class DDPPlusFabricStrategy(DDPPlusFrontEnd, DDPStrategy):
     @override
     def setup_environment(self) -> None:
         self.engine.watch_notices()  # the notice handlers, until `teardown`
-        self._prepare_environment()
         super().setup_environment()
         self._environment_ready()
 
@@ -131,6 +130,7 @@ class DDPPlusFabricStrategy(DDPPlusFrontEnd, DDPStrategy):
     def teardown(self) -> None:
         self.engine.end_notices()
         self.engine.teardown()
+        self.engine.release_environment()
         super().teardown()
 
     @classmethod
@@ -178,7 +178,7 @@ class DDPPlusFabricStrategy(DDPPlusFrontEnd, DDPStrategy):
     @override
     def _setup_distributed(self) -> None:
         watch_parent()  # a child rank ends when rank 0's process is gone (a failure in the user's loop there)
-        self._check_backend_present()
+        self._prepare_environment()
         super()._setup_distributed()
 
     @override

@@ -185,7 +185,6 @@ class DDPPlusStrategy(DDPPlusFrontEnd, DDPStrategy):
     def setup_environment(self) -> None:
         watch_parent()
         watch_for_notices(self.engine, trainer_of(self.lightning_module))
-        self._prepare_environment()
         super().setup_environment()
         self._environment_ready()
 
@@ -200,7 +199,7 @@ class DDPPlusStrategy(DDPPlusFrontEnd, DDPStrategy):
 
     @override
     def setup_distributed(self) -> None:
-        self._check_backend_present()
+        self._prepare_environment()
         if not under_torchrun():
             super().setup_distributed()
             return
@@ -258,6 +257,7 @@ class DDPPlusStrategy(DDPPlusFrontEnd, DDPStrategy):
         remove_leftover_forward_redirection(self.lightning_module)
         self.engine.end_notices(hold=True)  # passed on after the fit (the launcher), not amid Lightning's teardown
         self.engine.teardown()
+        self.engine.release_environment()
         super().teardown()
 
     @override
