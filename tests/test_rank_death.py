@@ -195,6 +195,71 @@ def test_survivors_agree_through_the_store_and_alone_without_it():
     assert not gone_store.through_store
 
 
+class _CountingStore:
+    """The real store, its ``check`` calls counted: what a survivor's wait costs the store's host."""
+
+    def __init__(self, store) -> None:
+        self.store, self.checks = store, 0
+
+    def check(self, keys):
+        self.checks += 1
+        return self.store.check(keys)
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+
+PUBLISH_AND_WAIT = """
+import os, sys, time
+import torch.distributed as dist
+from lightning_ddp_plus.processes.reachability import publish_host
+publish_host(dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), is_master=False), rank=1)
+time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("reaped", [True, False], ids=["reaped", "zombie"])
+def test_a_survivor_sees_a_dead_peer_on_its_host_without_waiting_out_the_answer_window(reaped, monkeypatch):
+    # issue 57, item 9: under torchrun no launcher of the package sees a death, so a survivor polled the store for
+    # the whole answer window (5 s) for the dead rank's step. That rank's process ran on this host: gone once the
+    # agent has reaped it, a zombie until then.
+    import sys
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from lightning_ddp_plus.processes.reachability import processes_gone_here, publish_host
+    from tests.helpers import free_port
+
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, 1, True, timeout=timedelta(seconds=10))
+    environ = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    peer = subprocess.Popen([sys.executable, "-c", PUBLISH_AND_WAIT], env=environ)
+    try:
+        store.wait(["ddp_plus/host/1"], timedelta(seconds=60))
+        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+        monkeypatch.setenv("MASTER_PORT", str(port))
+        publish_host(store, rank=0)
+        assert processes_gone_here(store, 2, 0) == set()  # alive: it is waited for
+        peer.kill()
+        if reaped:
+            peer.wait()
+        else:
+            while not Path(f"/proc/{peer.pid}/stat").read_text().split(") ")[1].startswith("Z"):
+                time.sleep(0.01)
+        counted = _CountingStore(store)
+        survivor = SurvivorAgreement(
+            counted, 0, 2, "v", known_dead=lambda: processes_gone_here(store, 2, 0), answer_seconds=5
+        )
+        agreed = survivor.agree(3)
+    finally:
+        peer.kill()
+        peer.wait()
+    assert agreed.gone(2) == (1,)
+    assert agreed.answered == (0,)
+    assert counted.checks <= 4  # one round of checks; waiting out 5 s polls the store about 100 times
+
+
 class _DeadStore:
     def set(self, key, value):
         raise RuntimeError("Broken pipe")
