@@ -228,7 +228,7 @@ def test_a_survivor_sees_a_dead_peer_on_its_host_without_waiting_out_the_answer_
 
     import torch.distributed as dist
 
-    from lightning_ddp_plus.processes.reachability import processes_gone_here, publish_host
+    from lightning_ddp_plus.processes.reachability import ProcessesHere, publish_host
     from tests.helpers import free_port
 
     port = free_port()
@@ -240,17 +240,15 @@ def test_a_survivor_sees_a_dead_peer_on_its_host_without_waiting_out_the_answer_
         monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
         monkeypatch.setenv("MASTER_PORT", str(port))
         publish_host(store, rank=0)
-        assert processes_gone_here(store, 2, 0) == set()  # alive: it is waited for
+        assert ProcessesHere(store, 2, 0).gone() == set()  # alive: it is waited for
         peer.kill()
         if reaped:
             peer.wait()
         else:
             while not Path(f"/proc/{peer.pid}/stat").read_text().split(") ")[1].startswith("Z"):
                 time.sleep(0.01)
-        counted = _CountingStore(store)
-        survivor = SurvivorAgreement(
-            counted, 0, 2, "v", known_dead=lambda: processes_gone_here(store, 2, 0), answer_seconds=5
-        )
+        counted, here = _CountingStore(store), ProcessesHere(store, 2, 0)
+        survivor = SurvivorAgreement(counted, 0, 2, "v", known_dead=here.gone, answer_seconds=5)
         agreed = survivor.agree(3)
     finally:
         peer.kill()

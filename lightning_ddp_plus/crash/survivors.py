@@ -4,7 +4,10 @@ Survivors may stand one optimizer step apart (a collective can end on some ranks
 steps any survivor holds wins, and the lowest rank holding it writes. They agree through the job's store while it
 lives, never through a collective (one would include the dead rank): each survivor sets its step under a key of its
 own, waits for the others' for at most ``answer_seconds``, and the first to decide sets the decision once
-(``compare_set``), which every survivor reads back. A rank that has not answered by then counts as gone. When the
+(``compare_set``), which every survivor reads back. A rank that has not answered by then counts as gone. A rank a
+survivor knows is dead (its launcher saw it die, or its process on the survivor's machine is gone) is not waited
+for, and the survivor answers for it with ``gone`` under its key, so that survivors on other machines wait for it no
+longer either. When the
 store is gone too (its host was the rank that died), each survivor decides alone and writes its own step: every
 survivor holds a whole step, at most one behind the most any rank completed, so whichever write lands last is
 still a whole step within that bound.
@@ -25,6 +28,8 @@ ANSWER_SECONDS = 5.0
 #: How long a survivor that does not write waits for the writer's save before ending without one.
 SAVE_WAIT_SECONDS = 300.0
 _POLL_SECONDS = 0.05
+#: What a survivor answers for a rank it knows is dead.
+_GONE = b"gone"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -101,17 +106,24 @@ class SurvivorAgreement:
         self.store.set(self._key(f"step/{self.rank}"), str(step))
         keys = {rank: self._key(f"step/{rank}") for rank in range(self.world_size)}
         deadline = time.monotonic() + self.answer_seconds
-        present = [rank for rank, key in keys.items() if self.store.check([key])]
-        while len(set(present) | self.known_dead()) < self.world_size and time.monotonic() < deadline:
+        present = self._answers(keys, set())
+        while len(present) < self.world_size and time.monotonic() < deadline:
             time.sleep(_POLL_SECONDS)
-            present = [rank for rank, key in keys.items() if self.store.check([key])]
-        steps = {rank: int(self.store.get(keys[rank])) for rank in present}
+            present = self._answers(keys, present)
+        answers = {rank: self.store.get(keys[rank]) for rank in present}
+        steps = {rank: int(answer) for rank, answer in answers.items() if answer != _GONE}
         writer, chosen = choose_writer(steps)
         proposal = json.dumps({"writer": writer, "step": chosen, "answered": sorted(steps)})
         decided = json.loads(self.store.compare_set(self._key("decision"), "", proposal))
         return SurvivorsAgreed(
             step=decided["step"], writer=decided["writer"], answered=tuple(decided["answered"]), through_store=True
         )
+
+    def _answers(self, keys: Mapping[int, str], present: set[int]) -> set[int]:
+        """The ranks whose key is set, after answering ``gone`` for those known dead (a step set first stands)."""
+        for rank in self.known_dead() - present:
+            self.store.compare_set(keys[rank], "", _GONE)
+        return present | {rank for rank, key in keys.items() if rank not in present and self.store.check([key])}
 
     def announce_saved(self, saved: Mapping[str, Any]) -> None:
         """The writer, once the file is in place: what the others report."""

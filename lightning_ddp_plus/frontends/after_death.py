@@ -13,6 +13,7 @@ from lightning_ddp_plus.crash.survivor_save import SurvivorSave
 from lightning_ddp_plus.crash.survivors import SurvivorAgreement
 from lightning_ddp_plus.private_apis.torch_distributed import default_store
 from lightning_ddp_plus.processes.launcher import AFTER_DEATH, launching_process_gone
+from lightning_ddp_plus.processes.reachability import ProcessesHere
 
 
 def survivor_save_of(
@@ -31,7 +32,9 @@ def survivor_save_of(
     store; ``resume_from``: what to resume from when nothing can be saved; ``not_savable``: why the front end can
     save nothing whole (the others' reasons, the strategy's, are added here)."""
     store = None if launching_process_gone() else default_store()  # rank 0 hosted it: no reconnecting
-    known_dead = lambda: AFTER_DEATH.dead_ranks
+    # the launcher's view, and the peers' processes on this machine (under torchrun no launcher of ours sees a death)
+    here = ProcessesHere(store, strategy.world_size, strategy.global_rank)
+    known_dead = lambda: AFTER_DEATH.dead_ranks | here.gone()
     agreement = SurvivorAgreement(store, strategy.global_rank, strategy.world_size, keys, known_dead)
     zero = any(isinstance(optimizer, ZeroRedundancyOptimizer) for optimizer in getattr(strategy, "optimizers", []))
     if not_savable is None and strategy.engine.arguments.optimizer_sharding:

@@ -1,22 +1,29 @@
 """After a collective failed: which peers can this rank still reach? A hung peer and a cut link look the same to gloo
 ("Application timeout caused pair closure", "Timed out waiting ... for recv") and to NCCL (a watchdog timeout).
 
-When the process group is up, every rank publishes the address it reaches the master node from (one store write).
+When the process group is up, every rank publishes the address it reaches the master node from, with its process
+(the machine's boot id, its pid and start time), in one store write.
 After a collective timeout or a closed connection, the failing rank probes with plain TCP connects of at most
 ``PROBE_SECONDS`` each, all at once: the master node (the job's store), and, where the store still answers, every
 other rank's host. A host that refuses the connection answered, so it is reachable; one that gives no answer, or "No
 route to host" / "Network is unreachable", is cut off. The note then says which: a peer is unreachable (the link or
 that node is down), or every host answers (a rank is hung or crashed: read its log).
 
+After a peer's death, the survivors read the processes back: a peer's process on this machine that is gone, or a
+zombie its launcher has not reaped yet, is dead, with no need to wait for its answer (under torchrun, no launcher of
+this package sees the death).
+
 The job's store is reached through ``private_apis.torch_distributed.default_store`` (torch keeps it private).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -39,14 +46,56 @@ def outgoing_address(master_addr: str, master_port: int) -> str:
         return socket.gethostname()
 
 
-def publish_host() -> None:
-    """Write this rank's address to the job's store (no-op without a process group or address)."""
+def _machine() -> str:
+    """This machine as its processes are told apart: the boot's id and the pid namespace."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        return f"{boot}/{os.readlink('/proc/self/ns/pid')}"
+    except OSError:  # no procfs: no peer's process can be looked at
+        return ""
+
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time (``/proc/PID/stat``), or ``None`` when it is gone or a zombie."""
+    try:
+        state, *fields = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if state in ("Z", "X") else fields[18]
+
+
+def publish_host(store: Any | None = None, rank: int | None = None) -> None:
+    """Write this rank's address and process to the job's store (no-op without a process group or address)."""
     master_addr, master_port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-    if not dist.is_initialized() or not master_addr or not master_port:
+    if store is None and not dist.is_initialized() or not master_addr or not master_port:
         return
-    store = default_store()
+    store = store if store is not None else default_store()
+    rank = rank if rank is not None else dist.get_rank()
     _published["address"] = outgoing_address(master_addr, int(master_port))
-    store.set(_KEY.format(rank=dist.get_rank()), _published["address"])
+    process = {"machine": _machine(), "pid": os.getpid(), "start": _start_time(os.getpid())}
+    store.set(_KEY.format(rank=rank), json.dumps({"address": _published["address"], **process}))
+
+
+class ProcessesHere:
+    """The peers' processes on this machine, read from the store once (after a death: no store call per look).
+
+    Args:
+        store: the job's store (``None``: its host is gone, no peer is looked at).
+        world_size: the ranks of the job.
+        own_rank: this rank.
+    """
+
+    def __init__(self, store: Any | None, world_size: int, own_rank: int) -> None:
+        machine = _machine()
+        try:
+            records = _peer_records(store, world_size, own_rank) if store is not None and machine else {}
+        except Exception:  # noqa: BLE001 - a store that fails is one whose host is gone: no peer can be looked at
+            records = {}
+        self.processes = {rank: record for rank, record in records.items() if record.get("machine") == machine}
+
+    def gone(self) -> set[int]:
+        """The peers whose process is gone or a zombie: dead, whatever the store says."""
+        return {rank for rank, p in self.processes.items() if _start_time(int(p["pid"])) != p["start"]}
 
 
 def probe(address: str, port: int, seconds: float = PROBE_SECONDS) -> str | None:
@@ -66,16 +115,20 @@ def probe(address: str, port: int, seconds: float = PROBE_SECONDS) -> str | None
         return error.strerror or str(error)
 
 
-def _peer_hosts(store: Any, world_size: int, own_rank: int) -> dict[int, str]:
+def _peer_records(store: Any, world_size: int, own_rank: int) -> dict[int, dict[str, Any]]:
     store.set_timeout(timedelta(seconds=PROBE_SECONDS))
-    hosts = {}
+    records = {}
     for rank in range(world_size):
         if rank != own_rank:
             try:
-                hosts[rank] = store.get(_KEY.format(rank=rank)).decode()
-            except Exception:  # noqa: BLE001, S112 - a rank that never published is simply not probed
+                records[rank] = json.loads(store.get(_KEY.format(rank=rank)))
+            except Exception:  # noqa: BLE001, S112 - a rank that never published is simply not looked at
                 continue
-    return hosts
+    return records
+
+
+def _peer_hosts(store: Any, world_size: int, own_rank: int) -> dict[int, str]:
+    return {rank: str(record["address"]) for rank, record in _peer_records(store, world_size, own_rank).items()}
 
 
 def diagnose() -> str | None:
