@@ -47,6 +47,13 @@ def test_under_optimizer_sharding_nothing_is_saved_the_error_says_why_and_the_pe
             {"to": 1, "at": "second_backward", "gan": True, "step": 6},
             ["rank 1 is gone", "nothing was saved", "1 of its optimizer steps", "half a batch"],
         ),
+        # issue 57, item 9: with `preemption_signals=[]` Lightning's SIGTERM handler broadcasts inside the handler;
+        # a SIGTERM lands half-way through the survivor's optimizer step, after rank 1 died, and the broadcast fails
+        # there (before: that half-applied step was saved as "optimizer step 3")
+        (
+            {"to": 1, "at": "optimizer_step", "step": 3, "signals": [], "by_group": True},
+            ["rank 1 is gone", "nothing was saved", "signal handler", "SIGTERM"],
+        ),
     ],
 )
 def test_what_cannot_be_saved_without_the_dead_rank_is_refused_and_every_survivor_says_so(tmp_path, case, words):

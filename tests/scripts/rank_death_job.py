@@ -119,6 +119,8 @@ class Kill(L.Callback):
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         if self.at == "optimizer_step" and trainer.global_step == self.step:
             self.die(trainer, "optimizer_step")
+            if isinstance(optimizer, GroupByGroupSGD):  # the survivor's step: a SIGTERM half-way
+                optimizer.signal_halfway = True
         elif self.at == "after_step" and trainer.global_step == self.step and self.mine:
             # right after optimizer.step() returns, before Lightning counts the step: the other rank learns of the
             # death in a collective the strategy runs after the step (the straggler comparison, here)
@@ -135,6 +137,32 @@ class Kill(L.Callback):
     def on_train_epoch_end(self, trainer, pl_module):
         if self.at == "between_epochs":
             self.die(trainer, "between_epochs")
+
+
+class GroupByGroupSGD(torch.optim.SGD):
+    """SGD stepped one parameter group after the other; with ``signal_halfway``, this process gets a SIGTERM after
+    the first group's update (torchrun's agent stopping the survivors of a worker's failure, say)."""
+
+    signal_halfway = False
+
+    def step(self, closure=None):
+        if closure is not None:  # Lightning's closure: the forward and the backward
+            with torch.enable_grad():
+                closure()
+        groups = self.param_groups
+        try:
+            for index, group in enumerate(groups):
+                self.param_groups = [group]
+                super().step()
+                if index == 0 and self.signal_halfway:
+                    os.kill(os.getpid(), signal.SIGTERM)  # Python runs the handler here, between the groups
+        finally:
+            self.param_groups = groups
+
+
+class GroupByGroupRegression(IndexedRegression):
+    def configure_optimizers(self):
+        return GroupByGroupSGD([{"params": self.net[0].parameters()}, {"params": self.net[2].parameters()}], lr=0.05)
 
 
 class GatherInSave(L.Callback):
@@ -160,6 +188,7 @@ def trainer_for(case: dict, directory: Path, callbacks: list) -> L.Trainer:
             timeout=os.environ.get("DDP_PLUS_TEST_TIMEOUT", "60s"),  # the GPU check: longer than it takes to end
             optimizer_sharding=case.get("sharding", False),
             find_stragglers_every_n_steps=case.get("stragglers", 50),
+            preemption_signals=case.get("signals", ["SIGTERM"]),
         ),
         accelerator=ACCELERATOR,
         devices=case.get("world", 2),
@@ -217,7 +246,7 @@ class TwoOptimizers(IndexedRegression):
 def kill(directory: Path, case: dict) -> None:
     # the popen launcher sets LOCAL_RANK in the child it starts; NODE_RANK is the node's (several nodes: "nodes")
     rank = int(os.environ.get("NODE_RANK", "0")) * case.get("world", 2) + int(os.environ.get("LOCAL_RANK", "0"))
-    kind = TwoOptimizers if case.get("gan") else IndexedRegression
+    kind = TwoOptimizers if case.get("gan") else GroupByGroupRegression if case.get("by_group") else IndexedRegression
     model = kind(directory / f"run1-rank{rank}.jsonl")
     fit_until_death(trainer_for(case, directory, [Kill(case, rank, directory)]), model, directory, rank)
 
