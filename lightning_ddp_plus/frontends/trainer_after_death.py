@@ -36,7 +36,12 @@ from lightning_ddp_plus.crash.report import RankDied
 from lightning_ddp_plus.crash.survivor_save import save_from_survivor
 from lightning_ddp_plus.frontends.after_death import survivor_save_of
 from lightning_ddp_plus.frontends.trainer_preemption import preemption_checkpoint_path
-from lightning_ddp_plus.private_apis.lightning import LoopState, before_each_batch, trainer_checkpoint
+from lightning_ddp_plus.private_apis.lightning import (
+    LoopState,
+    before_each_batch,
+    in_lightnings_signal_handler,
+    trainer_checkpoint,
+)
 from lightning_ddp_plus.processes.launcher import AFTER_DEATH
 
 #: Each fit of a process has its own keys in the store (every rank runs the same fits in the same order).
@@ -150,7 +155,7 @@ def save_after_rank_death(trainer: pl.Trainer, error: BaseException) -> RankDied
         path=path,
         write=lambda: write_boundary(trainer, boundary, path),
         resume_from=resume_from,
-        not_savable=half_a_batch(trainer, boundary, resume_from),
+        not_savable=half_a_batch(trainer, boundary, resume_from) or in_a_signal_handler(error, resume_from),
     )
     return save_from_survivor(save)
 
@@ -170,6 +175,25 @@ def half_a_batch(trainer: Any, boundary: StepBoundary, resume_from: str) -> str 
         f"would hold half a batch (those steps applied, the others and the batch's end not); resume from "
         f"{resume_from}"
     )
+
+
+def in_a_signal_handler(error: BaseException, resume_from: str) -> str | None:
+    """Why nothing whole can be saved when the death was learnt inside Lightning's own signal handler (kept with
+    ``preemption_signals=[]``): it ran at whatever line the main thread was on, half-way through an optimizer step
+    perhaps, so the weights may hold part of a step. ``None`` otherwise."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        handler = in_lightnings_signal_handler(error)
+        if handler is not None:
+            return (
+                f"it was learnt in a collective of Lightning's own signal handler (`{handler}`, a SIGTERM's or "
+                "SLURM's), which ran at whatever line training was on, so the weights may hold part of a step; "
+                f"resume from {resume_from}, or keep SIGTERM in `preemption_signals` to have a notice agreed at a "
+                "step boundary"
+            )
+        error = error.__cause__ or error.__context__  # type: ignore[assignment]
+    return None
 
 
 def write_boundary(trainer: pl.Trainer, boundary: StepBoundary, path: str) -> None:

@@ -11,6 +11,7 @@
 | a loader with another sampler (``update_dataloader``) | ``lightning.pytorch.utilities.data._update_dataloader`` | the same | none: it re-instantiates a user's loader subclass as Lightning does |
 | the training loaders of the running fit (``training_loaders``) and a module's Trainer (``trainer_of``) | ``FitLoop._combined_loader``, ``LightningModule._trainer`` | the same | ``[]`` / ``None`` before the fit has them |
 | keeping Lightning's termination handling off the preemption signals (``leave_signals_to``) | ``Trainer._signal_connector``, its ``register_signal_handlers`` and ``_original_handlers``, ``_TrainingEpochLoop._broadcast_sigterm_tensor`` | the same | each part skipped where missing: Lightning's handler would then run beside the strategy's |
+| telling that an error was raised inside Lightning's own signal handlers (``in_lightnings_signal_handler``) | ``SignalConnector._sigterm_notifier_fn``, ``_slurm_sigusr_handler_fn`` | the same | each missing one is not recognized: a death learnt there would be saved as the step before it |
 | SLURM's requeue checkpoint (``slurm_requeue_checkpoint_path``) | ``Trainer._checkpoint_connector.hpc_save_path`` | the same | none |
 | the step boundary: the point before a batch is fetched (``before_each_batch``), after every hook of the batch before it, its validation, and an epoch's end and the next one's start | ``Trainer.fit_loop.epoch_loop.advance`` (``_TrainingEpochLoop``'s, wrapped on the instance) | the same | ``RuntimeError`` naming the missing method: no public hook runs before the next batch is counted |
 | the fit loop's state as ``state_dict()`` gives it, in a few µs (``LoopState``) | ``lightning.pytorch.loops.loop._Loop``, ``lightning.pytorch.loops.progress._BaseProgress`` (their ``state_dict`` walk, redone), ``lightning.pytorch.loops._FitLoop`` (its own state is its stateful loaders') | the same | none |
@@ -52,6 +53,7 @@ __all__ = [
     "fabric_backward",
     "fabric_checkpoint",
     "has_own_checkpoint_io",
+    "in_lightnings_signal_handler",
     "leave_signals_to",
     "lightning_last_checkpoint",
     "load_file",
@@ -160,6 +162,25 @@ def leave_signals_to(trainer: Any, reinstall: Callable[[], None], previous: dict
     epoch_loop = trainer.fit_loop.epoch_loop
     if sigterm and hasattr(epoch_loop, "_broadcast_sigterm_tensor"):
         epoch_loop._broadcast_sigterm_tensor = lambda: None
+
+
+def in_lightnings_signal_handler(error: BaseException) -> str | None:
+    """The name of Lightning's signal handler that ``error`` was raised in (its SIGTERM handler broadcasts there,
+    SLURM's requeue handler saves a checkpoint there), or ``None``. Python runs a handler at whatever line the main
+    thread is on, so what the handler raised leaves that line half done."""
+    from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
+
+    handlers = {
+        getattr(_SignalConnector, name).__code__: name
+        for name in ("_sigterm_notifier_fn", "_slurm_sigusr_handler_fn")
+        if hasattr(_SignalConnector, name)
+    }
+    traceback = error.__traceback__
+    while traceback is not None:
+        if traceback.tb_frame.f_code in handlers:
+            return handlers[traceback.tb_frame.f_code]
+        traceback = traceback.tb_next
+    return None
 
 
 def slurm_requeue_checkpoint_path(trainer: Any) -> str:
