@@ -418,3 +418,23 @@ def test_on_a_backend_that_waits_for_the_dead_the_observer_aborts_the_collective
     window.leave_collectives = lambda: aborted.append("disabled")
     window.peer_died({1})
     assert aborted == ["ddp-plus-child-observer"]
+
+
+def test_the_child_observer_stops_when_asked_as_lightnings_tests_ask_a_daemon_thread():
+    # Lightning's test suite stops each daemon thread a test leaves through its `stop()` and fails the test when the
+    # thread is still alive (`test_replace_distributed_sampler` under the swap): the observer polls its children
+    import sys
+
+    from lightning_ddp_plus.processes import launcher
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        observer = launcher.ChildObserver([child], first_rank=1, poll_seconds=30)
+        observer.start()
+        observer.stop()
+        observer.join(timeout=10)
+        assert not observer.is_alive()
+        assert child.poll() is None  # stopping the observer ends no child
+    finally:
+        child.kill()
+        child.wait()
