@@ -280,11 +280,17 @@ class ChildObserver(threading.Thread):
     ) -> None:
         super().__init__(daemon=True, name="ddp-plus-child-observer")
         self.children, self.first_rank, self.poll_seconds, self.window = children, first_rank, poll_seconds, window
+        self._stopped = threading.Event()
+
+    def stop(self) -> None:
+        """Stop watching (the children are not touched), as Lightning's observer can be stopped."""
+        self._stopped.set()
 
     @override
     def run(self) -> None:
         while True:
-            time.sleep(self.poll_seconds)
+            if self._stopped.wait(self.poll_seconds):
+                return
             codes = [child.poll() for child in self.children]
             if all(code == 0 for code in codes):
                 return
