@@ -283,8 +283,10 @@ class ChildObserver(threading.Thread):
         self._stopped = threading.Event()
 
     def stop(self) -> None:
-        """Stop watching (the children are not touched), as Lightning's observer can be stopped."""
+        """Stop watching and return once the thread has ended (the children are not touched)."""
         self._stopped.set()
+        if self.is_alive() and threading.current_thread() is not self:
+            self.join(timeout=self.poll_seconds + 1.0)  # it returns at once from its wait, unless amid a save
 
     @override
     def run(self) -> None:
