@@ -54,6 +54,12 @@ def test_under_optimizer_sharding_nothing_is_saved_the_error_says_why_and_the_pe
             {"to": 1, "at": "optimizer_step", "step": 3, "signals": [], "by_group": True},
             ["rank 1 is gone", "nothing was saved", "signal handler", "SIGTERM"],
         ),
+        # issue 57 (lower severity): rank 1's own exception after step 4 (a NaN check) ends its process; that is not
+        # a death to save after (before: rank 0 saved that step over last.ckpt, NaN weights and all)
+        (
+            {"to": 1, "at": "own_error", "step": 3},
+            ["nothing was saved", "rank 1 ended with an error of its own", "AssertionError: the loss is nan"],
+        ),
     ],
 )
 def test_what_cannot_be_saved_without_the_dead_rank_is_refused_and_every_survivor_says_so(tmp_path, case, words):

@@ -126,6 +126,11 @@ class Kill(L.Callback):
             # death in a collective the strategy runs after the step (the straggler comparison, here)
             optimizer.register_step_post_hook(lambda *_: self.die(trainer, "after_step", applied=1))
 
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.at == "own_error" and self.mine and trainer.global_step == self.step + 1:
+            # an ordinary exception of the user's, after a step: a NaN check, say (the process ends on it)
+            raise AssertionError("the loss is nan (raised by the test)")
+
     def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
         if self.at == "validation" and trainer.global_step >= self.step and not trainer.sanity_checking:
             self.die(trainer, "validation")
