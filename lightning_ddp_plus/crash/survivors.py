@@ -125,6 +125,27 @@ class SurvivorAgreement:
             self.store.compare_set(keys[rank], "", _GONE)
         return present | {rank for rank, key in keys.items() if rank not in present and self.store.check([key])}
 
+    def announce_own_error(self, error: BaseException) -> None:
+        """A rank whose fit ends with an error of its own (not a peer's death), before its process ends: the
+        survivors then save nothing over the files there (it may be a NaN check that fired after a step)."""
+        text = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
+        try:
+            self.store.set(self._key(f"own_error/{self.rank}"), text[:500])
+        except (RuntimeError, AttributeError):  # no store: the survivors cannot be told
+            pass
+
+    def peers_own_errors(self) -> dict[int, str]:
+        """The ranks that said their fit ended with an error of their own (``announce_own_error``)."""
+        errors: dict[int, str] = {}
+        try:
+            for rank in range(self.world_size):
+                key = self._key(f"own_error/{rank}")
+                if rank != self.rank and self.store.check([key]):
+                    errors[rank] = self.store.get(key).decode()
+        except (RuntimeError, AttributeError):  # no store: nothing said
+            return errors
+        return errors
+
     def announce_saved(self, saved: Mapping[str, Any]) -> None:
         """The writer, once the file is in place: what the others report."""
         try:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from lightning_ddp_plus.crash.survivor_save import SurvivorSave
@@ -14,6 +15,15 @@ from lightning_ddp_plus.crash.survivors import SurvivorAgreement
 from lightning_ddp_plus.private_apis.torch_distributed import default_store
 from lightning_ddp_plus.processes.launcher import AFTER_DEATH, launching_process_gone
 from lightning_ddp_plus.processes.reachability import ProcessesHere
+
+
+def announce_own_error(strategy: Any, keys: str, error: BaseException) -> None:
+    """A rank whose fit ends with an error that is not a peer's death, before its process ends: said in the store,
+    so that the survivors, who see its process end, save nothing."""
+    if isinstance(error, torch.OutOfMemoryError):  # the state is whole: a death like any other, saved after
+        return
+    store = None if launching_process_gone() else default_store()
+    SurvivorAgreement(store, strategy.global_rank, strategy.world_size, keys).announce_own_error(error)
 
 
 def survivor_save_of(
@@ -36,6 +46,14 @@ def survivor_save_of(
     here = ProcessesHere(store, strategy.world_size, strategy.global_rank)
     known_dead = lambda: AFTER_DEATH.dead_ranks | here.gone()
     agreement = SurvivorAgreement(store, strategy.global_rank, strategy.world_size, keys, known_dead)
+    own_errors = agreement.peers_own_errors()
+    if own_errors:
+        rank, error = next(iter(own_errors.items()))
+        not_savable = (
+            f"rank {rank} ended with an error of its own ({error}), which is not a death: a save now could hold what "
+            "that error was raised about (a NaN check after a step, say), so the files there are as they were; "
+            "its log holds the traceback"
+        )
     zero = any(isinstance(optimizer, ZeroRedundancyOptimizer) for optimizer in getattr(strategy, "optimizers", []))
     if not_savable is None and strategy.engine.arguments.optimizer_sharding:
         not_savable = (

@@ -26,7 +26,7 @@ from typing_extensions import Self
 from lightning_ddp_plus.config.messages import ArgumentTypeError, ArgumentValueError, describe_bad_value
 from lightning_ddp_plus.crash.peer_death import peer_gone_in
 from lightning_ddp_plus.crash.survivor_save import SurvivorSave, save_from_survivor
-from lightning_ddp_plus.frontends.after_death import survivor_save_of
+from lightning_ddp_plus.frontends.after_death import announce_own_error, survivor_save_of
 from lightning_ddp_plus.private_apis.lightning import fabric_checkpoint
 from lightning_ddp_plus.processes.launcher import AFTER_DEATH
 
@@ -80,6 +80,8 @@ class FabricAfterDeath:
         cause = peer_gone_in(error)
         if error is None or cause is None:
             AFTER_DEATH.enabled = False  # a failure or an end that is not a death: the job ends as Fabric ends it
+            if error is not None and not isinstance(error, KeyboardInterrupt):
+                announce_own_error(self.strategy, f"fabric{self.block}", error)
             return
         with AFTER_DEATH.saving():
             died = save_from_survivor(self._survivor_save(cause))

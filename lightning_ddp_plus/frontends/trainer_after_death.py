@@ -34,7 +34,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning_ddp_plus.crash.peer_death import peer_gone_in
 from lightning_ddp_plus.crash.report import RankDied
 from lightning_ddp_plus.crash.survivor_save import save_from_survivor
-from lightning_ddp_plus.frontends.after_death import survivor_save_of
+from lightning_ddp_plus.frontends.after_death import announce_own_error, survivor_save_of
 from lightning_ddp_plus.frontends.trainer_preemption import preemption_checkpoint_path
 from lightning_ddp_plus.private_apis.lightning import (
     LoopState,
@@ -142,7 +142,10 @@ def save_after_rank_death(trainer: pl.Trainer, error: BaseException) -> RankDied
     cause = peer_gone_in(error)
     boundaries = StepBoundaries.of(trainer)
     fitting = trainer.state.fn == TrainerFn.FITTING  # its validation included
-    if cause is None or not fitting or boundaries is None or boundaries.last is None:
+    if not fitting or boundaries is None or boundaries.last is None:
+        return None
+    if cause is None:
+        announce_own_error(trainer.strategy, str(boundaries.fit), error)
         return None
     strategy: Any = trainer.strategy
     path, boundary = preemption_checkpoint_path(trainer), boundaries.last
