@@ -185,9 +185,10 @@ def in_a_signal_handler(error: BaseException, resume_from: str) -> str | None:
     ``preemption_signals=[]``): it ran at whatever line the main thread was on, half-way through an optimizer step
     perhaps, so the weights may hold part of a step. ``None`` otherwise."""
     seen: set[int] = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        handler = in_lightnings_signal_handler(error)
+    link: BaseException | None = error
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        handler = in_lightnings_signal_handler(link)
         if handler is not None:
             return (
                 f"it was learnt in a collective of Lightning's own signal handler (`{handler}`, a SIGTERM's or "
@@ -195,7 +196,7 @@ def in_a_signal_handler(error: BaseException, resume_from: str) -> str | None:
                 f"resume from {resume_from}, or keep SIGTERM in `preemption_signals` to have a notice agreed at a "
                 "step boundary"
             )
-        error = error.__cause__ or error.__context__  # type: ignore[assignment]
+        link = link.__cause__ or link.__context__
     return None
 
 
