@@ -110,6 +110,9 @@ CASES = [
     # issue 57, item 6: a notice at an epoch's last batch, no validation that epoch (before: the resume trained one
     # batch more, 17 steps, 0.74 away)
     {"to": "all", "at": "forward", "step": 7, "val_every": 2},
+    # issue 57, item 6: the same with validation at that batch, and a ReduceLROnPlateau stepped at each batch's end
+    # (before: the resume ran the batch's end again, counting `_batches_that_stepped` and the scheduler's step twice)
+    {"to": "all", "at": "forward", "step": 7, "plateau": True},
 ]
 
 
@@ -155,6 +158,12 @@ def test_a_notice_anywhere_stops_every_rank_after_one_step_saves_it_and_the_resu
             assert case["path"] in case["line"], where
         # every completed step kept, nothing trained twice or skipped, and the same parameters as without a notice
         assert case["resumed_global_step"] == 16 // k, where
+        # each batch's end counted once across both runs: the step loggers log at, and a step-interval scheduler's
+        # steps (Lightning counts both at every batch end that closes a window; a manual loop's every batch)
+        batch_ends = 16 if case.get("manual") else 16 // k
+        assert case["batches_that_stepped"] == batch_ends, where
+        if case.get("plateau"):
+            assert case["scheduler_steps"] == [batch_ends], where
         assert set(case["sample_counts"]) == {2}, where  # 2 epochs: each sample trained once per epoch
         assert case["distance"] <= 1e-5, where
         # every save is a whole step: the module's on_train_batch_end (the last hook of a batch) ran once for each

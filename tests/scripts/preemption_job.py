@@ -62,6 +62,8 @@ class IndexedRegression(L.LightningModule):
         x, y, index = batch
         self.trained += index.tolist()
         loss = nn.functional.mse_loss(self.net(x), y)
+        if self.plateau:
+            self.log("train_loss", loss)
         if not self.manual_k:
             return loss
         self.manual_backward(loss / self.manual_k)
@@ -83,9 +85,18 @@ class IndexedRegression(L.LightningModule):
     #: Lightning's documented OneCycleLR recipe: its length from ``trainer.estimated_stepping_batches``, stepped every
     #: optimizer step (reading it builds the training loader before a resume restores the loop)
     one_cycle = False
+    #: A ReduceLROnPlateau on the training loss, stepped at each batch's end (``interval="step"``), with a patience
+    #: short enough that it lowers the rate during the fit
+    plateau = False
 
     def configure_optimizers(self):
         optimizer = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        if self.plateau:
+            reduce = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, patience=1, factor=0.5)
+            return {
+                "optimizer": optimizer,
+                "lr_scheduler": {"scheduler": reduce, "interval": "step", "monitor": "train_loss"},
+            }
         if not self.one_cycle:
             return optimizer
         total = int(self.trainer.estimated_stepping_batches)
@@ -220,9 +231,9 @@ def every_ranks(values: list) -> list:
     return gathered
 
 
-def whole_run(k: int, one_cycle: bool, root: Path) -> torch.Tensor:
+def whole_run(k: int, one_cycle: bool, plateau: bool, root: Path) -> torch.Tensor:
     model = IndexedRegression()
-    model.one_cycle = one_cycle
+    model.one_cycle, model.plateau = one_cycle, plateau
     trainer_for({"at": "none", "to": -1, "k": k}, root, [], slurm=False).fit(model)
     return flat(model)
 
@@ -242,7 +253,7 @@ def run_case(case: dict, root: Path, reference: torch.Tensor | None, catch: bool
     model = IndexedRegression()
     model.manual_k = case.get("k", 1) if case.get("manual") else 0
     model.automatic_optimization = not model.manual_k
-    model.one_cycle = bool(case.get("one_cycle"))
+    model.one_cycle, model.plateau = bool(case.get("one_cycle")), bool(case.get("plateau"))
     trainer = trainer_for(case, root, [notify], slurm)
     started = time.monotonic()
     preempted = None
@@ -272,7 +283,7 @@ def run_case(case: dict, root: Path, reference: torch.Tensor | None, catch: bool
     trained_before, ends_before = list(model.trained), list(model.batch_ends)
     resumed = IndexedRegression()
     resumed.manual_k, resumed.automatic_optimization = model.manual_k, model.automatic_optimization
-    resumed.one_cycle = model.one_cycle
+    resumed.one_cycle, resumed.plateau = model.one_cycle, model.plateau
     again = trainer_for({**case, "at": "none"}, root, [], slurm)
     again.fit(resumed, ckpt_path=None if slurm else "last")
     slurm_environment(False)
@@ -287,6 +298,8 @@ def run_case(case: dict, root: Path, reference: torch.Tensor | None, catch: bool
         "resumed_global_step": again.global_step,
         # the step loggers log at: Lightning counts it at each batch's end that stepped
         "batches_that_stepped": again.fit_loop.epoch_loop._batches_that_stepped,
+        # the calls of every scheduler's step() across both runs (a scheduler's state counts them)
+        "scheduler_steps": [config.scheduler.last_epoch for config in again.lr_scheduler_configs],
         "distance": distance,
         "sample_counts": counts,
         "batch_ends_by_rank": every_ranks(ends_before + resumed.batch_ends),
@@ -295,9 +308,10 @@ def run_case(case: dict, root: Path, reference: torch.Tensor | None, catch: bool
     }
 
 
-def reference_of(case: dict) -> tuple[int, bool]:
-    """Which uninterrupted run a case ends like: its accumulation, and whether it schedules with OneCycleLR."""
-    return case.get("k", 1), bool(case.get("one_cycle"))
+def reference_of(case: dict) -> tuple[int, bool, bool]:
+    """Which uninterrupted run a case ends like: its accumulation, and whether it schedules with OneCycleLR or with
+    ReduceLROnPlateau."""
+    return case.get("k", 1), bool(case.get("one_cycle")), bool(case.get("plateau"))
 
 
 def main() -> None:
@@ -314,7 +328,7 @@ def main() -> None:
         Path(out).write_text(json.dumps(results))
     final = os.environ.get("DDP_PLUS_END_WITH")
     if final:  # the process ends as a preempted process ends: nothing catches Preempted
-        run_case(json.loads(final), base / "final", references[(1, False)], catch=False)
+        run_case(json.loads(final), base / "final", references[(1, False, False)], catch=False)
     dist.destroy_process_group()
 
 
