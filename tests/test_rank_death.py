@@ -43,6 +43,9 @@ CASES = [
     # item 10: the survivor writes through AsyncCheckpointIO (a write of 1 s): "saved" is said once the bytes exist
     # (before: at once, the file still being written)
     {"to": 1, "at": "out_of_memory", "step": 4, "async_io": True},
+    # issue 57, item 6: rank 1 dies in the next epoch's first step, after the epoch's validation: the boundary saved
+    # is the epoch's end (before: the resume ran the last batch's end again, counting it twice)
+    {"to": 1, "at": "forward", "step": BATCHES},
 ]
 #: Outside CI (``DDP_PLUS_EVERY_DEATH=1``): every moment on both ranks, and 10 random moments on each.
 EVERY_CASE = [
@@ -108,6 +111,7 @@ def check_case(case: dict, resumed: dict) -> dict:
             assert missing <= max(case.get("k", 1), cut_in_end_hooks[1]), (where, rank, missing)
     # the same parameters as an uninterrupted run, and the resume trains to the end
     assert resumed["distance"] <= 1e-5 and resumed["global_step"] == EPOCHS * BATCHES // case.get("k", 1), where
+    assert resumed["batch_ends"] == EPOCHS * BATCHES // case.get("k", 1), where  # each batch's end counted once
     # nothing of the job is left running
     left = subprocess.run(["pgrep", "-f", str(directory)], check=False, capture_output=True, text=True).stdout.split()
     assert left == [], where

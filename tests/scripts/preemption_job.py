@@ -63,7 +63,7 @@ class IndexedRegression(L.LightningModule):
         self.trained += index.tolist()
         loss = nn.functional.mse_loss(self.net(x), y)
         if self.plateau:
-            self.log("train_loss", loss)
+            self.log("train_loss", loss, sync_dist=True)  # the same rate on every rank
         if not self.manual_k:
             return loss
         self.manual_backward(loss / self.manual_k)

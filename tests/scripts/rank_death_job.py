@@ -283,7 +283,10 @@ def resume(out: str, cases: list) -> None:
         trainer = trainer_for({**case, "at": "none"}, directory, [])
         trainer.fit(model, ckpt_path="last")
         distance = float((flat(model) - references[case.get("k", 1), bool(case.get("ema"))]).abs().max())
-        results.append({"dir": case["dir"], "distance": distance, "global_step": trainer.global_step})
+        batch_ends = trainer.fit_loop.epoch_loop._batches_that_stepped  # the step loggers log at
+        results.append(
+            {"dir": case["dir"], "distance": distance, "global_step": trainer.global_step, "batch_ends": batch_ends}
+        )
     if rank == 0:
         Path(out).write_text(json.dumps(results))
     dist.destroy_process_group()
