@@ -40,6 +40,7 @@ from lightning_ddp_plus.private_apis.lightning import (
     LoopState,
     before_each_batch,
     in_lightnings_signal_handler,
+    resumable_at_boundary,
     trainer_checkpoint,
 )
 from lightning_ddp_plus.processes.launcher import AFTER_DEATH
@@ -55,7 +56,7 @@ class StepBoundary:
     step: int
     """Optimizer steps applied then."""
     loops: dict[str, Any]
-    """``trainer.fit_loop.state_dict()`` then."""
+    """``trainer.fit_loop.state_dict()`` then, as Lightning's restore continues it (``resumable_at_boundary``)."""
     at: float
     """``time.monotonic()`` then."""
 
@@ -97,7 +98,8 @@ class StepBoundaries:
             now = time.monotonic()
             if self.last is not None:
                 AFTER_DEATH.step_took(now - self.last.at)
-            self.last = StepBoundary(step=trainer.global_step, loops=self._loop_state(), at=now)
+            loops = resumable_at_boundary(self._loop_state())
+            self.last = StepBoundary(step=trainer.global_step, loops=loops, at=now)
 
 
 _KEPT: weakref.WeakKeyDictionary[Any, StepBoundaries] = weakref.WeakKeyDictionary()

@@ -13,9 +13,9 @@ The save is made at the step boundary after the agreed step, before the next bat
 follows, at the end of training): every callback's and the module's ``on_train_batch_end``, the batch counted as
 completed, the validation and schedulers the batch triggers, and, at an epoch's last batch, the epoch's end and the
 next one's start have run. The resume continues at the next batch, so each hook of each step runs once across both
-runs. Saved amid an epoch's end (after its last batch, before its end hooks), the loop's state is one that Lightning's
-restore does not continue exactly: it trained the epoch's first batch again when no validation ran at that batch,
-and ran the batch's end twice (its schedulers, the logged step) when one did.
+runs. The loop's state is saved as Lightning's restore continues it (``resumable_at_boundary``): as it stands, a
+restore would run the last batch's end again where validation is due at it (an epoch's last batch): the logged step
+counted twice, and a step-interval ``ReduceLROnPlateau`` stepped again.
 """
 
 from __future__ import annotations
@@ -35,7 +35,13 @@ from lightning_ddp_plus.persistence.resume import NO_CHECKPOINT_CALLBACK_PATH
 from lightning_ddp_plus.preemption.report import Preempted, PreemptionReport
 from lightning_ddp_plus.preemption.slurm import requeue
 from lightning_ddp_plus.preemption.stop import StopDecision
-from lightning_ddp_plus.private_apis.lightning import before_each_batch, leave_signals_to, slurm_requeue_checkpoint_path
+from lightning_ddp_plus.private_apis.lightning import (
+    before_each_batch,
+    leave_signals_to,
+    resumable_at_boundary,
+    slurm_requeue_checkpoint_path,
+    trainer_checkpoint,
+)
 
 
 def slurm_requeues(trainer: pl.Trainer) -> SLURMEnvironment | None:
@@ -75,13 +81,23 @@ def preemption_checkpoint_path(trainer: pl.Trainer) -> str:
     return os.path.join(str(trainer.default_root_dir), NO_CHECKPOINT_CALLBACK_PATH)
 
 
+def save_at_boundary(trainer: pl.Trainer, path: str) -> None:
+    """``trainer.save_checkpoint(path)`` at a step boundary, its loop state given as Lightning's restore continues
+    it (``resumable_at_boundary``): the resume counts the last batch's end once."""
+    checkpoint = trainer_checkpoint(trainer)
+    fit_loop = resumable_at_boundary(checkpoint["loops"]["fit_loop"])
+    checkpoint["loops"] = {**checkpoint["loops"], "fit_loop": fit_loop}
+    trainer.strategy.save_checkpoint(checkpoint, path)
+    trainer.strategy.barrier("Trainer.save_checkpoint")
+
+
 def end_preempted(trainer: pl.Trainer, decision: StopDecision) -> None:
     """Every rank: save the agreed step (rank 0 writes, every rank waits), rank 0 says so in one line (and
     requeues on SLURM), then ``Preempted`` ends the fit."""
     report, requeues = PreemptionReport(decision), slurm_requeues(trainer) is not None
     if decision.stop_after is not None:
         path, started = preemption_checkpoint_path(trainer), time.monotonic()
-        trainer.save_checkpoint(path)
+        save_at_boundary(trainer, path)
         # an asynchronous checkpoint IO returns before the file is written: the line and SLURM's requeue wait for it
         # (its teardown finishes the pending writes; nothing is saved after this in the fit)
         trainer.strategy.checkpoint_io.teardown()

@@ -14,6 +14,7 @@
 | telling that an error was raised inside Lightning's own signal handlers (``in_lightnings_signal_handler``) | ``SignalConnector._sigterm_notifier_fn``, ``_slurm_sigusr_handler_fn`` | the same | each missing one is not recognized: a death learnt there would be saved as the step before it |
 | SLURM's requeue checkpoint (``slurm_requeue_checkpoint_path``) | ``Trainer._checkpoint_connector.hpc_save_path`` | the same | none |
 | the step boundary: the point before a batch is fetched (``before_each_batch``), after every hook of the batch before it, its validation, and an epoch's end and the next one's start | ``Trainer.fit_loop.epoch_loop.advance`` (``_TrainingEpochLoop``'s, wrapped on the instance) | the same | ``RuntimeError`` naming the missing method: no public hook runs before the next batch is counted |
+| a step boundary's loop state as Lightning's restore continues it (``resumable_at_boundary``) | the fit loop's ``state_dict`` keys (``epoch_progress``, ``epoch_loop.batch_progress``, ``epoch_loop.state_dict``'s ``_batches_that_stepped``) and ``_TrainingEpochLoop.update_restart_stage``'s rule | the same | none: Lightning restores no state saved between a batch's end and the next batch without running that batch's end again where validation is due |
 | the fit loop's state as ``state_dict()`` gives it, in a few µs (``LoopState``) | ``lightning.pytorch.loops.loop._Loop``, ``lightning.pytorch.loops.progress._BaseProgress`` (their ``state_dict`` walk, redone), ``lightning.pytorch.loops._FitLoop`` (its own state is its stateful loaders') | the same | none |
 | a checkpoint's contents without writing them (``trainer_checkpoint``) | ``Trainer._checkpoint_connector.dump_checkpoint`` | the same | none: ``Trainer.save_checkpoint`` writes from rank 0 only, behind a barrier |
 | what ``fabric.save`` writes, built on any rank (``fabric_checkpoint``) | ``Strategy._convert_stateful_objects_in_state`` (Fabric's) | the same | none: ``fabric.save`` writes from rank 0 only, behind a barrier |
@@ -57,6 +58,7 @@ __all__ = [
     "leave_signals_to",
     "lightning_last_checkpoint",
     "load_file",
+    "resumable_at_boundary",
     "route_resume_start",
     "set_threads_per_rank",
     "slurm_requeue_checkpoint_path",
@@ -252,6 +254,34 @@ class LoopState:
         for key, record in self.records:
             state[key] = _fields(record)
         return state
+
+
+def resumable_at_boundary(fit_loop: dict[str, Any]) -> dict[str, Any]:
+    """``fit_loop`` (a ``state_dict``) saved at a step boundary inside an epoch (after a batch's end and its
+    validation, before the next batch, or at the next epoch's start), as Lightning's restore continues it exactly.
+
+    As it is, every batch counter is equal, which the restore takes for a save made during that batch's validation
+    (``RESTARTED_ON_LAST``): where validation is due at the batch (an epoch's last, ``val_check_interval``'s), it
+    runs the rest of the batch's end again, counting ``_batches_that_stepped`` twice and stepping a step-interval
+    ``ReduceLROnPlateau`` again, before any metric is logged (an error). Given as saved in the batch's own
+    ``on_train_batch_end`` (completed and ``_batches_that_stepped`` one back), the restore counts the batch's end
+    once and goes on with the next batch, whether validation is due or not. A state outside an epoch (the fit's end)
+    is returned as it is: its restore runs no batch."""
+    epochs, progress = fit_loop["epoch_progress"]["current"], fit_loop["epoch_loop.batch_progress"]
+    total = progress["total"]
+    inside_an_epoch = any(epochs[name] != epochs["processed"] for name in ("ready", "started"))
+    if not inside_an_epoch or len(set(total.values())) != 1 or total["completed"] == 0:
+        return fit_loop
+    counters = fit_loop["epoch_loop.state_dict"]
+    return {
+        **fit_loop,
+        "epoch_loop.batch_progress": {
+            **progress,
+            "total": {**total, "completed": total["completed"] - 1},
+            "current": {**progress["current"], "completed": progress["current"]["completed"] - 1},
+        },
+        "epoch_loop.state_dict": {**counters, "_batches_that_stepped": counters["_batches_that_stepped"] - 1},
+    }
 
 
 def _fields(record: Any) -> dict[str, Any]:
