@@ -201,7 +201,7 @@ def trainer_for(case: dict, directory: Path, callbacks: list) -> L.Trainer:
         plugins=[AsyncCheckpointIO(SlowCheckpointIO())] if case.get("async_io") else [],  # a write of 1 s
         max_epochs=EPOCHS,
         accumulate_grad_batches=case.get("k", 1),
-        val_check_interval=4 if case["at"] == "validation" else None,
+        val_check_interval=4 if "validation" in (case["at"], case.get("killed_at")) else None,
         num_sanity_val_steps=0,
         default_root_dir=directory,
         logger=False,
@@ -280,7 +280,8 @@ def resume(out: str, cases: list) -> None:
     for case in cases:
         directory = Path(case["dir"])
         model = IndexedRegression(directory / f"run2-rank{rank}.jsonl")
-        trainer = trainer_for({**case, "at": "none"}, directory, [])
+        # the same Trainer as the killed run, as a user resumes (its validation interval included)
+        trainer = trainer_for({**case, "at": "none", "killed_at": case["at"]}, directory, [])
         trainer.fit(model, ckpt_path="last")
         distance = float((flat(model) - references[case.get("k", 1), bool(case.get("ema"))]).abs().max())
         batch_ends = trainer.fit_loop.epoch_loop._batches_that_stepped  # the step loggers log at
