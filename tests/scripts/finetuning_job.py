@@ -51,9 +51,31 @@ class HeadFirst(TinyRegression):
         return torch.optim.SGD(self.net[2].parameters(), lr=0.05, momentum=0.9)
 
 
+class HeadFirstWithAux(HeadFirst):
+    """The same, with a head that every rank uses but rank 1 at one step after the unfreeze: a guard fault whose rank 0
+    has finished its reducer (rank 1 has not), settled before the optimizer step."""
+
+    AUX_STEP = 9  # epoch 2 (4 steps an epoch), the first layer trainable
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.aux = torch.nn.Linear(1, 1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        if self.trainer.global_step != self.AUX_STEP or dist.get_rank() == 0:
+            loss = loss + 0.1 * self.aux(loss.reshape(1, 1)).sum()
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        trains = [*self.net[2].parameters(), *self.aux.parameters()]
+        return torch.optim.SGD(trains, lr=0.05, momentum=0.9)
+
+
 def run_case(case: dict) -> dict:
     if case["reference"]:
         strategy: Any = DDPStrategy(process_group_backend="gloo", find_unused_parameters=True)
+        strategy = DDPPlusStrategy(**case["strategy"]) if "strategy" in case else strategy
         callback: L.Callback = FreezeAfterTheWrap()
     else:
         stock = case.get("stock", False)
@@ -62,7 +84,7 @@ def run_case(case: dict) -> dict:
     trainer = L.Trainer(
         strategy=strategy, accelerator="cpu", devices=2, max_epochs=3, callbacks=[callback], **QUIET_TRAINER
     )
-    model = HeadFirst(num_samples=32)
+    model = HeadFirstWithAux(num_samples=32) if case.get("aux") else HeadFirst(num_samples=32)
     trainer.fit(model)
     flat = torch.cat([p.detach().flatten() for p in model.parameters()])
     replicas = [torch.zeros_like(flat) for _ in range(2)]
