@@ -193,7 +193,8 @@ class DDPPlusEngine(RunComponents):
             return BackwardDone(result, StepAgreed(flags=self.pipeline.flags.zeros()))
         agreed = self.agreement.after_synced_backward(ddp, failed)
         step = self.window.stats.optimizer_steps + 1
-        self.pipeline.agreed(AgreedStep(flags=agreed.flags, step=step, out_of_memory=bool(agreed.out_of_memory)))
+        oom, skipped = bool(agreed.out_of_memory), agreed.skipped
+        self.pipeline.agreed(AgreedStep(flags=agreed.flags, step=step, out_of_memory=oom, skipped=skipped))
         return BackwardDone(result, agreed)
 
     def scaled_loss(

@@ -91,6 +91,8 @@ class AgreedStep:
     """The optimizer step the backward belongs to (steps applied so far + 1)."""
     out_of_memory: bool
     """Some rank ran out of memory in this attempt: the batch runs again, no step follows it yet."""
+    skipped: bool = False
+    """The guard dropped this step's gradients on every rank (they could not be made exact): nothing to average."""
 
 
 @dataclass(frozen=True, kw_only=True)

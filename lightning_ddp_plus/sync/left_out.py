@@ -57,7 +57,7 @@ class LeftOutGradients(StepComponent):
         self._closing = backward.closes_window
 
     def agreed(self, agreed: AgreedStep) -> None:
-        if not self._closing or agreed.out_of_memory:
+        if not self._closing or agreed.out_of_memory or agreed.skipped:  # a skipped step keeps its gradients None
             return
         unfrozen = [(name, parameter) for name, parameter in self.left_out if parameter.requires_grad]
         if unfrozen:

@@ -41,6 +41,8 @@ class StepAgreed:
     ends_epoch: bool = False
     out_of_memory: tuple[OutOfMemory, ...] = ()
     flags: AgreedFlags = field(default_factory=AgreedFlags)
+    skipped: bool = False
+    """A fault's gradients could not be made exact and were dropped on every rank: no step applies them."""
 
 
 class AgreementParty(Protocol):
@@ -133,12 +135,13 @@ class StepAgreement:
                 if deferred.last:
                     self.guard.request_agreement()
             return StepAgreed(out_of_memory=self._every_ranks_failure(failure), flags=agreed)
+        skipped = outcome.fault is not None and outcome.fault.skipped
         if outcome.fault is not None:
             self.party.sync_fault(ddp, outcome.fault)
         if deferred is None:
-            return StepAgreed(flags=agreed)
+            return StepAgreed(flags=agreed, skipped=skipped)
         ends_epoch = self.uneven.decide(deferred, self.uneven.maximums(agreed), self.channel.gather, self.epoch)
-        return StepAgreed(ends_epoch=ends_epoch, flags=agreed)
+        return StepAgreed(ends_epoch=ends_epoch, flags=agreed, skipped=skipped)
 
     def agree_on_failure(self, failure: OutOfMemory, synced_backward_started: bool) -> StepAgreed:
         """On a rank whose attempt at a batch ran out of memory (``micro_batch_size="auto"``), in place of its synced

@@ -108,6 +108,7 @@ def complete_reduction(ddp: DistributedDataParallel, message: str, every_bucket:
 
 def settle_gradients(
     ddp: DistributedDataParallel,
+    reduced: list[Parameter],
     finished_ranks: list[int],
     no_rank_had: list[Parameter],
     exact: bool,
@@ -116,6 +117,10 @@ def settle_gradients(
     """After a fault, on every rank: give ``.grad`` the exact average of this step. Returns False when it cannot be
     known here (``exact`` False: some rank's backward failed, or bucket views were reduced in place), in which case
     every gradient is dropped (the optimizer skips the step).
+
+    ``reduced``: the parameters DDP's reducer holds (those that required grad at the wrap). One unfrozen since
+    (``BaseFinetuning``) was never all-reduced: a finished rank holds its own gradient for it, not the mean, so it is
+    left to ``LeftOutGradients``, which averages it after the settle.
 
     A rank whose reducer finished holds the exact average (every unfinished rank sent its own gradients for the
     buckets it completed), so its gradients are broadcast. When none finished, every rank still holds its local
@@ -131,7 +136,7 @@ def settle_gradients(
             parameter.grad = None
         return False
     skip = {id(p) for p in no_rank_had}
-    kept = [p for p in parameters if id(p) not in skip]
+    kept = [p for p in reduced if id(p) not in skip]
     group = ddp.process_group
     if own_chunks is not None:
         own_chunks(kept)
@@ -139,7 +144,7 @@ def settle_gradients(
         through_one_flat_tensor(kept, lambda flat: dist.broadcast(flat, src=finished_ranks[0], group=group))
     else:
         through_one_flat_tensor(kept, lambda flat: dist.all_reduce(flat.div_(group.size()), group=group))
-    for parameter in parameters:
+    for parameter in reduced:
         if id(parameter) in skip:
             parameter.grad = None
     return True
@@ -356,7 +361,8 @@ class SyncGuard(StepComponent):
         # (the reduce-scatter's chunks are recorded as received, in place or not)
         in_place = ddp.gradient_as_bucket_view and self.own_chunks is None
         exact = not aborted and (bool(finished) or not in_place)
-        applied = settle_gradients(ddp, finished, no_rank_had, exact, self.own_chunks)
+        reduced = [p for _, p in self._parameters]
+        applied = settle_gradients(ddp, reduced, finished, no_rank_had, exact, self.own_chunks)
         return SyncFault(
             step=step,
             unused=tuple(tuple(name for (name, _), on in zip(self._parameters, row[:size]) if on) for row in rows),
