@@ -120,11 +120,19 @@ class Kill(L.Callback):
         if self.at == "optimizer_step" and trainer.global_step == self.step:
             self.die(trainer, "optimizer_step")
             if isinstance(optimizer, GroupByGroupSGD):  # the survivor's step: a SIGTERM half-way
+                self.wait_for_the_death()  # else Lightning's handler passes the signal on to a rank still alive
                 optimizer.signal_halfway = True
         elif self.at == "after_step" and trainer.global_step == self.step and self.mine:
             # right after optimizer.step() returns, before Lightning counts the step: the other rank learns of the
             # death in a collective the strategy runs after the step (the straggler comparison, here)
             optimizer.register_step_post_hook(lambda *_: self.die(trainer, "after_step", applied=1))
+
+    def wait_for_the_death(self, seconds: float = 30.0) -> None:
+        """Until the rank the case kills has written its record and had time to end (a SIGKILL lands at once)."""
+        deadline = time.monotonic() + seconds
+        while not (self.directory / "killed.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.5)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if self.at == "own_error" and self.mine and trainer.global_step == self.step + 1:
