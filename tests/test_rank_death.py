@@ -224,6 +224,36 @@ class _CountingStore:
         return getattr(self.store, name)
 
 
+def test_a_survivor_waiting_for_a_lost_nodes_ranks_checks_the_store_once_a_poll(monkeypatch):
+    """Issue 57 (lower severity): 16 ranks, node 1's 8 lost (never answering). Each poll of the wait asks the store
+    once for every missing answer, not once per missing rank: one host takes one call a poll from each survivor."""
+    import types
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from lightning_ddp_plus.crash import survivors
+    from tests.helpers import free_port
+
+    store = dist.TCPStore("127.0.0.1", free_port(), 1, True, timeout=timedelta(seconds=5))
+    world = 16
+    for rank in range(1, 8):  # node 0's other survivors have answered
+        store.set(f"ddp_plus/after_death/w/step/{rank}", "5")
+    polls: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        polls.append(seconds)
+        time.sleep(seconds)
+
+    monkeypatch.setattr(survivors, "time", types.SimpleNamespace(monotonic=time.monotonic, sleep=sleep))
+    counted = _CountingStore(store)
+    agreed = SurvivorAgreement(counted, 0, world, "w", answer_seconds=0.5).agree(5)
+    assert agreed.gone(world) == tuple(range(8, 16))
+    assert len(polls) >= 1
+    # a look at each key before the wait and after it, and one call per poll between
+    assert counted.checks <= 2 * world + len(polls), (counted.checks, len(polls))
+
+
 PUBLISH_AND_WAIT = """
 import os, sys, time
 import torch.distributed as dist
