@@ -109,7 +109,13 @@ class SurvivorAgreement:
         present = self._answers(keys, set())
         while len(present) < self.world_size and time.monotonic() < deadline:
             time.sleep(_POLL_SECONDS)
-            present = self._answers(keys, present)
+            present |= self._answer_for_known_dead(keys, present)
+            # one call a poll for every missing answer (a lost node's ranks), not one a rank: the store's host takes
+            # one call a poll from each survivor, and each key is looked at on its own once, after the wait
+            missing = [keys[rank] for rank in range(self.world_size) if rank not in present]
+            if self.store.check(missing):
+                present = set(keys)
+        present = self._answers(keys, present)
         answers = {rank: self.store.get(keys[rank]) for rank in present}
         steps = {rank: int(answer) for rank, answer in answers.items() if answer != _GONE}
         writer, chosen = choose_writer(steps)
@@ -121,9 +127,15 @@ class SurvivorAgreement:
 
     def _answers(self, keys: Mapping[int, str], present: set[int]) -> set[int]:
         """The ranks whose key is set, after answering ``gone`` for those known dead (a step set first stands)."""
-        for rank in self.known_dead() - present:
-            self.store.compare_set(keys[rank], "", _GONE)
+        present = present | self._answer_for_known_dead(keys, present)
         return present | {rank for rank, key in keys.items() if rank not in present and self.store.check([key])}
+
+    def _answer_for_known_dead(self, keys: Mapping[int, str], present: set[int]) -> set[int]:
+        """``gone`` under the key of each rank known dead that has not answered (its key is then set): those ranks."""
+        dead = set(self.known_dead()) - present
+        for rank in dead:
+            self.store.compare_set(keys[rank], "", _GONE)
+        return dead
 
     def announce_own_error(self, error: BaseException) -> None:
         """A rank whose fit ends with an error of its own (not a peer's death), before its process ends: the
