@@ -151,6 +151,7 @@ def test_a_killed_rank_costs_at_most_the_step_in_progress(deaths):
     print(json.dumps(figures, indent=1))  # the closing note's figures (pytest -s)
 
 
+@pytest.mark.multiprocess
 def test_each_batch_end_is_counted_once_across_both_runs(deaths):
     """The step loggers log at (``_batches_that_stepped``, counted at each batch end that steps) ends where an
     uninterrupted run ends: a save that Lightning's restore continues by running a batch's end again counts it twice
