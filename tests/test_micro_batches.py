@@ -160,6 +160,15 @@ CASES = [
         "limits": {"0": 16, "1": 8},
         "phase": "backward",
     },
+    {  # chunks of 16 from the plan; rank 1's second chunk (the synced one, after the first chunk's gradients) fails
+        # before any gradient of its own is ready, while rank 0's backward waits for every bucket
+        "name": "auto, rank 1 in a synced backward after a chunk",
+        "micro_batch_size": "auto",
+        "limits": {"1": 0},
+        "at_calls": [1],
+        "phase": "backward",
+        "plan": {"micro_batch_size": 16, "world_size": 2},
+    },
     {"name": "auto, a later batch", "micro_batch_size": "auto", "limits": {"0": 8}, "from_step": 2, "save_to": SAVED},
     {
         "name": "fixed 8, with sharding, telemetry and the replica guard",
@@ -199,6 +208,7 @@ EXPECTED = {
     "fixed 8, accumulate 2": ("reference, accumulate 2", 8),
     "auto, rank 1 in the forward": ("reference", 8),
     "auto, both ranks in the backward": ("reference", 8),
+    "auto, rank 1 in a synced backward after a chunk": ("reference", 8),
     "auto, a later batch": ("reference", 8),
     "auto, from the memory plan": ("reference", 8),
     "auto, a plan of another world size": ("reference", 8),

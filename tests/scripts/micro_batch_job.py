@@ -37,9 +37,13 @@ class FailsInBackward(torch.autograd.Function):
 class MemoryLimited(TinyRegression):
     """Rank r can hold ``limits[r]`` rows from optimizer step ``from_step`` on; more raise in ``phase``."""
 
-    def __init__(self, limits: dict, phase: str, from_step: int = 0, wide: bool = False, **kwargs) -> None:
+    def __init__(
+        self, limits: dict, phase: str, from_step: int = 0, wide: bool = False, at_calls: tuple = (), **kwargs
+    ) -> None:
         super().__init__(**kwargs)
         self.limits, self.phase, self.from_step = {int(k): v for k, v in limits.items()}, phase, from_step
+        #: ``training_step`` calls (one per chunk) that fail on a rank with a limit, whatever their rows
+        self.at_calls, self.calls = at_calls, 0
         self.wide = nn.Parameter(torch.linspace(-1, 1, 1 << 21)) if wide else None
         self._saved_limit = None
 
@@ -60,6 +64,9 @@ class MemoryLimited(TinyRegression):
         x, y = batch
         limit = self.limits.get(self.global_rank)
         over = limit is not None and x.shape[0] > limit and self.global_step >= self.from_step
+        if self.at_calls:
+            over = limit is not None and self.calls in self.at_calls
+        self.calls += 1
         if over and self.phase == "forward":
             raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate 2.00 GiB ({x.shape[0]} rows)")
         out = self(x)
@@ -83,6 +90,7 @@ def run_case(case: dict) -> dict:
         case.get("phase", "forward"),
         case.get("from_step", 0),
         wide=case.get("wide", False),
+        at_calls=tuple(case.get("at_calls", ())),
         num_samples=256,
         batch_size=32,
         lr=0.05,
