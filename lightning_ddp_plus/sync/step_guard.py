@@ -332,6 +332,9 @@ class SyncGuard(StepComponent):
         all-reduce. An NCCL wait does not block the host, so there the all-reduce runs every step.
         """
         message = reducer_unfinished(ddp)
+        # a backward that raised before any gradient was ready marked nothing, so the reducer reports itself finished;
+        # it launched no bucket either (torch runs its finalize only once every node of the graph succeeded)
+        never_started = never_started or (aborted and message is None)
         unfinished = message is not None or aborted
         if unfinished:
             self.request_agreement()
