@@ -321,8 +321,8 @@ class SyncGuard(StepComponent):
         never_started: bool = False,
     ) -> GuardOutcome:
         """After a synced backward (``aborted``: one that raised on this rank; ``never_started``: this rank failed
-        before its synced backward began, so it launches every bucket): complete this rank's reduction if it
-        did not finish, and agree with the other ranks. ``flags`` travel in the same all-reduce (their maximum over
+        before its synced backward began, so it launches every bucket; also taken when an aborted backward marked no
+        gradient ready): complete this rank's reduction if it did not finish, and agree with the other ranks. ``flags`` travel in the same all-reduce (their maximum over
         ranks is returned), so that another per-step decision (uneven inputs) costs no collective of its own.
 
         With a gloo gradient group the all-reduce runs only when some rank needs it: a rank with news writes a key

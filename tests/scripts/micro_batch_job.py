@@ -63,9 +63,10 @@ class MemoryLimited(TinyRegression):
     def training_step(self, batch, batch_idx):
         x, y = batch
         limit = self.limits.get(self.global_rank)
-        over = limit is not None and x.shape[0] > limit and self.global_step >= self.from_step
         if self.at_calls:
             over = limit is not None and self.calls in self.at_calls
+        else:
+            over = limit is not None and x.shape[0] > limit and self.global_step >= self.from_step
         self.calls += 1
         if over and self.phase == "forward":
             raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate 2.00 GiB ({x.shape[0]} rows)")
