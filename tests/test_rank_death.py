@@ -46,6 +46,10 @@ CASES = [
     # issue 57, item 6: rank 1 dies in the next epoch's first step, after the epoch's validation: the boundary saved
     # is the epoch's end (before: the resume ran the last batch's end again, counting it twice)
     {"to": 1, "at": "forward", "step": BATCHES},
+    # issue 57, a rewound step: rank 1 dies in the second micro-batch's forward of a window; rank 0 ran the window's
+    # forwards, which moved its BatchNorm statistics and its generators (noise on its inputs): the step redone must
+    # start from both as they stood at the window's start
+    {"to": 1, "at": "forward", "k": 2, "norm": True},
 ]
 #: Outside CI (``DDP_PLUS_EVERY_DEATH=1``): every moment on both ranks, and 10 random moments on each.
 EVERY_CASE = [

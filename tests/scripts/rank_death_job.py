@@ -26,6 +26,7 @@ from pathlib import Path
 import lightning as L
 import torch
 import torch.distributed as dist
+from torch import nn
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
@@ -173,6 +174,35 @@ class GroupByGroupSGD(torch.optim.SGD):
             self.param_groups = groups
 
 
+class NormRegression(IndexedRegression):
+    """Running statistics (a ``BatchNorm1d``) and random draws (noise on rank 0's inputs; rank 1, which dies, draws
+    none, so its generators, lost with it, do not matter): a step redone after a death is exact only when both are
+    saved as they stood at the step's boundary."""
+
+    def __init__(self, log: Path | None = None) -> None:
+        super().__init__(log)
+        self.net.append(nn.BatchNorm1d(1))
+
+    def training_step(self, batch, batch_idx):
+        x, y, index = batch
+        if self.global_rank == 0:
+            x = x + 0.1 * torch.randn_like(x)
+        return super().training_step((x, y, index), batch_idx)
+
+
+def model_for(case: dict, log: Path | None = None) -> IndexedRegression:
+    if case.get("gan"):
+        return TwoOptimizers(log)
+    if case.get("by_group"):
+        return GroupByGroupRegression(log)
+    return NormRegression(log) if case.get("norm") else IndexedRegression(log)
+
+
+def state(module: nn.Module) -> torch.Tensor:
+    """The parameters and the buffers (running statistics), flat."""
+    return torch.cat([value.detach().double().flatten() for value in module.state_dict().values()])
+
+
 class GroupByGroupRegression(IndexedRegression):
     def configure_optimizers(self):
         return GroupByGroupSGD([{"params": self.net[0].parameters()}, {"params": self.net[2].parameters()}], lr=0.05)
@@ -259,8 +289,7 @@ class TwoOptimizers(IndexedRegression):
 def kill(directory: Path, case: dict) -> None:
     # the popen launcher sets LOCAL_RANK in the child it starts; NODE_RANK is the node's (several nodes: "nodes")
     rank = int(os.environ.get("NODE_RANK", "0")) * case.get("world", 2) + int(os.environ.get("LOCAL_RANK", "0"))
-    kind = TwoOptimizers if case.get("gan") else GroupByGroupRegression if case.get("by_group") else IndexedRegression
-    model = kind(directory / f"run1-rank{rank}.jsonl")
+    model = model_for(case, directory / f"run1-rank{rank}.jsonl")
     fit_until_death(trainer_for(case, directory, [Kill(case, rank, directory)]), model, directory, rank)
 
 
@@ -280,18 +309,21 @@ def under_torchrun(directory: Path) -> None:
 def resume(out: str, cases: list) -> None:
     rank = int(os.environ["LOCAL_RANK"])  # set by start_ranks; the process group starts with the first fit
     references = {}
-    for k, ema in sorted({(case.get("k", 1), bool(case.get("ema"))) for case in cases}):
-        model = IndexedRegression()
-        trainer_for({"at": "none", "k": k, "ema": ema}, Path(cases[0]["dir"]) / f"whole-{k}-{ema}", []).fit(model)
-        references[k, ema] = flat(model)
+    kinds = sorted({(case.get("k", 1), bool(case.get("ema")), bool(case.get("norm"))) for case in cases})
+    for k, ema, norm in kinds:
+        model = model_for({"norm": norm})
+        directory = Path(cases[0]["dir"]) / f"whole-{k}-{ema}-{norm}"
+        trainer_for({"at": "none", "k": k, "ema": ema}, directory, []).fit(model)
+        references[k, ema, norm] = state(model)
     results = []
     for case in cases:
         directory = Path(case["dir"])
-        model = IndexedRegression(directory / f"run2-rank{rank}.jsonl")
+        model = model_for({"norm": case.get("norm")}, directory / f"run2-rank{rank}.jsonl")
         # the same Trainer as the killed run, as a user resumes (its validation interval included)
         trainer = trainer_for({**case, "at": "none", "killed_at": case["at"]}, directory, [])
         trainer.fit(model, ckpt_path="last")
-        distance = float((flat(model) - references[case.get("k", 1), bool(case.get("ema"))]).abs().max())
+        reference = references[case.get("k", 1), bool(case.get("ema")), bool(case.get("norm"))]
+        distance = float((state(model) - reference).abs().max())
         batch_ends = trainer.fit_loop.epoch_loop._batches_that_stepped  # the step loggers log at
         results.append(
             {"dir": case["dir"], "distance": distance, "global_step": trainer.global_step, "batch_ends": batch_ends}
