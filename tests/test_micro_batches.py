@@ -284,6 +284,29 @@ def test_a_model_with_batch_normalization_is_warned_that_its_statistics_are_per_
         refuse_micro_batches(8, manual=False, accumulation_steps=1, module=nn.Sequential(nn.BatchNorm1d(4)))
 
 
+def test_an_attempt_run_again_starts_from_the_running_statistics_before_it():
+    """BatchNorm's kernel updates its running statistics without moving their version counter: the batch retried
+    after an out-of-memory error must still start from the statistics as they were (before: only
+    ``num_batches_tracked`` was put back)."""
+    from torch import nn
+
+    from lightning_ddp_plus.sync.micro_batch_runner import BufferSnapshot
+
+    torch.manual_seed(0)
+    model, snapshot = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3)), BufferSnapshot()
+    first = snapshot.take(model)
+    model(torch.randn(8, 4))
+    snapshot.learn(model, first)
+    assert snapshot.changing == {"1.running_mean", "1.running_var", "1.num_batches_tracked"}
+    before = {name: buffer.clone() for name, buffer in model.named_buffers()}
+    saved = snapshot.take(model)
+    model(torch.randn(8, 4))  # the attempt that fails after its forward
+    BufferSnapshot.restore(model, saved)
+    assert {name: torch.equal(buffer, before[name]) for name, buffer in model.named_buffers()} == dict.fromkeys(
+        before, True
+    )
+
+
 @pytest.mark.multiprocess
 def test_the_size_reached_is_saved_and_a_resume_starts_from_it(micro_batch_results):
     _, folder = micro_batch_results

@@ -215,6 +215,32 @@ def test_survivors_agree_through_the_store_and_alone_without_it():
     assert not gone_store.through_store
 
 
+def test_each_survivor_hands_the_writer_its_generator_states_through_the_store():
+    """With several survivors, the writer's file holds each survivor's generator states at the step saved: each sets
+    them before its step, so the writer finds those of every survivor that answered (rank 0 is dead here)."""
+    import threading
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from lightning_ddp_plus.persistence.generators import generator_states, packed, unpacked
+    from tests.helpers import free_port
+
+    store = dist.TCPStore("127.0.0.1", free_port(), 1, True, timeout=timedelta(seconds=5))
+    states = generator_states()
+    second = SurvivorAgreement(store, 2, 3, "g", known_dead=lambda: {0}, answer_seconds=5)
+    answered = threading.Thread(target=second.agree, args=(6, packed({"step": 6, "states": states})))
+    answered.start()
+    writer = SurvivorAgreement(store, 1, 3, "g", known_dead=lambda: {0}, answer_seconds=5)
+    agreed = writer.agree(6, b"rank 1's")
+    answered.join()
+    shared = writer.shared_with_writer(agreed)
+    assert sorted(shared) == [1, 2]
+    assert shared[1] == b"rank 1's"
+    assert torch.equal(unpacked(shared[2])["states"]["torch"], states["torch"])
+
+
 class _CountingStore:
     """The real store, its ``check`` calls counted: what a survivor's wait costs the store's host."""
 

@@ -7,7 +7,7 @@ What is written, and where, is the front end's: it hands a ``write`` that saves 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
 from lightning_ddp_plus.crash.report import AfterDeathSave, RankDied
@@ -26,19 +26,22 @@ class SurvivorSave:
     """What this rank's collective or store call raised (``peer_gone_in``)."""
     path: str
     """The file to write."""
-    write: Callable[[], None]
-    """Writes this rank's state to ``path``, atomically; called on the writer only."""
+    write: Callable[[Mapping[int, bytes]], None]
+    """Writes this rank's state to ``path``, atomically; called on the writer only, with each survivor's ``shared``
+    by rank."""
     not_savable: str | None = None
     """Why nothing can be saved at all (the dead rank held state nobody else has), and what to resume from instead."""
     resume_hint: str | None = None
     """How the next run finds the file (``None``: the Trainer's ``ckpt_path="last"``)."""
+    shared: bytes = b""
+    """What this rank hands the writer through the store (its random generator states at ``step``)."""
 
 
 def save_from_survivor(save: SurvivorSave) -> RankDied:
     """The survivors agree on the most steps any of them holds; the lowest rank holding them writes them, the others
     wait for its word; every survivor returns the same ``RankDied`` (what was saved, or why nothing was)."""
     agreement = save.agreement
-    agreed = agreement.agree(save.step)
+    agreed = agreement.agree(save.step, save.shared)
     cause = save.cause
     if agreed.alone_because is not None:
         cause = f"{cause}; rank {agreement.rank} decided alone ({agreed.alone_because})"
@@ -55,7 +58,7 @@ def save_from_survivor(save: SurvivorSave) -> RankDied:
         return RankDied(replace(said, **report))
     started = time.monotonic()
     try:
-        save.write()
+        save.write(agreement.shared_with_writer(agreed))
     except Exception as write_error:  # noqa: BLE001 - whatever failed is announced: the others wait for the word
         # a full disk, or a collective in the save (a hook's gather) that cannot run without the dead rank; the
         # write is atomic, so the previous file is whole

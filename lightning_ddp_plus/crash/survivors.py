@@ -86,8 +86,11 @@ class SurvivorAgreement:
         self.store, self.rank, self.world_size, self.prefix = store, rank, world_size, prefix
         self.known_dead = known_dead
         self.answer_seconds, self.save_wait_seconds = answer_seconds, save_wait_seconds
+        self._shared = b""
 
-    def agree(self, step: int) -> SurvivorsAgreed:
+    def agree(self, step: int, shared: bytes = b"") -> SurvivorsAgreed:
+        """``shared``: what this rank hands the writer (``shared_with_writer``), set before its step is."""
+        self._shared = shared
         if self.store is None:
             return self._alone(step, "no store")
         try:
@@ -103,6 +106,8 @@ class SurvivorAgreement:
         )
 
     def _through_store(self, step: int) -> SurvivorsAgreed:
+        if self._shared:
+            self.store.set(self._key(f"shared/{self.rank}"), self._shared)
         self.store.set(self._key(f"step/{self.rank}"), str(step))
         keys = {rank: self._key(f"step/{rank}") for rank in range(self.world_size)}
         deadline = time.monotonic() + self.answer_seconds
@@ -157,6 +162,15 @@ class SurvivorAgreement:
         except (RuntimeError, AttributeError):  # no store: nothing said
             return errors
         return errors
+
+    def shared_with_writer(self, agreed: SurvivorsAgreed) -> dict[int, bytes]:
+        """On the writer: what each survivor that answered handed it in ``agree`` (set before its answer, so here
+        whenever it handed something)."""
+        if not agreed.through_store:
+            return {self.rank: self._shared} if self._shared else {}
+        keys = {rank: self._key(f"shared/{rank}") for rank in agreed.answered if rank != self.rank}
+        shared = {rank: self.store.get(key) for rank, key in keys.items() if self.store.check([key])}
+        return {**shared, self.rank: self._shared} if self._shared else shared
 
     def announce_saved(self, saved: Mapping[str, Any]) -> None:
         """The writer, once the file is in place: what the others report."""

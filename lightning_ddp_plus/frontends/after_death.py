@@ -4,7 +4,7 @@ unless its host (rank 0 under the popen launcher) is gone, the ranks the launche
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -33,8 +33,9 @@ def survivor_save_of(
     step: int,
     cause: str,
     path: str,
-    write: Callable[[], None],
+    write: Callable[[Mapping[int, bytes]], None],
     resume_from: str,
+    shared: bytes = b"",
     resume_hint: str | None = None,
     not_savable: str | None = None,
 ) -> SurvivorSave:
@@ -75,4 +76,5 @@ def survivor_save_of(
         write=write,
         not_savable=not_savable,
         resume_hint=resume_hint,
+        shared=shared,
     )

@@ -95,7 +95,7 @@ class FabricAfterDeath:
             step=step,
             cause=cause,
             path=self.path,
-            write=lambda: self._write(step),
+            write=lambda _shared: self._write(step),  # Fabric's saves hold no generator states
             resume_from="your last periodic `fabric.save`",
             resume_hint=f"resume with `fabric.load({self.path!r}, state)`: `state[{self.step_key!r}]` holds the step",
         )

@@ -5,7 +5,9 @@ than the uninterrupted run would have. The strategy gathers every rank's state w
 take part in a save) and, on resume, gives each rank its own back just before its first training batch, where the
 uninterrupted run stood. A rank that did not exist when the checkpoint was taken (a resume on more ranks) starts its
 generators from ``seed + rank``: ``seed`` is the one ``seed_everything`` set (``PL_GLOBAL_SEED``), else the
-sampler's seed of the checkpoint, else 0.
+sampler's seed of the checkpoint, else 0. A save after a rank's death holds the survivors' states as they stood at
+the step saved (passed to the writer through the job's store); the dead rank's went with it, and that rank starts
+from ``seed + rank`` too.
 
 What is kept: torch's CPU generator, the accelerator's generators (CUDA's, where it is available), Python's
 ``random`` and NumPy's global generator, as tensors and plain lists (so the checkpoint still loads with
@@ -15,6 +17,7 @@ What is kept: torch's CPU generator, the accelerator's generators (CUDA's, where
 from __future__ import annotations
 
 import os
+import pickle
 import random
 from dataclasses import dataclass
 from typing import Any
@@ -26,18 +29,52 @@ from lightning_utilities.core.apply_func import apply_to_collection
 GENERATORS_KEY = "ddp_plus_generator_states"
 
 
+@dataclass(frozen=True)
+class GeneratorSnapshot:
+    """This process's generators as they stand, taken as torch, ``random`` and NumPy hand them out (about 35 µs, most
+    of it NumPy's), so that a step boundary can keep one every step; ``states()`` converts them for a checkpoint."""
+
+    cpu: torch.Tensor
+    python: tuple[Any, ...]
+    cuda: list[torch.Tensor] | None
+    numpy: tuple[Any, ...] | None
+
+    @classmethod
+    def take(cls) -> GeneratorSnapshot:
+        try:
+            import numpy
+        except ImportError:  # numpy is optional for torch: nothing of it to keep
+            numpy_state = None
+        else:
+            numpy_state = tuple(numpy.random.get_state())
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+        return cls(torch.get_rng_state(), random.getstate(), cuda, numpy_state)
+
+    def states(self) -> dict[str, Any]:
+        """The states in types ``torch.load(weights_only=True)`` reads."""
+        version, state, gauss = self.python
+        states: dict[str, Any] = {"torch": self.cpu, "python": [version, list(state), gauss]}
+        if self.cuda is not None:
+            states["cuda"] = self.cuda
+        if self.numpy is not None:
+            name, keys, position, has_gauss, cached = self.numpy
+            states["numpy"] = [name, [int(k) for k in keys], int(position), int(has_gauss), float(cached)]
+        return states
+
+
 def generator_states() -> dict[str, Any]:
     """This process's generator states, in types ``torch.load(weights_only=True)`` reads."""
-    version, state, gauss = random.getstate()
-    states: dict[str, Any] = {"torch": torch.get_rng_state(), "python": [version, list(state), gauss]}
-    if torch.cuda.is_available():
-        states["cuda"] = torch.cuda.get_rng_state_all()
-    try:
-        import numpy
-    except ImportError:  # numpy is optional for torch: nothing of it to keep
-        return states
-    name, keys, position, has_gauss, cached = numpy.random.get_state()
-    states["numpy"] = [name, [int(k) for k in keys], int(position), int(has_gauss), float(cached)]
+    return GeneratorSnapshot.take().states()
+
+
+def packed(states: dict[str, Any]) -> bytes:
+    """``generator_states()`` as bytes, to pass through the job's store (a survivor's to the writer after a death)."""
+    return pickle.dumps(apply_to_collection(states, torch.Tensor, _tensor_bytes))
+
+
+def unpacked(data: bytes) -> dict[str, Any]:
+    """What ``packed`` took, from a rank of this job through its store (unpickled: only the job's ranks write it)."""
+    states: dict[str, Any] = apply_to_collection(pickle.loads(data), bytes, _byte_tensor)
     return states
 
 
@@ -49,8 +86,8 @@ def every_ranks_generator_states() -> list[dict[str, Any]]:
     # pickling a tensor goes through torch.save, which a non-zero rank must not call during a fit (Lightning's own
     # checkpoint tests count it): the generators' byte tensors travel as bytes
     gathered: list[Any] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(gathered, apply_to_collection(states, torch.Tensor, _tensor_bytes))
-    return [apply_to_collection(rank_states, bytes, _byte_tensor) for rank_states in gathered]
+    torch.distributed.all_gather_object(gathered, packed(states))
+    return [unpacked(rank_states) for rank_states in gathered]
 
 
 def _tensor_bytes(tensor: torch.Tensor) -> bytes:
@@ -96,11 +133,15 @@ class GeneratorsGivenBack:
     seed: int | None = None
 
 
-def give_generators_back(saved: list[dict[str, Any]], rank: int, sampler_seed: int | None) -> GeneratorsGivenBack:
-    """Rank ``rank``'s states from ``saved`` (every rank's, by rank), or, for a rank the checkpoint did not have,
-    generators seeded with ``seed + rank`` (see the module's docstring for ``seed``)."""
-    if rank < len(saved):
-        set_generator_states(saved[rank])
+def give_generators_back(
+    saved: list[dict[str, Any] | None], rank: int, sampler_seed: int | None
+) -> GeneratorsGivenBack:
+    """Rank ``rank``'s states from ``saved`` (every rank's, by rank), or, for a rank the checkpoint did not have (a new
+    rank, or ``None``: a rank that died before a survivor's save), generators seeded with ``seed + rank`` (see the
+    module's docstring for ``seed``)."""
+    saved_states = saved[rank] if rank < len(saved) else None
+    if saved_states is not None:
+        set_generator_states(saved_states)
         return GeneratorsGivenBack(rank, "restored")
     seed = base_seed(sampler_seed) + rank
     seed_generators(seed)

@@ -392,7 +392,7 @@ class ResumeCoordinator:
         #: The layout of the checkpoint this fit loaded (``None``: none loaded, or one without a layout).
         self.saved_layout: DataLayout | None = None
         #: Every rank's generator states in the checkpoint this fit loaded, until they are given back.
-        self._saved_generators: list[dict[str, Any]] | None = None
+        self._saved_generators: list[dict[str, Any] | None] | None = None
         self._sampler_seed: int | None = None
         self._request: ResumeRequest = "never"
         #: The file chosen on every rank (``None`` before a choice, or when nothing was chosen).
@@ -465,12 +465,20 @@ class ResumeCoordinator:
         if saved is None:
             return
         give_generators_back(saved, rank, self._sampler_seed)
+        seed = base_seed(self._sampler_seed)
         if world_size > len(saved):  # said once, by rank 0, for every new rank
             new = range(len(saved), world_size)
             names = f"rank {new[0]}" if len(new) == 1 else f"ranks {new[0]}-{new[-1]}"
             self._info(
                 f"DDPPlusStrategy: {names} did not exist when the checkpoint was taken (on {len(saved)} ranks): "
-                f"random generators of a new rank start from seed {base_seed(self._sampler_seed)} plus its rank."
+                f"random generators of a new rank start from seed {seed} plus its rank."
+            )
+        lost = [str(held) for held in range(min(world_size, len(saved))) if saved[held] is None]
+        if lost:
+            self._info(
+                f"DDPPlusStrategy: the checkpoint was saved by a survivor of a rank's death and holds no random "
+                f"generator states of rank(s) {', '.join(lost)} (the dead went with it): they start from seed {seed} "
+                "plus their rank."
             )
 
     def saving(

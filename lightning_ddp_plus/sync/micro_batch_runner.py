@@ -96,8 +96,9 @@ class OutOfMemoryRecovery(Protocol):
 
 class BufferSnapshot:
     """The buffers a training batch changes (running statistics), saved before an attempt so that the next attempt
-    starts from them. The first batch of a fit saves every buffer and learns, by torch's version counters, which
-    ones a batch changes; later batches save only those."""
+    starts from them. The first batch of a fit saves every buffer and learns which ones a batch changes (replaced,
+    changed in place by torch's version counter, or holding other values: BatchNorm's kernel updates its running
+    statistics without moving their version counter); later batches save only those."""
 
     def __init__(self) -> None:
         self.changing: set[str] | None = None
@@ -116,7 +117,9 @@ class BufferSnapshot:
             self.changing = {
                 item.name
                 for item in saved
-                if now.get(item.name) is not item.buffer or tensor_version(item.buffer) != item.version
+                if now.get(item.name) is not item.buffer
+                or tensor_version(item.buffer) != item.version
+                or not torch.equal(item.buffer, item.copy)
             }
 
     @staticmethod
