@@ -361,3 +361,19 @@ def test_the_front_ends_call_engine_actions_and_reach_no_component():
     assert chains == set()
     probe = "self.engine.window.steps\nengine.uneven.padding = False\nengine.arguments.backend\nself.engine.step_done()"
     assert engine_chains(probe) == {"engine.window.steps", "engine.uneven.padding"}  # the rule sees them
+
+
+def test_no_method_is_written_twice_in_the_two_front_ends():
+    """What reads the same in both front ends is written once (``framework_io.py``, ``registry.py``)."""
+
+    def methods(name: str) -> dict[str, str]:
+        tree = ast.parse((PACKAGE / "frontends" / name).read_text())
+        front_end = next(node for node in tree.body if isinstance(node, ast.ClassDef))
+        return {
+            node.name: ast.dump(ast.Module(body=node.body, type_ignores=[]))
+            for node in front_end.body
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        }
+
+    trainer, fabric = methods("strategy.py"), methods("fabric.py")
+    assert sorted(name for name in trainer.keys() & fabric.keys() if trainer[name] == fabric[name]) == []

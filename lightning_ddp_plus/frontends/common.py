@@ -4,23 +4,20 @@ built from the declared arguments, read-only views of it, the backend's checks, 
 ``DDPPlusFrontEnd`` defines no method that Lightning's strategies define, and calls no ``super()``: each front end
 subclasses its framework's ``DDPStrategy`` and overrides Lightning's hooks itself, thinly, calling the engine's
 actions (``engine.backward``, ``engine.run_micro_batches``, ``engine.step_done``, ...). What both do around
-Lightning's collectives and checkpoint IO is one helper, ``FrontEndIO``, which each override calls with the
-framework's own method.
+Lightning's collectives and checkpoint IO is written once in ``framework_io.py``.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, ClassVar, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
 
 import torch
-from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
-from torch import Tensor
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 
@@ -33,7 +30,7 @@ from lightning_ddp_plus.diagnostics.telemetry import SyncTelemetry
 from lightning_ddp_plus.engine.arguments import DDPPlusArguments, FrontEnd
 from lightning_ddp_plus.engine.engine import DDPPlusEngine
 from lightning_ddp_plus.engine.setup_line import describe_run
-from lightning_ddp_plus.persistence.io import AtomicSaves
+from lightning_ddp_plus.frontends.framework_io import FrontEndIO
 from lightning_ddp_plus.preemption.report import Preempted, PreemptionReport
 from lightning_ddp_plus.preemption.stop import StopDecision
 from lightning_ddp_plus.private_apis.torch_ddp import logging_data
@@ -45,56 +42,6 @@ from lightning_ddp_plus.sync.accumulation import SyncStats
 from lightning_ddp_plus.sync.buckets import BucketChoice
 from lightning_ddp_plus.sync.comm_hooks import CommHook, HookCallCounter, HookFunction
 from lightning_ddp_plus.sync.wrapper import wrapping_stream
-
-
-def tensor_bytes(tensor: Any) -> int:
-    """What a collective on ``tensor`` moves, for the ledger (0 for what is not a tensor)."""
-    return int(tensor.numel() * tensor.element_size()) if isinstance(tensor, Tensor) else 0
-
-
-T = TypeVar("T")
-
-
-class FrontEndIO:
-    """What both front ends do around their framework's collectives and checkpoint IO, written once: each override
-    passes the framework's own method (``super().barrier``, ...), which runs inside the ledger's record, and a save
-    runs in the ledger's ``checkpoint save`` phase through an atomic view of the checkpoint IO.
-
-    Args:
-        engine: the front end's engine (its ledger).
-        atomic_checkpoints: ``atomic_checkpoints``: saves through the IO you passed are made atomic.
-    """
-
-    def __init__(self, engine: DDPPlusEngine, atomic_checkpoints: bool) -> None:
-        self.engine = engine
-        self.atomic_saves = AtomicSaves(atomic_checkpoints)
-
-    def collective(self, op: str, size_bytes: int, call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """``call(*args, **kwargs)``, a collective of ``size_bytes``, recorded in the ledger as ``op``."""
-        with self.engine.collective(op, size_bytes):
-            return call(*args, **kwargs)
-
-    def save(self, io: CheckpointIO, call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """``call`` (the framework's ``save_checkpoint``) in the save's phase, writing through an atomic view of
-        ``io``."""
-        with self.engine.in_phase("checkpoint save"), self.atomic_saves.saving(io):
-            return call(*args, **kwargs)
-
-    def write_now(self, io: CheckpointIO, checkpoint: dict[str, Any], path: str) -> None:
-        """A survivor's save: ``checkpoint`` written to ``path`` through an atomic view of ``io``, by this rank
-        alone, and its bytes there when this returns (an ``AsyncCheckpointIO``'s pending writes finished, its error
-        raised: the survivors say "saved" after this, and the launcher may end the process then)."""
-        self.save(io, lambda: (self.saving_view or io).save_checkpoint(checkpoint, path))
-        io.teardown()
-
-    def checkpoint_io(self, passed: CheckpointIO | None) -> CheckpointIO | None:
-        """The IO the framework keeps: the one you passed, as passed, or an atomic default."""
-        return self.atomic_saves.default_io(passed)
-
-    @property
-    def saving_view(self) -> CheckpointIO | None:
-        """During a save: the atomic view the framework writes through."""
-        return self.atomic_saves.saving_view
 
 
 class DDPPlusFrontEnd:

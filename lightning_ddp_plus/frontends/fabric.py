@@ -20,7 +20,6 @@ import torch
 from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.strategies import DDPStrategy
-from lightning.fabric.strategies.strategy import TBroadcast
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.nn import Module
@@ -30,7 +29,7 @@ from typing_extensions import Unpack, override
 
 from lightning_ddp_plus.engine.arguments import takes_declared_arguments
 from lightning_ddp_plus.engine.keywords import DDPPlusFabricStrategyKeywords
-from lightning_ddp_plus.frontends.common import DDPPlusFrontEnd, tensor_bytes
+from lightning_ddp_plus.frontends.common import DDPPlusFrontEnd
 from lightning_ddp_plus.frontends.fabric_after_death import FabricAfterDeath
 from lightning_ddp_plus.frontends.fabric_loop import (
     FabricWindow,
@@ -38,6 +37,7 @@ from lightning_ddp_plus.frontends.fabric_loop import (
     end_an_ignored_stop,
     train_in_chunks,
 )
+from lightning_ddp_plus.frontends.framework_io import atomic_checkpoint_io, recorded_collective
 from lightning_ddp_plus.frontends.registry import register_names
 from lightning_ddp_plus.private_apis.lightning import fabric_backward
 from lightning_ddp_plus.processes.launcher import ParentWatchedFabricLauncher, nodes_of_this_attempt, watch_parent
@@ -61,6 +61,15 @@ class DDPPlusFabricStrategy(DDPPlusFrontEnd, DDPStrategy):
 
     front_end = "DDPPlusFabricStrategy"
     registry_label = "DDP Plus strategy (Fabric)"
+
+    # overrides that read the same in both front ends, each from its framework's own method (framework_io.py)
+    checkpoint_io = atomic_checkpoint_io(DDPStrategy)
+    barrier = recorded_collective(DDPStrategy.barrier)
+    broadcast = recorded_collective(DDPStrategy.broadcast)
+    all_gather = recorded_collective(DDPStrategy.all_gather)
+    all_reduce = recorded_collective(DDPStrategy.all_reduce)  # `fabric.all_reduce`
+    _get_process_group_backend = DDPPlusFrontEnd._backend_for_device
+    register_strategies = classmethod(register_names)
 
     @takes_declared_arguments("DDPPlusFabricStrategy")
     def __init__(
@@ -123,52 +132,15 @@ class DDPPlusFabricStrategy(DDPPlusFrontEnd, DDPStrategy):
         self._environment_ready()
 
     @override
-    def _get_process_group_backend(self) -> str:
-        return self._backend_for_device()
-
-    @override
     def teardown(self) -> None:
         self.engine.end_notices()
         self.engine.teardown()
         self.engine.release_environment()
         super().teardown()
 
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        register_names(strategy_registry, cls, cls.registry_label)
-
-    @property
-    @override
-    def checkpoint_io(self) -> CheckpointIO:
-        """The checkpoint IO you passed, as passed, or an atomic default (``atomic_checkpoints``)."""
-        self._checkpoint_io = self.io.checkpoint_io(self._checkpoint_io)
-        return self.io.saving_view or super().checkpoint_io
-
-    @checkpoint_io.setter
-    def checkpoint_io(self, io: CheckpointIO) -> None:
-        self._checkpoint_io = io
-
     @override
     def save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
         self.io.save(self.checkpoint_io, super().save_checkpoint, *args, **kwargs)
-
-    @override
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        self.io.collective("barrier", 0, super().barrier, *args, **kwargs)
-
-    @override
-    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        received: TBroadcast = self.io.collective(f"broadcast from rank {src}", 0, super().broadcast, obj, src)
-        return received
-
-    @override
-    def all_gather(self, tensor: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-        return self.io.collective("all_gather", tensor_bytes(tensor), super().all_gather, tensor, *args, **kwargs)
-
-    @override
-    def all_reduce(self, tensor: Tensor, *args: Any, **kwargs: Any) -> Tensor:  # `fabric.all_reduce`
-        return self.io.collective("all_reduce", tensor_bytes(tensor), super().all_reduce, tensor, *args, **kwargs)
 
     @override
     def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:

@@ -6,7 +6,7 @@ which imports only this subpackage.
 
 from __future__ import annotations
 
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 #: Registered names and their launchers, mirroring Lightning's ``ddp``, ``ddp_spawn``, ``ddp_fork``, ``ddp_notebook``.
 REGISTERED_NAMES: tuple[tuple[str, Literal["popen", "spawn", "fork"]], ...] = (
@@ -17,26 +17,20 @@ REGISTERED_NAMES: tuple[tuple[str, Literal["popen", "spawn", "fork"]], ...] = (
 )
 
 
-def register_names(registry: Any, strategy_class: type, label: str) -> None:
-    """Register every name for ``strategy_class`` in ``registry`` (again: a newer class replaces an older one)."""
+def register_names(strategy_class: Any, strategy_registry: Any) -> None:
+    """Register every name for ``strategy_class`` in ``strategy_registry`` (again: a newer class replaces an older one), with
+    the class's ``registry_label``; both front ends' ``register_strategies``."""
     for name, start_method in REGISTERED_NAMES:
-        registry.register(
+        strategy_registry.register(
             name,
             strategy_class,
-            description=f"{label} with `start_method` '{start_method}'",
+            description=f"{strategy_class.registry_label} with `start_method` '{start_method}'",
             override=True,
             start_method=start_method,
         )
 
 
-class Registered(Protocol):
-    """A strategy class that registers its names (both front ends)."""
-
-    @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None: ...
-
-
-def register_front_ends(trainer_strategy: type[Registered], fabric_strategy: type[Registered]) -> None:
+def register_front_ends(trainer_strategy: Any, fabric_strategy: Any) -> None:
     """``Trainer(strategy="ddp_plus")`` builds ``trainer_strategy``, ``Fabric(strategy="ddp_plus")`` builds
     ``fabric_strategy``."""
     from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY

@@ -18,7 +18,6 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.nn import Module
@@ -29,7 +28,8 @@ from typing_extensions import Unpack, override
 from lightning_ddp_plus.config.training_arguments import port_training_arguments
 from lightning_ddp_plus.engine.arguments import takes_declared_arguments
 from lightning_ddp_plus.engine.keywords import DDPPlusStrategyKeywords
-from lightning_ddp_plus.frontends.common import DDPPlusFrontEnd, tensor_bytes
+from lightning_ddp_plus.frontends.common import DDPPlusFrontEnd
+from lightning_ddp_plus.frontends.framework_io import atomic_checkpoint_io, recorded_collective
 from lightning_ddp_plus.frontends.registry import register_names
 from lightning_ddp_plus.frontends.trainer_after_death import save_after_rank_death
 from lightning_ddp_plus.frontends.trainer_chunks import TrainerChunks
@@ -75,6 +75,15 @@ class DDPPlusStrategy(DDPPlusFrontEnd, DDPStrategy):
     strategy_name = "ddp_plus"
     front_end = "DDPPlusStrategy"
     registry_label = "DDP Plus strategy"
+
+    # overrides that read the same in both front ends, each from its framework's own method (framework_io.py)
+    checkpoint_io = atomic_checkpoint_io(DDPStrategy)
+    barrier = recorded_collective(DDPStrategy.barrier)
+    broadcast = recorded_collective(DDPStrategy.broadcast)
+    all_gather = recorded_collective(DDPStrategy.all_gather)
+    reduce = recorded_collective(DDPStrategy.reduce, "all_reduce")  # what self.log(..., sync_dist=True) calls
+    _get_process_group_backend = DDPPlusFrontEnd._backend_for_device
+    register_strategies = classmethod(register_names)
 
     @takes_declared_arguments("DDPPlusStrategy")
     def __init__(
@@ -170,32 +179,12 @@ class DDPPlusStrategy(DDPPlusFrontEnd, DDPStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], *args: Any, **kwargs: Any) -> None:
         self.io.save(self.checkpoint_io, super().save_checkpoint, self.with_run_state(checkpoint), *args, **kwargs)
 
-    @property
-    @override
-    def checkpoint_io(self) -> CheckpointIO:
-        """The checkpoint IO you passed, as passed, or an atomic default (``atomic_checkpoints``)."""
-        self._checkpoint_io = self.io.checkpoint_io(self._checkpoint_io)
-        return self.io.saving_view or super().checkpoint_io
-
-    @checkpoint_io.setter
-    def checkpoint_io(self, io: CheckpointIO) -> None:
-        self._checkpoint_io = io
-
     @override
     def setup_environment(self) -> None:
         watch_parent()
         watch_for_notices(self.engine, trainer_of(self.lightning_module))
         super().setup_environment()
         self._environment_ready()
-
-    @override
-    def _get_process_group_backend(self) -> str:
-        return self._backend_for_device()
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        register_names(strategy_registry, cls, cls.registry_label)
 
     @override
     def setup_distributed(self) -> None:
@@ -259,23 +248,6 @@ class DDPPlusStrategy(DDPPlusFrontEnd, DDPStrategy):
         self.engine.teardown()
         self.engine.release_environment()
         super().teardown()
-
-    @override
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        self.io.collective("barrier", 0, super().barrier, *args, **kwargs)
-
-    @override
-    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        received: TBroadcast = self.io.collective(f"broadcast from rank {src}", 0, super().broadcast, obj, src)
-        return received
-
-    @override
-    def all_gather(self, tensor: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-        return self.io.collective("all_gather", tensor_bytes(tensor), super().all_gather, tensor, *args, **kwargs)
-
-    @override
-    def reduce(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:  # what self.log(..., sync_dist=True) calls
-        return self.io.collective("all_reduce", tensor_bytes(tensor), super().reduce, tensor, *args, **kwargs)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
