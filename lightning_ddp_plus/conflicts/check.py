@@ -72,7 +72,10 @@ def unpack_facts(flags: list[int], parameters: list[str], buffers: list[str], lo
 
 
 def agree_across_ranks(facts: ModelFacts, module: Module, device: torch.device) -> ModelFacts:
-    """Every rank must take the same decision (raise, or train with the same settings), so facts are OR-ed."""
+    """Every rank must take the same decision (raise, or train with the same settings), so facts are OR-ed.
+
+    An agreement of its own, not the step's: it runs once per fit, at the first training forward, and its decision
+    changes how that step's backward runs, so it cannot wait for the step's agreement after the synced backward."""
     if not dist.is_available() or not dist.is_initialized():
         return facts
     parameters = [name for name, _ in module.named_parameters()]

@@ -181,7 +181,7 @@ class RunComponents:
         return self.stragglers.last_times if self.stragglers is not None else []
 
     @property
-    def preemption_decision(self) -> StopDecision | None:
+    def preemption_agreed(self) -> StopDecision | None:
         """Set once every rank agreed to stop for a termination notice."""
         return self.preemption.decision
 

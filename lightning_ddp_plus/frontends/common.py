@@ -10,7 +10,6 @@ Lightning's collectives and checkpoint IO is written once in ``framework_io.py``
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
@@ -31,7 +30,7 @@ from lightning_ddp_plus.engine.arguments import DDPPlusArguments, FrontEnd
 from lightning_ddp_plus.engine.engine import DDPPlusEngine
 from lightning_ddp_plus.engine.setup_line import describe_run
 from lightning_ddp_plus.frontends.framework_io import FrontEndIO
-from lightning_ddp_plus.preemption.report import Preempted, PreemptionReport
+from lightning_ddp_plus.preemption.report import PreemptionReport, raise_preempted
 from lightning_ddp_plus.preemption.stop import StopDecision
 from lightning_ddp_plus.private_apis.torch_ddp import logging_data
 from lightning_ddp_plus.private_apis.torch_distributed import CAN_SET_GROUP_TIMEOUT, GROUP_TIMEOUT_BACKENDS
@@ -216,19 +215,18 @@ class DDPPlusFrontEnd:
         stop after is applied (the agreement at a synced backward waits for the next optimizer step). The Trainer
         saves and ends by itself; a Fabric loop checks it after its optimizer step, saves, and calls
         ``end_preempted`` (the preemption guide shows the loop)."""
-        return self.engine.preemption_decision
+        return self.engine.preemption_agreed
 
     def end_preempted(self, saved: str | None = None, save_seconds: float = 0.0) -> NoReturn:
         """On every rank, after the agreed step was saved at ``saved``: rank 0 prints the one line, and
         ``Preempted`` (exit code 128 + the signal's number) ends the loop."""
-        decision = self.engine.preemption_decision
+        decision = self.engine.preemption_agreed
         if decision is None:
             raise RuntimeError("end_preempted: no preemption was agreed; check `strategy.preemption_agreed` first.")
-        report = PreemptionReport(decision, saved, save_seconds, "load it and continue from its step")
         self.engine.stop_spent()
-        if self.global_rank == 0:
-            print(report.line(), file=sys.stderr, flush=True)
-        raise Preempted(report)
+        raise_preempted(
+            PreemptionReport(decision, saved, save_seconds, "load it and continue from its step"), self.global_rank == 0
+        )
 
     # ------------------------------------------------------------------ the wrapper and the backward
 

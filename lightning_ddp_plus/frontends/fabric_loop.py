@@ -4,7 +4,6 @@ first backward with a static graph synced (rule R3)."""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Iterable, Iterator, Sized
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, TypeVar
@@ -16,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_ddp_plus.engine.engine import DDPPlusEngine
-from lightning_ddp_plus.preemption.report import Preempted, PreemptionReport
+from lightning_ddp_plus.preemption.report import PreemptionReport, raise_preempted
 from lightning_ddp_plus.private_apis.lightning import DDPBackwardSyncControl
 from lightning_ddp_plus.sync.accumulation import WindowPosition
 from lightning_ddp_plus.sync.uneven import RankBatches, items_marked_last
@@ -149,14 +148,11 @@ def end_an_ignored_stop(engine: DDPPlusEngine, rank: int) -> None:
     ``end_preempted``, ends the loop here with ``Preempted`` (143 for SIGTERM), nothing saved. Every rank holds the
     same decision and steps, so every rank ends at the same backward. A loop that never reads
     ``preemption_agreed`` is thus still stopped by a notice, one step later, as it was before the strategy held it."""
-    decision = engine.preemption_decision
+    decision = engine.preemption_agreed
     if decision is None or (decision.stop_after is not None and engine.optimizer_steps < decision.stop_after):
         return
     hint = (
         "this loop does not check `fabric.strategy.preemption_agreed` after its optimizer step; save there and "
         "call `fabric.strategy.end_preempted(path)` to lose nothing (the preemption guide)"
     )
-    report = PreemptionReport(decision, None, 0.0, hint)
-    if rank == 0:
-        print(report.line(), file=sys.stderr, flush=True)
-    raise Preempted(report)
+    raise_preempted(PreemptionReport(decision, None, 0.0, hint), rank == 0)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import functools
 import os
-import sys
 import time
 from collections.abc import Callable
 
@@ -32,7 +31,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_ddp_plus.engine.engine import DDPPlusEngine
 from lightning_ddp_plus.persistence.resume import NO_CHECKPOINT_CALLBACK_PATH
-from lightning_ddp_plus.preemption.report import Preempted, PreemptionReport
+from lightning_ddp_plus.preemption.report import PreemptionReport, raise_preempted
 from lightning_ddp_plus.preemption.slurm import requeue
 from lightning_ddp_plus.preemption.stop import StopDecision
 from lightning_ddp_plus.private_apis.lightning import (
@@ -103,11 +102,8 @@ def end_preempted(trainer: pl.Trainer, decision: StopDecision) -> None:
         trainer.strategy.checkpoint_io.teardown()
         hint = "the requeued job resumes by itself" if requeues else 'resume with ckpt_path="last"'
         report = PreemptionReport(decision, path, time.monotonic() - started, hint)
-    if trainer.is_global_zero:
-        print(report.line(), file=sys.stderr, flush=True)
-        if requeues and decision.stop_after is not None:
-            print(requeue(os.environ), file=sys.stderr, flush=True)
-    raise Preempted(report)
+    also = (requeue(os.environ),) if trainer.is_global_zero and requeues and decision.stop_after is not None else ()
+    raise_preempted(report, trainer.is_global_zero, *also)
 
 
 class PreemptionSave(Callback):
@@ -124,7 +120,7 @@ class PreemptionSave(Callback):
         self._undo = before_each_batch(trainer, functools.partial(self._at_step_boundary, trainer))
 
     def _at_step_boundary(self, trainer: pl.Trainer) -> None:
-        decision = self.engine.preemption_decision  # agreed at an earlier synced backward; its step is applied
+        decision = self.engine.preemption_agreed  # agreed at an earlier synced backward; its step is applied
         if decision is not None and decision.stop_after is not None:
             self.teardown(trainer, trainer.lightning_module, "fit")
             end_preempted(trainer, decision)

@@ -3,7 +3,9 @@ exit code is the shell's for the signal (128 + its number), and the one line ran
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
+from typing import NoReturn
 
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
@@ -45,3 +47,12 @@ class Preempted(SIGTERMException):
 
     def __str__(self) -> str:
         return self.report.line()
+
+
+def raise_preempted(report: PreemptionReport, rank_zero: bool, *also: str) -> NoReturn:
+    """How every front end ends a preempted loop, on every rank: rank 0 prints the one line (then ``also``, such as
+    SLURM's requeue), and ``Preempted`` ends the loop."""
+    if rank_zero:
+        for line in (report.line(), *also):
+            print(line, file=sys.stderr, flush=True)
+    raise Preempted(report)

@@ -55,6 +55,9 @@ def agree_on_attempt(store: dist.Store, rank: int, timeout: timedelta) -> int:
     worker have died before taking its count, its successor takes the older one, the group fails to form within the
     timeout, and the next attempt agrees again.
 
+    An agreement of its own, not the step's: it runs before the process group exists (the group's store depends on
+    the attempt), over the one store that outlives the attempts.
+
     >>> store = dist.HashStore()
     >>> [agree_on_attempt(store, rank, timedelta(seconds=5)) for rank in (0, 1)]
     [0, 0]
