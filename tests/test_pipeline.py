@@ -89,7 +89,11 @@ def test_each_feature_declares_its_own_flags_as_its_arguments_turn_it_on(argumen
 def test_the_development_guide_lists_the_pipeline_in_the_engines_order():
     """``docs/development.md`` shows the component list as the engine holds it (a reordering fails here)."""
     engine = DDPPlusStrategy(
-        find_stragglers_every_n_steps=10, telemetry=True, bucket_cap_mb="auto", stall_report_after=60
+        find_stragglers_every_n_steps=10,
+        telemetry=True,
+        bucket_cap_mb="auto",
+        stall_report_after=60,
+        verify_replicas_every_n_steps=10,
     ).engine
     guide = (ROOT / "docs" / "development.md").read_text()
     listed = re.findall(r"^\d+\. `(\w+)` \(`engine\.(\w+)`\)", guide, flags=re.MULTILINE)
@@ -158,3 +162,37 @@ def test_a_step_walks_the_parameters_only_for_a_feature_that_needs_it(tmp_path, 
         assert steps_walked == set(range(1, 8)), walks
     else:
         assert walks == []
+
+
+def test_a_component_is_called_only_at_the_points_it_acts_at():
+    calls = []
+
+    class NoFlags(StepComponent):  # says nothing in the agreement: its agreement_values is never asked
+        def agreement_values(self):
+            calls.append("agreement_values")
+            return {}
+
+        def step_done(self, step):
+            calls.append(f"step_done {step}")
+
+    pipeline = StepPipeline([NoFlags()])
+    pipeline.agreement_values()
+    pipeline.agreement_needed()
+    pipeline.step_done(1)
+    assert calls == ["step_done 1"]
+
+
+def test_a_feature_that_is_off_is_left_out_of_the_pipeline():
+    off = [type(c).__name__ for c in DDPPlusStrategy(verify_replicas_every_n_steps=None).engine.pipeline]
+    on = [type(c).__name__ for c in DDPPlusStrategy(verify_replicas_every_n_steps=5).engine.pipeline]
+    assert "ReplicaGuard" not in off
+    assert "ReplicaGuard" in on
+
+
+def test_a_trainer_step_enters_no_file_of_a_feature_that_is_off(tmp_path):
+    """One step of a 1-rank fit with the defaults, traced (``benchmarks/step_path.py``)."""
+    from benchmarks.step_path import trace_one_step
+
+    files = trace_one_step(str(tmp_path)).files
+    assert "frontends/strategy.py" in files  # the trace saw the step
+    assert "diagnostics/replicas.py" not in files  # verify_replicas_every_n_steps is off by default

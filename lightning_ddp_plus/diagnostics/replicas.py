@@ -144,6 +144,11 @@ class ReplicaGuard(StepComponent):
         self._due_step: int | None = None
         self._handle: Any = None
 
+    @property
+    def on(self) -> ReplicaGuard | None:
+        """This guard, or ``None`` when ``verify_replicas_every_n_steps`` is off (the pipeline leaves it out)."""
+        return self if self.every_n_steps is not None else None
+
     def attach(self, ddp: Module, module: Module, with_buffers: bool) -> None:
         self.detach()
         self.check_seconds = []

@@ -76,7 +76,7 @@ class DDPPlusEngine(RunComponents):
                 self.micro_batch_runner,  # a batch's chunks: the buffers it changes, learnt per fit
                 self.preemption,  # a termination notice: the stop flag and the decision
                 self.stragglers,  # phase medians compared every N steps
-                self.replica_guard,  # replicas compared every N steps, and at the end of training
+                self.replica_guard.on,  # replicas compared every N steps, and at the end of training
                 self.telemetry,  # per-step sync figures
                 self.buckets,  # bucket_cap_mb="auto": sizes timed, the fastest kept
             ]

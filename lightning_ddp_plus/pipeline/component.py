@@ -17,8 +17,10 @@ A component overrides the points it acts at; the others do nothing. Over a fit t
 5. ``epoch_ends(EpochEnd)``, and at the end of training the same with ``training_ends``;
 6. ``fit_ends(failed)``, in the reverse order, what was attached first is detached last.
 
-Every component is called at every point on every rank, in the same order, so a component may issue a collective
-at a point where its decision is the same on every rank (the replica guard's check, the straggler comparison).
+Every component that acts at a point is called there on every rank, in the same order, so a component may issue a
+collective at a point where its decision is the same on every rank (the replica guard's check, the straggler
+comparison). A component is not called at a point it does not override, nor at the agreement's points when it
+declares no flag: a step costs only what acts in it.
 """
 
 from __future__ import annotations
@@ -183,7 +185,16 @@ class StepPipeline:
         wrong = [type(c).__name__ for c in self.components if not isinstance(c, StepComponent)]
         if wrong:
             raise TypeError(f"pipeline components must subclass StepComponent: {wrong}")
+        self._lay_out()
+
+    def _lay_out(self) -> None:
+        """Which components act at each point, and the agreement's flags."""
         self.flags = AgreementFlags(name for c in self.components for name in c.agreement_flags)
+        self._at = {
+            point: [c for c in self.components if _acts_at(c, point)]
+            for point in vars(StepComponent)
+            if callable(getattr(StepComponent, point)) and not point.startswith("_")
+        }
 
     def __iter__(self) -> Iterator[StepComponent]:
         return iter(self.components)
@@ -192,44 +203,44 @@ class StepPipeline:
         """A further component, last or just before ``before`` (its flags join the agreement)."""
         index = self.components.index(before) if before is not None else len(self.components)
         self.components.insert(index, component)
-        self.flags = AgreementFlags(name for c in self.components for name in c.agreement_flags)
+        self._lay_out()
 
     def fit_starts(self, fit: FitStart) -> None:
         self.uncounted_step = None
-        for component in self.components:
+        for component in self._at["fit_starts"]:
             component.fit_starts(fit)
 
     def forward_starts(self, forward: ForwardStart) -> None:
-        for component in self.components:
+        for component in self._at["forward_starts"]:
             component.forward_starts(forward)
 
     def before_backward(self, backward: BackwardStart) -> None:
-        for component in self.components:
+        for component in self._at["before_backward"]:
             component.before_backward(backward)
 
     def after_backward(self, backward: BackwardEnd) -> None:
-        for component in self.components:
+        for component in self._at["after_backward"]:
             component.after_backward(backward)
 
     def agreement_requested(self) -> bool:
-        return any(component.agreement_requested() for component in self.components)
+        return any(component.agreement_requested() for component in self._at["agreement_requested"])
 
     def agreement_needed(self) -> bool:
-        return any(component.agreement_needed() for component in self.components)
+        return any(component.agreement_needed() for component in self._at["agreement_needed"])
 
     def agreement_values(self) -> dict[str, int]:
         values: dict[str, int] = {}
-        for component in self.components:
+        for component in self._at["agreement_values"]:
             values.update(component.agreement_values())
         return values
 
     def agreed(self, agreed: AgreedStep) -> None:
-        for component in self.components:
+        for component in self._at["agreed"]:
             component.agreed(agreed)
 
     def step_done(self, step: int) -> None:
         self.uncounted_step = step
-        for component in self.components:
+        for component in self._at["step_done"]:
             component.step_done(step)
 
     def count_step(self) -> None:
@@ -237,14 +248,26 @@ class StepPipeline:
         its ``step_counted`` runs, once."""
         step, self.uncounted_step = self.uncounted_step, None
         if step is not None:
-            for component in self.components:
+            for component in self._at["step_counted"]:
                 component.step_counted(step)
 
     def epoch_ends(self, end: EpochEnd) -> None:
         self.count_step()
-        for component in self.components:
+        for component in self._at["epoch_ends"]:
             component.epoch_ends(end)
 
     def fit_ends(self, failed: bool) -> None:
-        for component in reversed(self.components):
+        for component in reversed(self._at["fit_ends"]):
             component.fit_ends(failed)
+
+
+#: The points where a component without flags has nothing to say.
+_AGREEMENT_POINTS = ("agreement_needed", "agreement_values")
+
+
+def _acts_at(component: StepComponent, point: str) -> bool:
+    """``component`` declares flags, at the agreement's points (the default ``agreement_needed`` reads them), or
+    overrides ``point``."""
+    if point in _AGREEMENT_POINTS:
+        return bool(component.agreement_flags)
+    return getattr(getattr(component, point), "__func__", None) is not getattr(StepComponent, point)

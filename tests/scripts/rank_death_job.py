@@ -26,9 +26,9 @@ from pathlib import Path
 import lightning as L
 import torch
 import torch.distributed as dist
-from torch import nn
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
+from torch import nn
 
 from lightning_ddp_plus import DDPPlusStrategy, RankDied
 from tests.scripts.preemption_end_job import SlowCheckpointIO
