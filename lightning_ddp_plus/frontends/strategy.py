@@ -36,7 +36,6 @@ from lightning_ddp_plus.frontends.trainer_chunks import TrainerChunks
 from lightning_ddp_plus.frontends.trainer_loop import (
     add_strategy_callbacks,
     backward_in_window,
-    end_epoch_here,
     flush_manual_static_graph,
     log_sync_stats,
     log_sync_stats_every_n_steps,
@@ -48,7 +47,7 @@ from lightning_ddp_plus.frontends.trainer_loop import (
 )
 from lightning_ddp_plus.frontends.trainer_preemption import pass_on_held_notice, watch_for_notices
 from lightning_ddp_plus.persistence.resume import ResumeCoordinator
-from lightning_ddp_plus.private_apis.lightning import trainer_of, training_loaders
+from lightning_ddp_plus.private_apis.lightning import end_epoch_after_this_batch, trainer_of, training_loaders
 from lightning_ddp_plus.processes.launcher import (
     KillChildrenOnFailureLauncher,
     ResultsReturningLauncher,
@@ -282,7 +281,7 @@ class DDPPlusStrategy(DDPPlusFrontEnd, DDPStrategy):
         one_synced_backward = module.automatic_optimization and self.gradient_accumulation_steps == 1
         epoch, loaders = trainer.current_epoch, training_loaders(trainer)
         if self.engine.batch_starts(rank_batches(trainer), epoch, one_synced_backward, loaders):
-            end_epoch_here(trainer)
+            end_epoch_after_this_batch(trainer)
 
     @property
     def sync_gradients(self) -> bool:

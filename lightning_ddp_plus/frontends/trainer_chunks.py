@@ -17,7 +17,7 @@ from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_ddp_plus.engine.engine import DDPPlusEngine
-from lightning_ddp_plus.frontends.trainer_loop import end_epoch_here
+from lightning_ddp_plus.private_apis.lightning import end_epoch_after_this_batch
 from lightning_ddp_plus.sync.accumulation import WindowPosition
 
 
@@ -72,7 +72,7 @@ class TrainerChunks:
                 last_chunk=last,
             )
             if done.ends_epoch:  # a held uneven-inputs flag ends the epoch on this batch
-                end_epoch_here(trainer)
+                end_epoch_after_this_batch(trainer)
             return done.agreed
 
         done = engine.run_micro_batches(

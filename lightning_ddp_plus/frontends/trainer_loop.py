@@ -19,7 +19,7 @@ from lightning_ddp_plus.engine.engine import DDPPlusEngine
 from lightning_ddp_plus.frontends.trainer_after_death import StepBoundaries
 from lightning_ddp_plus.frontends.trainer_preemption import PreemptionSave
 from lightning_ddp_plus.persistence.resume import ResumeCoordinator
-from lightning_ddp_plus.private_apis.lightning import trainer_of
+from lightning_ddp_plus.private_apis.lightning import end_epoch_after_this_batch, trainer_of
 from lightning_ddp_plus.private_apis.torch_ddp import flush_static_graph
 from lightning_ddp_plus.sync.accumulation import SyncStats, WindowPosition, scale_gradients, window_position
 from lightning_ddp_plus.sync.micro_batches import refuse_micro_batches
@@ -42,11 +42,6 @@ def rank_batches(trainer: Any) -> RankBatches:
         last=bool(progress.is_last_batch),
         length=int(length) if length != float("inf") else None,
     )
-
-
-def end_epoch_here(trainer: Any) -> None:
-    """The loop ends the epoch after the running batch (and closes an accumulation window on it)."""
-    trainer.fit_loop.epoch_loop.batch_progress.is_last_batch = True
 
 
 def rescaling_closure(
@@ -104,7 +99,7 @@ def backward_in_window(
         ddp, loss, position, syncs, divided_by_steps=automatic, post_forward=automatic, run=run, restore=restore
     )
     if done.ends_epoch:
-        end_epoch_here(module.trainer)
+        end_epoch_after_this_batch(module.trainer)
     return done.result, syncs
 
 

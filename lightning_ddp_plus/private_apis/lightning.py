@@ -7,13 +7,14 @@
 | loading a checkpoint file as Lightning does (``load_file``, ``PathLike``) | ``lightning.fabric.utilities.cloud_io._load``, ``lightning.fabric.utilities.types._PATH`` | the same | none |
 | the async checkpoint IO's wrapper (``wrapping_checkpoint_io``, ``has_own_checkpoint_io``) | ``lightning.pytorch.plugins.io.wrapper._WrappingCheckpointIO``, ``_base_checkpoint_io_configured`` | the same | ``None`` where the class is missing: no async IO to give a default |
 | Fabric's backward-sync control (``DDPBackwardSyncControl``) and its backward flag (``fabric_backward``) | ``lightning.fabric.strategies.ddp._DDPBackwardSyncControl``, ``lightning.fabric.wrappers._in_fabric_backward`` | the same | none |
-| choosing the checkpoint to resume (``route_resume_start``, ``user_chose_checkpoint``, ``lightning_last_checkpoint``) | ``Trainer._checkpoint_connector``, its ``resume_start``, ``_user_managed``, ``_parse_ckpt_path`` | the same | none: Lightning resolves ``ckpt_path`` there, before any public hook runs |
+| choosing the checkpoint to resume (``route_resume_start``, ``user_chose_checkpoint``, ``lightning_last_checkpoint``) | ``Trainer._checkpoint_connector``, its ``resume_start``, ``_user_managed``, ``_parse_ckpt_path`` | the same | none: Lightning resolves ``ckpt_path`` there, before any public hook runs. A patch (the instance's ``resume_start`` replaced); what would remove it: ``ckpt_path="last"`` resolved within the run's own logger version (no Lightning issue or PR found) |
 | a loader with another sampler (``update_dataloader``) | ``lightning.pytorch.utilities.data._update_dataloader`` | the same | none: it re-instantiates a user's loader subclass as Lightning does |
 | the training loaders of the running fit (``training_loaders``) and a module's Trainer (``trainer_of``) | ``FitLoop._combined_loader``, ``LightningModule._trainer`` | the same | ``[]`` / ``None`` before the fit has them |
-| keeping Lightning's termination handling off the preemption signals (``leave_signals_to``) | ``Trainer._signal_connector``, its ``register_signal_handlers`` and ``_original_handlers``, ``_TrainingEpochLoop._broadcast_sigterm_tensor`` | the same | each part skipped where missing: Lightning's handler would then run beside the strategy's |
+| keeping Lightning's termination handling off the preemption signals (``leave_signals_to``) | ``Trainer._signal_connector``, its ``register_signal_handlers`` and ``_original_handlers``, ``_TrainingEpochLoop._broadcast_sigterm_tensor`` | the same | each part skipped where missing: Lightning's handler would then run beside the strategy's. Two patches (the instance's ``register_signal_handlers``, the epoch loop's ``_broadcast_sigterm_tensor``); what would remove them: a switch for Lightning's signal handling (asked in Lightning #5225, closed as won't fix) and no per-step broadcast (Lightning #21487; PR #21640 would broadcast every N steps, which still costs a host sync then) |
 | telling that an error was raised inside Lightning's own signal handlers (``in_lightnings_signal_handler``) | ``SignalConnector._sigterm_notifier_fn``, ``_slurm_sigusr_handler_fn`` | the same | each missing one is not recognized: a death learnt there would be saved as the step before it |
 | SLURM's requeue checkpoint (``slurm_requeue_checkpoint_path``) | ``Trainer._checkpoint_connector.hpc_save_path`` | the same | none |
-| the step boundary: the point before a batch is fetched (``before_each_batch``), after every hook of the batch before it, its validation, and an epoch's end and the next one's start | ``Trainer.fit_loop.epoch_loop.advance`` (``_TrainingEpochLoop``'s, wrapped on the instance) | the same | ``RuntimeError`` naming the missing method: no public hook runs before the next batch is counted |
+| the step boundary: the point before a batch is fetched (``before_each_batch``), after every hook of the batch before it, its validation, and an epoch's end and the next one's start | ``Trainer.fit_loop.epoch_loop.advance`` (``_TrainingEpochLoop``'s, wrapped on the instance) | the same | ``RuntimeError`` naming the missing method: no public hook runs before the next batch is counted. A patch (the instance's ``advance`` wrapped); what would remove it: a callback hook before the next batch is fetched (no Lightning issue or PR found) |
+| ending the epoch after the running batch (``end_epoch_after_this_batch``, ``uneven_inputs="stop"``) | ``Trainer.fit_loop.epoch_loop.batch_progress.is_last_batch`` (written) | the same | none: returning -1 from ``on_train_batch_start`` skips the running batch instead of training it as the epoch's last (closing its accumulation window). A patch of the loop's state; what would remove it: a public way to end the epoch after the running batch (no Lightning issue or PR found) |
 | a step boundary's loop state as Lightning's restore continues it (``resumable_at_boundary``) | the fit loop's ``state_dict`` keys (``epoch_progress``, ``epoch_loop.batch_progress``, ``epoch_loop.state_dict``'s ``_batches_that_stepped``) and ``_TrainingEpochLoop.update_restart_stage``'s rule | the same | none: Lightning restores no state saved between a batch's end and the next batch without running that batch's end again where validation is due |
 | the fit loop's state as ``state_dict()`` gives it, in a few µs (``LoopState``) | ``lightning.pytorch.loops.loop._Loop``, ``lightning.pytorch.loops.progress._BaseProgress`` (their ``state_dict`` walk, redone), ``lightning.pytorch.loops._FitLoop`` (its own state is its stateful loaders') | the same | none |
 | a checkpoint's contents without writing them (``trainer_checkpoint``) | ``Trainer._checkpoint_connector.dump_checkpoint`` | the same | none: ``Trainer.save_checkpoint`` writes from rank 0 only, behind a barrier |
@@ -51,6 +52,7 @@ __all__ = [
     "SubprocessScriptLauncher",
     "before_each_batch",
     "destroy_dist_connection",
+    "end_epoch_after_this_batch",
     "fabric_backward",
     "fabric_checkpoint",
     "has_own_checkpoint_io",
@@ -136,6 +138,11 @@ def training_loaders(trainer: Any) -> list[Any]:
     """The running fit's training loaders (empty before the fit loop has combined them)."""
     combined = trainer.fit_loop._combined_loader  # its len() fails on iterable loaders: test it against None
     return [] if combined is None else list(combined.flattened)
+
+
+def end_epoch_after_this_batch(trainer: Any) -> None:
+    """The loop ends the epoch after the running batch (and closes an accumulation window on it)."""
+    trainer.fit_loop.epoch_loop.batch_progress.is_last_batch = True
 
 
 def trainer_of(module: Any) -> Any:
