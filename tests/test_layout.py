@@ -377,3 +377,14 @@ def test_no_method_is_written_twice_in_the_two_front_ends():
 
     trainer, fabric = methods("strategy.py"), methods("fabric.py")
     assert sorted(name for name in trainer.keys() & fabric.keys() if trainer[name] == fabric[name]) == []
+
+
+def test_importing_the_package_leaves_torchs_sharded_optimizer_unloaded():
+    """``torch.distributed.optim`` costs every rank about 0.2 s to import (half of the package's import): only a
+    sharded optimizer needs it (``sharding/zero_redundancy.py``)."""
+    import subprocess
+    import sys
+
+    probe = "import sys, lightning_ddp_plus; print('torch.distributed.optim' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
+    assert result.stdout.strip() == "False"

@@ -8,13 +8,13 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from lightning_ddp_plus.crash.survivor_save import SurvivorSave
 from lightning_ddp_plus.crash.survivors import SurvivorAgreement
 from lightning_ddp_plus.private_apis.torch_distributed import default_store
 from lightning_ddp_plus.processes.launcher import AFTER_DEATH, launching_process_gone
 from lightning_ddp_plus.processes.reachability import ProcessesHere
+from lightning_ddp_plus.sharding.optimizer import is_zero_redundancy
 
 
 def announce_own_error(strategy: Any, keys: str, error: BaseException) -> None:
@@ -55,7 +55,7 @@ def survivor_save_of(
             "that error was raised about (a NaN check after a step, say), so the files there are as they were; "
             "its log holds the traceback"
         )
-    zero = any(isinstance(optimizer, ZeroRedundancyOptimizer) for optimizer in getattr(strategy, "optimizers", []))
+    zero = any(is_zero_redundancy(optimizer) for optimizer in getattr(strategy, "optimizers", []))
     if not_savable is None and strategy.engine.arguments.optimizer_sharding:
         not_savable = (
             "under `optimizer_sharding` each rank holds the only copy of its shard of the optimizer state, and the "

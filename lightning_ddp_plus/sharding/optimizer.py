@@ -20,19 +20,22 @@ and by stock ``DDPStrategy``; a load gives each rank its share, whatever the wor
 from __future__ import annotations
 
 import inspect
+import sys
 from collections.abc import Callable
-from typing import Any, Literal, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Literal, TypeGuard, TypeVar, cast
 
 import torch
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
-from typing_extensions import override
 
 from lightning_ddp_plus.config.messages import ArgumentTypeError, ArgumentValueError, describe_bad_value
-from lightning_ddp_plus.private_apis.torch_distributed import mark_stepped, zero_overlaps_with_ddp
 from lightning_ddp_plus.sharding.reduce_scatter import GradientShards
 from lightning_ddp_plus.sharding.sharded_step import BucketShardedOptimizer
+
+if TYPE_CHECKING:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    from lightning_ddp_plus.sharding.zero_redundancy import ShardedOptimizer
 
 OptimizerSharding = bool | Literal["all_reduce", "overlap"]
 OptimizerType = TypeVar("OptimizerType", bound=Optimizer)
@@ -148,45 +151,24 @@ def refuse_clipping(mode: OptimizerSharding, clipping: str, clipper: str) -> Non
         )
 
 
-class ShardedOptimizer(ZeroRedundancyOptimizer):
-    """``ZeroRedundancyOptimizer`` that shares the parameter-group dicts of the optimizer it replaces.
+def is_zero_redundancy(optimizer: object) -> TypeGuard[ZeroRedundancyOptimizer]:
+    """``optimizer`` is torch's ``ZeroRedundancyOptimizer`` (none can be before ``torch.distributed.optim`` is
+    imported, which this does not do: see ``zero_redundancy.py``)."""
+    module = sys.modules.get("torch.distributed.optim")
+    return module is not None and isinstance(optimizer, module.ZeroRedundancyOptimizer)
 
-    A learning-rate scheduler built on the original optimizer (in ``configure_optimizers``, or before
-    ``fabric.setup``) changes ``lr`` in those dicts, and the step reads it from them; a ``load_state_dict`` updates
-    them in place instead of replacing them, so that link survives a checkpoint restore. After ``state_dict`` the
-    shares gathered on rank 0 are released, so a save leaves no full copy of the optimizer state behind.
-    """
 
-    replaced: Optimizer | None = None
+def __getattr__(name: str) -> Any:
+    if name == "ShardedOptimizer":  # imported when asked for (see ``zero_redundancy.py``)
+        from lightning_ddp_plus.sharding.zero_redundancy import ShardedOptimizer
 
-    @override
-    def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:  # type: ignore[override]  # ZeroRedundancyOptimizer's own step is narrower
-        if self.replaced is not None:
-            mark_stepped(self.replaced)  # a scheduler on it checks this
-        if zero_overlaps_with_ddp(self):
-            # the step ran inside the backward (the overlap hook); Lightning's closure still has to run it
-            return closure() if closure is not None else None
-        return super().step(closure=closure, **kwargs)
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        groups = self.param_groups
-        super().load_state_dict(state_dict)
-        for kept, loaded in zip(groups, self.param_groups):
-            kept.update(loaded)
-        self.param_groups = groups
-
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        try:
-            return super().state_dict()
-        finally:
-            self._all_state_dicts: list[dict[str, Any]] = []
+        return ShardedOptimizer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def refuse_sharded_twice(optimizer: Optimizer) -> None:
     """The user's optimizer is already torch's sharded one: the strategy would shard it again."""
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
+    if is_zero_redundancy(optimizer):
         raise ArgumentTypeError(
             describe_bad_value(
                 "optimizer_sharding",
@@ -200,6 +182,8 @@ def refuse_sharded_twice(optimizer: Optimizer) -> None:
 def shard(optimizer: Optimizer, overlap: bool = False) -> ShardedOptimizer:
     """Wrap ``optimizer`` in a ``ShardedOptimizer`` of its class, hyperparameters and parameter groups (the process
     group must exist). State it already has (it stepped before) is carried over, each rank keeping its share."""
+    from lightning_ddp_plus.sharding.zero_redundancy import ShardedOptimizer
+
     if isinstance(optimizer, ShardedOptimizer):
         return optimizer
     refuse_sharded_twice(optimizer)
@@ -334,7 +318,7 @@ def state_bytes(optimizer: Optimizer) -> int:
     """Bytes of the optimizer state this rank holds (its local share for a sharded optimizer)."""
     if isinstance(optimizer, BucketShardedOptimizer):
         return optimizer.state_bytes()
-    local = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+    local = optimizer.optim if is_zero_redundancy(optimizer) else optimizer
     return sum(
         value.numel() * value.element_size()
         for per_parameter in local.state.values()
