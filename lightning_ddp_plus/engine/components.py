@@ -1,4 +1,4 @@
-"""``RunComponents``: the parts of one DDP run, built from the validated arguments (each in the room its name says),
+"""``EngineComponents``: the parts of one DDP run, built from the validated arguments (each in the room its name says),
 what the front ends read of them (read-only properties) and what they ask of them outside the training step (a
 collective or a save in the ledger, clipping, the window's position, the notices). ``DDPPlusEngine`` adds the
 pipeline's order and the step's walk."""
@@ -43,12 +43,12 @@ from lightning_ddp_plus.sync.left_out import LeftOutGradients
 from lightning_ddp_plus.sync.micro_batch_runner import MicroBatchRunner
 from lightning_ddp_plus.sync.micro_batches import CHECKPOINT_KEY, MicroBatchSizer
 from lightning_ddp_plus.sync.side_channel import SideChannel
-from lightning_ddp_plus.sync.step_agreement import AgreementParty, StepAgreement
+from lightning_ddp_plus.sync.step_agreement import AgreementEngine, StepAgreement
 from lightning_ddp_plus.sync.step_guard import SyncFault, SyncGuard
 from lightning_ddp_plus.sync.uneven import PaddedBatches, UnevenInputsCheck
 
 
-class RunComponents:
+class EngineComponents:
     """The components of a run (see the module's docstring), each built from ``arguments``."""
 
     arguments: DDPPlusArguments
@@ -83,9 +83,9 @@ class RunComponents:
         arguments: DDPPlusArguments,
         warn: Callable[[str], None],
         info: Callable[[str], None],
-        party: AgreementParty,
+        engine: AgreementEngine,
     ) -> None:
-        """Each component from its arguments (``party``: the run the agreement asks, see ``AgreementParty``)."""
+        """Each component from its arguments (``engine``: the engine the agreement asks, see ``AgreementEngine``)."""
         self.arguments, self._warn, self._info = arguments, warn, info
         self.in_effect = SettingsInEffect(arguments.settings, on_rebuilt=self._reducer_rebuilt)
         self.timeouts = GroupTimeouts(arguments.collective_timeout, arguments.setup_collective_timeout)
@@ -113,7 +113,7 @@ class RunComponents:
         self.micro_batches = MicroBatchSizer(arguments.micro_batch_size, info=info)
         self.preemption = PreemptionStop(arguments.preemption_signals, self.channel)
         self.agreement = StepAgreement(
-            party, self.sync_guard, self.uneven, self.micro_batches, self.channel, self.window
+            engine, self.sync_guard, self.uneven, self.micro_batches, self.channel, self.window
         )
         must_sync = self.must_sync_first_backward
         self.micro_batch_runner = MicroBatchRunner(self.micro_batches, self.agreement, self.items, must_sync)

@@ -19,7 +19,7 @@ from torch.optim import Optimizer
 
 from lightning_ddp_plus.conflicts.check import recovers_in_backward
 from lightning_ddp_plus.engine.arguments import DDPPlusArguments
-from lightning_ddp_plus.engine.components import RunComponents
+from lightning_ddp_plus.engine.components import EngineComponents
 from lightning_ddp_plus.pipeline.component import (
     AgreedStep,
     BackwardEnd,
@@ -48,13 +48,13 @@ class BackwardDone:
         return self.agreed.ends_epoch
 
 
-class DDPPlusEngine(RunComponents):
-    """One DDP run for the validated ``arguments``: its components (``RunComponents``, each an attribute) in the
+class DDPPlusEngine(EngineComponents):
+    """One DDP run for the validated ``arguments``: its components (``EngineComponents``, each an attribute) in the
     pipeline's order, and the step's walk; ``warn`` and ``info`` are how warnings and one-line reports reach the
     user (rank 0 only)."""
 
     def __init__(self, arguments: DDPPlusArguments, warn: Callable[[str], None], info: Callable[[str], None]) -> None:
-        super().__init__(arguments, warn, info, party=self)
+        super().__init__(arguments, warn, info, engine=self)
         # The order of a step, written once: each point of a fit calls these in this order (the end of a fit in the
         # reverse one). A feature is one line here (``docs/development.md``).
         self.pipeline = StepPipeline(

@@ -25,39 +25,32 @@ from typing import Any
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 
+from lightning_ddp_plus.private_apis.lightning import collect_rng_states, set_rng_states
+
 #: Where the checkpoint holds the list of every rank's states, by rank.
 GENERATORS_KEY = "ddp_plus_generator_states"
 
 
 @dataclass(frozen=True)
 class GeneratorSnapshot:
-    """This process's generators as they stand, taken as torch, ``random`` and NumPy hand them out (about 35 µs, most
+    """This process's generators as they stand, as Lightning's ``_collect_rng_states`` takes them (about 35 µs, most
     of it NumPy's), so that a step boundary can keep one every step; ``states()`` converts them for a checkpoint."""
 
-    cpu: torch.Tensor
-    python: tuple[Any, ...]
-    cuda: list[torch.Tensor] | None
-    numpy: tuple[Any, ...] | None
+    taken: dict[str, Any]
 
     @classmethod
     def take(cls) -> GeneratorSnapshot:
-        try:
-            import numpy
-        except ImportError:  # numpy is optional for torch: nothing of it to keep
-            numpy_state = None
-        else:
-            numpy_state = tuple(numpy.random.get_state())
-        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-        return cls(torch.get_rng_state(), random.getstate(), cuda, numpy_state)
+        return cls(collect_rng_states(include_cuda=torch.cuda.is_available()))
 
     def states(self) -> dict[str, Any]:
-        """The states in types ``torch.load(weights_only=True)`` reads."""
-        version, state, gauss = self.python
-        states: dict[str, Any] = {"torch": self.cpu, "python": [version, list(state), gauss]}
-        if self.cuda is not None:
-            states["cuda"] = self.cuda
-        if self.numpy is not None:
-            name, keys, position, has_gauss, cached = self.numpy
+        """The states in types ``torch.load(weights_only=True)`` reads (Lightning keeps NumPy's as an array and
+        Python's as tuples, which it refuses); the keys stay those checkpoints hold: ``cuda`` for Lightning's ``torch.cuda``."""
+        version, state, gauss = self.taken["python"]
+        states: dict[str, Any] = {"torch": self.taken["torch"], "python": [version, list(state), gauss]}
+        if self.taken.get("torch.cuda"):
+            states["cuda"] = self.taken["torch.cuda"]
+        if "numpy" in self.taken:
+            name, keys, position, has_gauss, cached = self.taken["numpy"]
             states["numpy"] = [name, [int(k) for k in keys], int(position), int(has_gauss), float(cached)]
         return states
 
@@ -99,17 +92,22 @@ def _byte_tensor(data: bytes) -> torch.Tensor:
 
 
 def set_generator_states(states: dict[str, Any]) -> None:
-    """Give this process the generator states of ``generator_states()``."""
-    torch.set_rng_state(states["torch"])
-    version, state, gauss = states["python"]
-    random.setstate((version, tuple(state), gauss))
+    """Give this process the generator states of ``generator_states()`` (through Lightning's ``_set_rng_states``; the
+    accelerator's only where it is available here)."""
+    lightning_states = {"torch": states["torch"], "python": states["python"]}
     if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
+        lightning_states["torch.cuda"] = states["cuda"]
     if "numpy" in states:
-        import numpy
-
         name, keys, position, has_gauss, cached = states["numpy"]
-        numpy.random.set_state((name, numpy.array(keys, dtype=numpy.uint32), position, has_gauss, cached))
+        lightning_states["numpy"] = (name, numpy_keys(keys), position, has_gauss, cached)
+    set_rng_states(lightning_states)
+
+
+def numpy_keys(keys: list[int]) -> Any:
+    """NumPy's key array, as its ``set_state`` takes it."""
+    import numpy
+
+    return numpy.array(keys, dtype=numpy.uint32)
 
 
 def seed_generators(seed: int) -> None:

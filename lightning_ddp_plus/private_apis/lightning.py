@@ -17,6 +17,7 @@
 | ending the epoch after the running batch (``end_epoch_after_this_batch``, ``uneven_inputs="stop"``) | ``Trainer.fit_loop.epoch_loop.batch_progress.is_last_batch`` (written) | the same | none: returning -1 from ``on_train_batch_start`` skips the running batch instead of training it as the epoch's last (closing its accumulation window). A patch of the loop's state; what would remove it: a public way to end the epoch after the running batch (no Lightning issue or PR found) |
 | a step boundary's loop state as Lightning's restore continues it (``resumable_at_boundary``) | the fit loop's ``state_dict`` keys (``epoch_progress``, ``epoch_loop.batch_progress``, ``epoch_loop.state_dict``'s ``_batches_that_stepped``) and ``_TrainingEpochLoop.update_restart_stage``'s rule | the same | none: Lightning restores no state saved between a batch's end and the next batch without running that batch's end again where validation is due |
 | the fit loop's state as ``state_dict()`` gives it, in a few µs (``LoopState``) | ``lightning.pytorch.loops.loop._Loop``, ``lightning.pytorch.loops.progress._BaseProgress`` (their ``state_dict`` walk, redone), ``lightning.pytorch.loops._FitLoop`` (its own state is its stateful loaders') | the same | none |
+| the generators' states, taken and given back (``collect_rng_states``, ``set_rng_states``) | ``lightning.fabric.utilities.seed._collect_rng_states``, ``_set_rng_states`` | the same | none |
 | a checkpoint's contents without writing them (``trainer_checkpoint``) | ``Trainer._checkpoint_connector.dump_checkpoint`` | the same | none: ``Trainer.save_checkpoint`` writes from rank 0 only, behind a barrier |
 | what ``fabric.save`` writes, built on any rank (``fabric_checkpoint``) | ``Strategy._convert_stateful_objects_in_state`` (Fabric's) | the same | none: ``fabric.save`` writes from rank 0 only, behind a barrier |
 | starting the popen launcher's child ranks without Lightning's observer (``start_child_ranks``, ``set_threads_per_rank``) | ``_SubprocessScriptLauncher._call_children_scripts``, ``lightning.fabric.utilities.distributed._set_num_threads_if_needed`` | the same | none: the observer SIGKILLs every rank, the launching one included, within 5 s of a child's failure, before a survivor can save |
@@ -36,6 +37,8 @@ from lightning.fabric.strategies.launchers.subprocess_script import (
 from lightning.fabric.utilities.cloud_io import _load as load_file
 from lightning.fabric.utilities.distributed import _destroy_dist_connection as destroy_dist_connection
 from lightning.fabric.utilities.distributed import _set_num_threads_if_needed as set_threads_per_rank
+from lightning.fabric.utilities.seed import _collect_rng_states as collect_rng_states
+from lightning.fabric.utilities.seed import _set_rng_states as set_rng_states
 from lightning.fabric.utilities.types import _PATH as PathLike
 from lightning.pytorch.loops import _FitLoop as FitLoop
 from lightning.pytorch.loops.loop import _Loop as Loop
@@ -51,6 +54,7 @@ __all__ = [
     "PathLike",
     "SubprocessScriptLauncher",
     "before_each_batch",
+    "collect_rng_states",
     "destroy_dist_connection",
     "end_epoch_after_this_batch",
     "fabric_backward",
@@ -62,6 +66,7 @@ __all__ = [
     "load_file",
     "resumable_at_boundary",
     "route_resume_start",
+    "set_rng_states",
     "set_threads_per_rank",
     "slurm_requeue_checkpoint_path",
     "start_child_ranks",

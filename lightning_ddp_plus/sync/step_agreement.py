@@ -45,8 +45,8 @@ class StepAgreed:
     """A fault's gradients could not be made exact and were dropped on every rank: no step applies them."""
 
 
-class AgreementParty(Protocol):
-    """What the agreement asks of the run that owns it (the engine): its pipeline, whose components declare the
+class AgreementEngine(Protocol):
+    """What the agreement asks of the engine that owns it: its pipeline, whose components declare the
     flags and give their values, and its answers to a fault, a failed rank's first backward and a failed attempt."""
 
     pipeline: StepPipeline
@@ -65,7 +65,7 @@ class StepAgreement:
     """The agreement after every synced backward, and the uneven-inputs decision before every training batch.
 
     Args:
-        party: the run (its pipeline's declared flags travel in the agreement; see ``AgreementParty``).
+        engine: the engine (its pipeline's declared flags travel in the agreement; see ``AgreementEngine``).
         guard: the per-step guard, whose check carries the agreement.
         uneven: the uneven-inputs check (its held flag, and its decision).
         micro_batches: ``micro_batch_size`` (with ``"auto"``, this rank's failure in the attempt).
@@ -75,14 +75,14 @@ class StepAgreement:
 
     def __init__(
         self,
-        party: AgreementParty,
+        engine: AgreementEngine,
         guard: SyncGuard,
         uneven: UnevenInputsCheck,
         micro_batches: MicroBatchSizer,
         channel: SideChannel,
         window: AccumulationWindow,
     ) -> None:
-        self.party, self.guard, self.uneven, self.micro_batches = party, guard, uneven, micro_batches
+        self.engine, self.guard, self.uneven, self.micro_batches = engine, guard, uneven, micro_batches
         self.channel, self.window = channel, window
         #: The wrapper of the running fit (set by the engine's ``start_fit``).
         self.ddp: DistributedDataParallel | None = None
@@ -114,9 +114,9 @@ class StepAgreement:
         """The guard's check with the declared flags riding on it (``failed``: this rank's backward raised what the
         guard takes over; with ``micro_batches.failure`` set, this rank's attempt ran out of memory, ``started``
         saying whether its synced backward had begun)."""
-        flags, values = self.party.pipeline.flags, self.party.pipeline.agreement_values()
+        flags, values = self.engine.pipeline.flags, self.engine.pipeline.agreement_values()
         if not self.guard.active:  # no check to ride on: the flags' own all-reduce, only where some flag has news
-            if not self.party.pipeline.agreement_needed():
+            if not self.engine.pipeline.agreement_needed():
                 return StepAgreed(flags=flags.zeros())
             return StepAgreed(flags=flags.read(self.channel.maximum(flags.pack(values))))
         failure, self.micro_batches.failure = self.micro_batches.failure, None
@@ -137,7 +137,7 @@ class StepAgreement:
             return StepAgreed(out_of_memory=self._every_ranks_failure(failure), flags=agreed)
         skipped = outcome.fault is not None and outcome.fault.skipped
         if outcome.fault is not None:
-            self.party.sync_fault(ddp, outcome.fault)
+            self.engine.sync_fault(ddp, outcome.fault)
         if deferred is None:
             return StepAgreed(flags=agreed, skipped=skipped)
         ends_epoch = self.uneven.decide(deferred, self.uneven.maximums(agreed), self.channel.gather, self.epoch)
@@ -147,7 +147,7 @@ class StepAgreement:
         """On a rank whose attempt at a batch ran out of memory (``micro_batch_size="auto"``), in place of its synced
         backward: issue the bucket all-reduces the other ranks' backward waits for, and agree with them."""
         assert self.ddp is not None and self.guard.active
-        self.party.decide_pending_conflicts(self.ddp)
+        self.engine.decide_pending_conflicts(self.ddp)
         self.micro_batches.failure = failure
         return self.after_synced_backward(self.ddp, failed=True, started=synced_backward_started)
 
@@ -155,7 +155,7 @@ class StepAgreement:
         """Every rank, after an attempt some rank failed: a backward that failed half way leaves the reducer
         expecting hooks (and, on the first step, bucket orders that differ between ranks)."""
         if self.ddp is not None:
-            self.party.rebuild_reducer(self.ddp)
+            self.engine.rebuild_reducer(self.ddp)
 
     def _every_ranks_failure(self, local: OutOfMemory | None) -> tuple[OutOfMemory, ...]:
         """Every rank's failure in this attempt (one gather, only after one)."""
