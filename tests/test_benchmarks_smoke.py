@@ -102,3 +102,15 @@ def test_the_rank_death_cost_benchmark_runs_at_a_tiny_size(tmp_path):
     summary = json.loads((tmp_path / "out.json").read_text())
     assert summary["cost"]["stock"]["ratio to stock"] == 1.0
     assert summary["work"]["work per optimizer step (us)"] > 0
+
+
+def test_the_scale_benchmark_counts_what_each_variant_issues_per_step(tmp_path):
+    """Counts, not times: stock broadcasts its SIGTERM flag every step, bare DDP issues nothing of its own."""
+    script = [sys.executable, str(REPO_ROOT / "benchmarks" / "scale.py")]
+    tiny = ["--ranks", "2", "--steps", "8", "--warm-up", "2", "--sleep", "0.01", "--variants", "bare", "stock"]
+    result = run_job([*script, *tiny, "--out", str(tmp_path), "--timeout", "240"], timeout=400)
+    assert result.returncode == 0, result.stdout[-3000:]
+    by_variant = {r["variant"]: r for r in json.loads((tmp_path / "scale.json").read_text())}
+    assert by_variant["stock"]["per step"] == {"collective broadcast": 1.0}
+    assert by_variant["bare"]["per step"] == {}
+    assert by_variant["bare"]["first step from start (s)"] > 0

@@ -1,0 +1,278 @@
+"""What the strategy adds per step and at the start as the ranks grow: bare DDP, stock Lightning and ``ddp_plus``
+(gloo, and the branch other backends take) side by side, at 2 to 16 ranks on this machine, started as torchrun
+starts them.
+
+Each rank trains a tiny model whose step sleeps ``--sleep`` seconds for the accelerator's time, so that many ranks fit
+on a few cores. "Bare DDP" is stock Lightning with its per-step SIGTERM broadcast off (the floor). The non-gloo
+branch is ``ddp_plus`` on gloo with the guard's store look-up turned off, so that it agrees with an all-reduce on
+every synced backward as it does on NCCL.
+
+Per variant and world size it reports, from rank 0:
+
+- Python-level collectives (``torch.distributed``'s functions, by name) and store calls (``get``, ``set``, ``check``,
+  ``add``, ``wait``, ...) per steady step and before the first step; DDP's own bucket all-reduces run in C++ and are
+  not counted;
+- the median step time (between consecutive batch starts, after ``--warm-up`` steps), and its ratio to bare DDP's;
+- the time from the process's start, and from ``Trainer.fit``, to the first training batch (the slowest rank's).
+
+    python benchmarks/scale.py                        # 2, 4, 8, 16 ranks, a few minutes on 2 cores
+    python benchmarks/scale.py --ranks 2 4 --steps 20 --out results
+
+Nothing here is asserted; ``tests/test_benchmarks_smoke.py`` runs it tiny so that it cannot rot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.ranks import base_environment, run_processes
+
+VARIANTS = ("bare", "stock", "ddp_plus", "ddp_plus_all_reduce")
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_object",
+    "all_gather_into_tensor",
+    "broadcast",
+    "broadcast_object_list",
+    "barrier",
+    "gather",
+    "gather_object",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "scatter",
+    "all_to_all_single",
+    "monitored_barrier",
+)
+STORE_METHODS = ("get", "set", "check", "add", "wait", "compare_set", "delete_key", "multi_get", "multi_set")
+
+
+class Counts:
+    """Python-level collectives and store calls in this process, by name."""
+
+    def __init__(self) -> None:
+        self.calls: Counter[str] = Counter()
+
+    def install(self) -> None:
+        import torch.distributed as dist
+
+        for name in COLLECTIVES:
+            if hasattr(dist, name):
+                setattr(dist, name, self._counted(f"collective {name}", getattr(dist, name)))
+        for name in STORE_METHODS:
+            if hasattr(dist.Store, name):
+                setattr(dist.Store, name, self._counted(f"store {name}", getattr(dist.Store, name)))
+
+    def _counted(self, key: str, function: Any) -> Any:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.calls[key] += 1
+            return function(*args, **kwargs)
+
+        return counted
+
+
+def rank_main(variant: str, options: argparse.Namespace) -> None:
+    """One rank: a fit of ``options.steps`` steps, its counts and times written by rank 0."""
+    started = float(os.environ["SCALE_T0"])
+    counts = Counts()
+    import lightning.pytorch as pl
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    counts.install()
+    marks: dict[str, Any] = {"batch_starts": [], "calls_at": []}
+
+    class Timing(pl.Callback):
+        def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
+            marks["batch_starts"].append(time.time())
+            marks["calls_at"].append(Counter(counts.calls))
+
+    class Sleepy(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(8, 1)
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            time.sleep(options.sleep)  # the accelerator's time
+            return torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    callbacks: list[Any] = [Timing()]
+    if variant in ("bare", "stock"):
+        from lightning.pytorch.strategies import DDPStrategy
+
+        strategy: Any = DDPStrategy(process_group_backend="gloo")
+        if variant == "bare":
+            callbacks.append(no_sigterm_broadcast())
+    else:
+        import lightning_ddp_plus
+        from lightning_ddp_plus.sync import step_guard
+
+        if variant == "ddp_plus_all_reduce":  # the branch every backend but gloo takes
+            step_guard.store_for_agreement = lambda ddp: None
+        strategy = lightning_ddp_plus.DDPPlusStrategy(process_group_backend="gloo")
+    world = int(os.environ["WORLD_SIZE"])
+    trainer = pl.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=world,
+        max_steps=options.steps,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=os.environ["SCALE_DIR"],
+    )
+    data = TensorDataset(torch.randn(8 * options.steps * world, 8), torch.randn(8 * options.steps * world, 1))
+    fit_called = time.time()
+    trainer.fit(Sleepy(), DataLoader(data, batch_size=8))
+    first = marks["batch_starts"][0]
+    times = [{"from start": first - started, "from fit": first - fit_called}]
+    gathered: list[Any] = [None] * world
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.all_gather_object(gathered, times[0])  # after the fit: not counted in its steps
+    else:
+        gathered = times
+    flag_latency = flag_all_reduce_seconds() if dist.is_initialized() else 0.0
+    if trainer.global_rank == 0:
+        warm = options.warm_up
+        starts, calls = marks["batch_starts"], marks["calls_at"]
+        steady = len(starts) - 1 - warm
+        per_step = Counter(calls[-1])
+        per_step.subtract(calls[warm])
+        result = {
+            "variant": variant,
+            "ranks": world,
+            "steady steps": steady,
+            "per step": {name: n / steady for name, n in sorted(per_step.items()) if n},
+            "before the first step": dict(sorted(calls[0].items())),
+            "median step (ms)": 1e3 * statistics.median(b - a for a, b in zip(starts[warm:], starts[warm + 1 :])),
+            "first step from start (s)": max(rank["from start"] for rank in gathered),
+            "first step from fit (s)": max(rank["from fit"] for rank in gathered),
+            "flag all_reduce (us)": 1e6 * flag_latency,
+        }
+        Path(os.environ["SCALE_OUT"]).write_text(json.dumps(result))
+    if dist.is_initialized():  # every rank ends its group before it exits (gloo aborts a process that does not)
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def flag_all_reduce_seconds(repeats: int = 50) -> float:
+    """The median time of an all-reduce of 5 integers on the job's gloo group: what a per-step agreement of a few
+    flags costs at this world size (the cost model in ``docs/benchmarks.md`` reads its growth with the ranks)."""
+    import torch
+    import torch.distributed as dist
+
+    flags, times = torch.zeros(5, dtype=torch.int64), []
+    dist.barrier()
+    for _ in range(repeats):
+        started = time.perf_counter()
+        dist.all_reduce(flags)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def no_sigterm_broadcast() -> Any:
+    import lightning.pytorch as pl
+
+    class NoBroadcast(pl.Callback):
+        """Lightning's per-step SIGTERM broadcast off: bare DDP under Lightning."""
+
+        def on_train_start(self, trainer: Any, module: Any) -> None:
+            trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: None
+
+    return NoBroadcast()
+
+
+def run(variant: str, world: int, options: argparse.Namespace) -> dict[str, Any]:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with tempfile.TemporaryDirectory() as root:
+        out = Path(root) / "result.json"
+        started = time.time()
+        environments = [
+            {
+                **base_environment(),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "LOCAL_RANK": str(rank),
+                "RANK": str(rank),
+                "NODE_RANK": "0",
+                "WORLD_SIZE": str(world),
+                "SCALE_T0": str(started),
+                "SCALE_DIR": root,
+                "SCALE_OUT": str(out),
+            }
+            for rank in range(world)
+        ]
+        command = [sys.executable, __file__, "--as-variant", variant, *sys.argv[1:]]
+        run_processes([command] * world, environments, options.timeout)
+        result: dict[str, Any] = json.loads(out.read_text())
+        return result
+
+
+def markdown(results: list[dict[str, Any]]) -> str:
+    bare = {r["ranks"]: r["median step (ms)"] for r in results if r["variant"] == "bare"}
+    lines = [
+        (
+            "| ranks | variant | step (ms) | to bare | first step from start / fit (s) | per step, own | before step 1 "
+            "| 5-int all_reduce (us) |"
+        ),
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        ratio = r["median step (ms)"] / bare[r["ranks"]] if r["ranks"] in bare else float("nan")
+        own = ", ".join(f"{k} {v:.2f}" for k, v in r["per step"].items()) or "none"
+        start = ", ".join(f"{k} {v}" for k, v in r["before the first step"].items()) or "none"
+        lines.append(
+            f"| {r['ranks']} | {r['variant']} | {r['median step (ms)']:.1f} | {ratio:.2f}x | "
+            f"{r['first step from start (s)']:.1f} / {r['first step from fit (s)']:.2f} | {own} | {start} | "
+            f"{r['flag all_reduce (us)']:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8, 16])
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warm-up", type=int, default=5)
+    parser.add_argument("--sleep", type=float, default=0.04, help="seconds each step sleeps (the accelerator)")
+    parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument("--out", help="a folder for scale.json and scale.md")
+    parser.add_argument("--as-variant", help=argparse.SUPPRESS)
+    options = parser.parse_args()
+    if options.as_variant:
+        rank_main(options.as_variant, options)
+        return
+    results = [run(variant, world, options) for world in options.ranks for variant in options.variants]
+    table = markdown(results)
+    print(table)
+    if options.out:
+        Path(options.out).mkdir(parents=True, exist_ok=True)
+        (Path(options.out) / "scale.json").write_text(json.dumps(results, indent=1))
+        (Path(options.out) / "scale.md").write_text(table + "\n")
+
+
+if __name__ == "__main__":
+    main()
