@@ -57,6 +57,7 @@ class StepTrace:
 
 
 def trace_one_step(root: str) -> StepTrace:
+    """Batch 3 of a 1-rank gloo fit with the default arguments, traced (see the module's docstring)."""
     import lightning.pytorch as pl
     import torch
     from torch.utils.data import DataLoader, TensorDataset
@@ -102,6 +103,7 @@ def trace_one_step(root: str) -> StepTrace:
 
 
 def engine_members_used_by_front_ends() -> list[str]:
+    """Every ``engine.<member>`` the front ends name."""
     members = set()
     for path in (PACKAGE / "frontends").glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
@@ -115,6 +117,8 @@ def engine_members_used_by_front_ends() -> list[str]:
 
 
 def methods_written_alike() -> list[str]:
+    """The methods both front-end classes define with the same name and the same body."""
+
     def methods(name: str) -> dict[str, str]:
         tree = ast.parse((PACKAGE / "frontends" / name).read_text())
         front_end = next(node for node in tree.body if isinstance(node, ast.ClassDef))

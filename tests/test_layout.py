@@ -365,18 +365,9 @@ def test_the_front_ends_call_engine_actions_and_reach_no_component():
 
 def test_no_method_is_written_twice_in_the_two_front_ends():
     """What reads the same in both front ends is written once (``framework_io.py``, ``registry.py``)."""
+    from benchmarks.step_path import methods_written_alike
 
-    def methods(name: str) -> dict[str, str]:
-        tree = ast.parse((PACKAGE / "frontends" / name).read_text())
-        front_end = next(node for node in tree.body if isinstance(node, ast.ClassDef))
-        return {
-            node.name: ast.dump(ast.Module(body=node.body, type_ignores=[]))
-            for node in front_end.body
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
-        }
-
-    trainer, fabric = methods("strategy.py"), methods("fabric.py")
-    assert sorted(name for name in trainer.keys() & fabric.keys() if trainer[name] == fabric[name]) == []
+    assert methods_written_alike() == []
 
 
 def test_importing_the_package_leaves_torchs_sharded_optimizer_unloaded():

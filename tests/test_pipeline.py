@@ -13,6 +13,7 @@ from lightning_ddp_plus.preemption.stop import STOP
 from lightning_ddp_plus.sync.item_averaging import ITEMS_OFF, ITEMS_ON
 from lightning_ddp_plus.sync.micro_batches import OUT_OF_MEMORY
 from lightning_ddp_plus.sync.uneven import SOME_RANK_ENDS, SOME_RANK_GOES_ON
+from tests.helpers import process_group_ended_after
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -193,6 +194,7 @@ def test_a_trainer_step_enters_no_file_of_a_feature_that_is_off(tmp_path):
     """One step of a 1-rank fit with the defaults, traced (``benchmarks/step_path.py``)."""
     from benchmarks.step_path import trace_one_step
 
-    files = trace_one_step(str(tmp_path)).files
+    with process_group_ended_after():
+        files = trace_one_step(str(tmp_path)).files
     assert "frontends/strategy.py" in files  # the trace saw the step
     assert "diagnostics/replicas.py" not in files  # verify_replicas_every_n_steps is off by default
