@@ -114,3 +114,14 @@ def test_the_scale_benchmark_counts_what_each_variant_issues_per_step(tmp_path):
     assert by_variant["stock"]["per step"] == {"collective broadcast": 1.0}
     assert by_variant["bare"]["per step"] == {}
     assert by_variant["bare"]["first step from start (s)"] > 0
+
+
+def test_the_flag_transport_benchmark_keeps_the_gradients(tmp_path):
+    """The flags appended to the last bucket leave the all-reduced gradients as they were."""
+    script = [sys.executable, str(REPO_ROOT / "benchmarks" / "flag_transport.py")]
+    tiny = ["--width", "64", "--layers", "2", "--steps", "5", "--repeats", "1", "--out", str(tmp_path / "flags.json")]
+    result = run_job([*script, *tiny], timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:]
+    summary = json.loads((tmp_path / "flags.json").read_text())
+    assert summary["flags in last bucket"]["largest weight difference to python hook"] == 0.0
+    assert summary["builtin"]["ratio to builtin"] == 1.0
