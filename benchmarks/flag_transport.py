@@ -19,7 +19,6 @@ import argparse
 import copy
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -28,7 +27,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.ranks import base_environment, run_processes
+from benchmarks.ranks import run_ranks
 
 VARIANTS = ("builtin", "python hook", "flags in last bucket", "flags all-reduce")
 
@@ -66,6 +65,7 @@ def rank_main(options: argparse.Namespace) -> None:
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     from torch.nn.parallel import DistributedDataParallel
 
+    os.environ["RANK"] = os.environ["LOCAL_RANK"]  # one machine: the global rank is the local one
     dist.init_process_group("gloo")
     torch.manual_seed(0)
     layers = [torch.nn.Linear(options.width, options.width) for _ in range(options.layers)]
@@ -132,22 +132,9 @@ def main() -> None:
     if options.as_rank is not None:
         rank_main(options)
         return
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    environments = [
-        {
-            **base_environment(),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "RANK": str(rank),
-            "WORLD_SIZE": str(options.ranks),
-            "FLAG_OUT": str(Path(options.out).resolve()),
-        }
-        for rank in range(options.ranks)
-    ]
-    commands = [[sys.executable, __file__, *sys.argv[1:], "--as-rank", str(rank)] for rank in range(options.ranks)]
-    run_processes(commands, environments, timeout=900)
+    run_ranks(
+        [sys.executable, __file__, *sys.argv[1:]], options.ranks, 900, {"FLAG_OUT": str(Path(options.out).resolve())}
+    )
     print(Path(options.out).read_text())
 
 

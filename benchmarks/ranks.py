@@ -15,9 +15,9 @@ def base_environment() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
 
 
-def run_ranks(command: list[str], world: int, timeout: float) -> None:
-    """Run ``command + ["--as-rank", N]`` for every rank on this machine; exit with the ranks' output if one fails or
-    times out."""
+def run_ranks(command: list[str], world: int, timeout: float, extra: dict[str, str] | None = None) -> None:
+    """Run ``command + ["--as-rank", N]`` for every rank on this machine (``extra``: more environment variables for
+    each); exit with the ranks' output if one fails or times out."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -29,6 +29,7 @@ def run_ranks(command: list[str], world: int, timeout: float) -> None:
             "LOCAL_RANK": str(rank),
             "NODE_RANK": "0",
             "WORLD_SIZE": str(world),
+            **(extra or {}),
         }
         for rank in range(world)
     ]
