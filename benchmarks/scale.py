@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -37,7 +36,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.ranks import base_environment, run_processes
+from benchmarks.ranks import run_ranks
 
 VARIANTS = ("bare", "stock", "ddp_plus", "ddp_plus_all_reduce")
 COLLECTIVES = (
@@ -203,29 +202,10 @@ def no_sigterm_broadcast() -> Any:
 
 
 def run(variant: str, world: int, options: argparse.Namespace) -> dict[str, Any]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     with tempfile.TemporaryDirectory() as root:
         out = Path(root) / "result.json"
-        started = time.time()
-        environments = [
-            {
-                **base_environment(),
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(port),
-                "LOCAL_RANK": str(rank),
-                "RANK": str(rank),
-                "NODE_RANK": "0",
-                "WORLD_SIZE": str(world),
-                "SCALE_T0": str(started),
-                "SCALE_DIR": root,
-                "SCALE_OUT": str(out),
-            }
-            for rank in range(world)
-        ]
-        command = [sys.executable, __file__, "--as-variant", variant, *sys.argv[1:]]
-        run_processes([command] * world, environments, options.timeout)
+        extra = {"SCALE_T0": str(time.time()), "SCALE_DIR": root, "SCALE_OUT": str(out)}
+        run_ranks([sys.executable, __file__, "--as-variant", variant, *sys.argv[1:]], world, options.timeout, extra)
         result: dict[str, Any] = json.loads(out.read_text())
         return result
 
@@ -261,6 +241,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--out", help="a folder for scale.json and scale.md")
     parser.add_argument("--as-variant", help=argparse.SUPPRESS)
+    parser.add_argument("--as-rank", help=argparse.SUPPRESS)  # run_ranks names each rank; LOCAL_RANK says the same
     options = parser.parse_args()
     if options.as_variant:
         rank_main(options.as_variant, options)

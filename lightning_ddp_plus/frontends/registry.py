@@ -18,8 +18,8 @@ REGISTERED_NAMES: tuple[tuple[str, Literal["popen", "spawn", "fork"]], ...] = (
 
 
 def register_names(strategy_class: Any, strategy_registry: Any) -> None:
-    """Register every name for ``strategy_class`` in ``strategy_registry`` (again: a newer class replaces an older one), with
-    the class's ``registry_label``; both front ends' ``register_strategies``."""
+    """Register every name for ``strategy_class`` in ``strategy_registry`` (again: a newer class replaces an older
+    one), with the class's ``registry_label``; both front ends' ``register_strategies``."""
     for name, start_method in REGISTERED_NAMES:
         strategy_registry.register(
             name,

@@ -44,7 +44,8 @@ class GeneratorSnapshot:
 
     def states(self) -> dict[str, Any]:
         """The states in types ``torch.load(weights_only=True)`` reads (Lightning keeps NumPy's as an array and
-        Python's as tuples, which it refuses); the keys stay those checkpoints hold: ``cuda`` for Lightning's ``torch.cuda``."""
+        Python's as tuples, which it refuses); the keys stay those checkpoints hold: ``cuda`` for Lightning's
+        ``torch.cuda``."""
         version, state, gauss = self.taken["python"]
         states: dict[str, Any] = {"torch": self.taken["torch"], "python": [version, list(state), gauss]}
         if self.taken.get("torch.cuda"):
@@ -99,15 +100,8 @@ def set_generator_states(states: dict[str, Any]) -> None:
         lightning_states["torch.cuda"] = states["cuda"]
     if "numpy" in states:
         name, keys, position, has_gauss, cached = states["numpy"]
-        lightning_states["numpy"] = (name, numpy_keys(keys), position, has_gauss, cached)
+        lightning_states["numpy"] = (name, keys, position, has_gauss, cached)  # NumPy takes the keys as a list
     set_rng_states(lightning_states)
-
-
-def numpy_keys(keys: list[int]) -> Any:
-    """NumPy's key array, as its ``set_state`` takes it."""
-    import numpy
-
-    return numpy.array(keys, dtype=numpy.uint32)
 
 
 def seed_generators(seed: int) -> None:

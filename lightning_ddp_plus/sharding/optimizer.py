@@ -158,14 +158,6 @@ def is_zero_redundancy(optimizer: object) -> TypeGuard[ZeroRedundancyOptimizer]:
     return module is not None and isinstance(optimizer, module.ZeroRedundancyOptimizer)
 
 
-def __getattr__(name: str) -> Any:
-    if name == "ShardedOptimizer":  # imported when asked for (see ``zero_redundancy.py``)
-        from lightning_ddp_plus.sharding.zero_redundancy import ShardedOptimizer
-
-        return ShardedOptimizer
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def refuse_sharded_twice(optimizer: Optimizer) -> None:
     """The user's optimizer is already torch's sharded one: the strategy would shard it again."""
     if is_zero_redundancy(optimizer):

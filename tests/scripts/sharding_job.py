@@ -19,9 +19,10 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from lightning_ddp_plus import DDPPlusFabricStrategy, DDPPlusStrategy
-from lightning_ddp_plus.sharding.optimizer import ShardedOptimizer, bucket_sharded, register_overlap, shard, state_bytes
+from lightning_ddp_plus.sharding.optimizer import bucket_sharded, register_overlap, shard, state_bytes
 from lightning_ddp_plus.sharding.reduce_scatter import GradientShards, reduce_scatter_hook
 from lightning_ddp_plus.sharding.sharded_step import BucketShardedOptimizer
+from lightning_ddp_plus.sharding.zero_redundancy import ShardedOptimizer
 from tests.helpers import QUIET_TRAINER, TinyRegression, job_main, regression_data, tiny_llama
 
 
