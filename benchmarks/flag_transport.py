@@ -4,13 +4,14 @@ an all-reduce of their own, against DDP with no hook.
 The per-step agreement carries a few integers (the guard's unfinished reduction, uneven inputs, out-of-memory, a
 notice). Carrying them in the last bucket (the one every rank launches last, once it knows its news) needs a
 communication hook that all-reduces the bucket with the flags appended: a copy of that bucket each step. This prices
-that copy and the hook's Python against the alternatives, in one run, variants alternated:
+that copy and the hook's Python against the alternatives, in one run, variants alternated, on bare torch DDP:
 
 - ``builtin``: DDP's own all-reduce, no hook (the floor);
 - ``python hook``: torch's ``allreduce_hook`` (what any Python hook costs);
-- ``flags in last bucket``: the same, with 5 integers appended to the last bucket's all-reduce;
-- ``flags all-reduce``: no hook, then an all-reduce of 5 integers after the backward (what ``ddp_plus`` does on
-  every backend but gloo today).
+- ``flags in last bucket``: ``ddp_plus``'s ``FlagCarrier`` (the package's own hook), 5 flags appended to the last
+  bucket's all-reduce and read back after the backward;
+- ``flags all-reduce``: no hook, then an all-reduce of 5 integers after the backward (what ``ddp_plus`` does where
+  a ``ddp_comm_hook`` leaves nothing to ride in).
 
     python benchmarks/flag_transport.py [--width 1024 --layers 3 --steps 40 --repeats 5]
 """
@@ -23,7 +24,6 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -32,38 +32,13 @@ from benchmarks.ranks import run_ranks
 VARIANTS = ("builtin", "python hook", "flags in last bucket", "flags all-reduce")
 
 
-def flags_in_last_bucket_hook(received: list[Any]) -> Any:  # real annotations below: torch checks them
-    """``allreduce_hook`` whose last bucket carries 5 flags; ``received`` gets their sum over the ranks."""
-    import torch
-    import torch.distributed as dist
-
-    def hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        group = state if state is not None else dist.group.WORLD
-        world = dist.get_world_size(group)
-        buffer = bucket.buffer()
-        if not bucket.is_last():
-            buffer.div_(world)
-            return dist.all_reduce(buffer, group=group, async_op=True).get_future().then(lambda f: f.value()[0])
-        flags = torch.zeros(5, dtype=buffer.dtype, device=buffer.device)
-        carried = torch.cat([buffer.div(world), flags])
-        work = dist.all_reduce(carried, group=group, async_op=True)
-
-        def unpack(future: Any) -> torch.Tensor:
-            reduced = future.value()[0]
-            received[:] = [reduced[-5:]]
-            buffer.copy_(reduced[:-5])
-            return buffer
-
-        return work.get_future().then(unpack)
-
-    return hook
-
-
 def rank_main(options: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     from torch.nn.parallel import DistributedDataParallel
+
+    from lightning_ddp_plus.sync.flag_carrier import FlagCarrier
 
     os.environ["RANK"] = os.environ["LOCAL_RANK"]  # one machine: the global rank is the local one
     dist.init_process_group("gloo")
@@ -72,12 +47,13 @@ def rank_main(options: argparse.Namespace) -> None:
     x = torch.randn(options.batch, options.width)
     times: dict[str, list[float]] = {name: [] for name in VARIANTS}
     models = {}
+    carrier = FlagCarrier(lambda: [0] * 5)
     for name in VARIANTS:
         ddp = DistributedDataParallel(copy.deepcopy(torch.nn.Sequential(*layers)))  # a model of its own each
         if name == "python hook":
             ddp.register_comm_hook(None, allreduce_hook)
         elif name == "flags in last bucket":
-            ddp.register_comm_hook(None, flags_in_last_bucket_hook([]))
+            carrier.register(ddp)
         models[name] = (ddp, torch.optim.SGD(ddp.parameters(), lr=1e-4))
     flags = torch.zeros(5, dtype=torch.int64)
     for repeat in range(options.repeats):
@@ -89,6 +65,8 @@ def rank_main(options: argparse.Namespace) -> None:
                 ddp(x).square().mean().backward()
                 if name == "flags all-reduce":
                     dist.all_reduce(flags)
+                elif name == "flags in last bucket":
+                    assert carrier.take() == [0] * 5
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 step_times.append(time.perf_counter() - started)

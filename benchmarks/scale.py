@@ -1,17 +1,18 @@
 """What the strategy adds per step and at the start as the ranks grow: bare DDP, stock Lightning and ``ddp_plus``
-(gloo, and the branch other backends take) side by side, at 2 to 16 ranks on this machine, started as torchrun
-starts them.
+(its flags in the last gradient bucket, and on the side channel) side by side, at 2 to 16 ranks on this machine,
+started as torchrun starts them.
 
 Each rank trains a tiny model whose step sleeps ``--sleep`` seconds for the accelerator's time, so that many ranks fit
-on a few cores. "Bare DDP" is stock Lightning with its per-step SIGTERM broadcast off (the floor). The non-gloo
-branch is ``ddp_plus`` on gloo with the guard's store look-up turned off, so that it agrees with an all-reduce on
-every synced backward as it does on NCCL.
+on a few cores. "Bare DDP" is stock Lightning with its per-step SIGTERM broadcast off (the floor).
+``ddp_plus_side_channel`` is ``ddp_plus`` with nothing riding in the buckets, as with a ``ddp_comm_hook`` or
+``optimizer_sharding``: the flags take an all-reduce of their own on every synced backward.
 
 Per variant and world size it reports, from rank 0:
 
 - Python-level collectives (``torch.distributed``'s functions, by name) and store calls (``get``, ``set``, ``check``,
-  ``add``, ``wait``, ...) per steady step and before the first step; DDP's own bucket all-reduces run in C++ and are
-  not counted;
+  ``add``, ``wait``, ...) per steady step and before the first step; DDP's own bucket all-reduces run in C++, or in
+  a Python communication hook (``ddp_plus``'s flag carrier, torch's ``allreduce_hook``), counted apart as "gradient
+  bucket"; calls from a thread other than the main one (the stall watchdog's timed poll) are marked so;
 - the median step time (between consecutive batch starts, after ``--warm-up`` steps), and its ratio to bare DDP's;
 - the time from the process's start, and from ``Trainer.fit``, to the first training batch (the slowest rank's).
 
@@ -29,6 +30,7 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -38,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.ranks import run_ranks
 
-VARIANTS = ("bare", "stock", "ddp_plus", "ddp_plus_all_reduce")
+VARIANTS = ("bare", "stock", "ddp_plus", "ddp_plus_side_channel")
 COLLECTIVES = (
     "all_reduce",
     "all_gather",
@@ -77,7 +79,10 @@ class Counts:
 
     def _counted(self, key: str, function: Any) -> Any:
         def counted(*args: Any, **kwargs: Any) -> Any:
-            self.calls[key] += 1
+            caller = Path(sys._getframe(1).f_code.co_filename).name
+            name = "gradient bucket" if caller in ("flag_carrier.py", "default_hooks.py") else key
+            in_main = threading.current_thread() is threading.main_thread()
+            self.calls[name if in_main else f"{name} (thread)"] += 1
             return function(*args, **kwargs)
 
         return counted
@@ -120,10 +125,10 @@ def rank_main(variant: str, options: argparse.Namespace) -> None:
             callbacks.append(no_sigterm_broadcast())
     else:
         import lightning_ddp_plus
-        from lightning_ddp_plus.sync import step_guard
+        from lightning_ddp_plus.sync import comm_hooks
 
-        if variant == "ddp_plus_all_reduce":  # the branch every backend but gloo takes
-            step_guard.store_for_agreement = lambda ddp: None
+        if variant == "ddp_plus_side_channel":  # nothing rides in the buckets, as with a comm hook
+            comm_hooks.flags_ride_buckets = lambda *args: False
         strategy = lightning_ddp_plus.DDPPlusStrategy(process_group_backend="gloo")
     world = int(os.environ["WORLD_SIZE"])
     trainer = pl.Trainer(

@@ -344,9 +344,17 @@ def job_main(run_case: Any) -> None:
     dist.destroy_process_group()
 
 
-def run_case_job(script: str, cases: list, out: Path, timeout: float = 400, env: dict[str, str] | None = None) -> list:
-    """Start ``script`` on 2 ranks with ``cases``; every rank must succeed; return rank 0's results."""
-    for result in start_ranks(python_script(script) + [str(out), json.dumps(cases)], timeout=timeout, env=env):
+def run_case_job(
+    script: str,
+    cases: list,
+    out: Path,
+    timeout: float = 400,
+    env: dict[str, str] | None = None,
+    world_size: int = 2,
+) -> list:
+    """Start ``script`` on ``world_size`` ranks with ``cases``; every rank must succeed; return rank 0's results."""
+    command = python_script(script) + [str(out), json.dumps(cases)]
+    for result in start_ranks(command, world_size=world_size, timeout=timeout, env=env):
         assert result.returncode == 0, result.stdout[-4000:]
     return json.loads(out.read_text())
 

@@ -1,5 +1,5 @@
-"""What a steady step costs when the features that need a per-step agreement are off: counted, not timed, on a real
-2-rank gloo job (``tests/scripts/step_cost_job.py``)."""
+"""What a steady step costs: counted, not timed, on real gloo jobs of 2 and 4 ranks (``tests/scripts/step_cost_job.py``):
+with the features that need a per-step agreement off, and with them on while no rank has news."""
 
 import pytest
 
@@ -11,14 +11,62 @@ CASES = [
     {"name": "off", "strategy": OFF},
     {"name": "off, k=2", "strategy": OFF, "k": 2},
     {"name": "replicas, validation", "strategy": {"verify_replicas_every_n_steps": 1}, "validate_every": 4},
+    # the defaults: the guard on every synced backward, SIGTERM taken as a notice
+    {"name": "defaults", "strategy": {}},
+    {"name": "notices without the guard", "strategy": {"sync_guard": False}},
+    {"name": "defaults, k=2", "strategy": {}, "k": 2},
+    {"name": "a hook on the wrapper", "strategy": {}, "hook_on_the_wrapper": True},
 ]
 STEADY = ["off", "off, k=2"]
+QUIET = ["defaults", "notices without the guard", "defaults, k=2"]
+ON_FOUR_RANKS = [case for case in CASES if case["name"] in ("defaults", "notices without the guard")]
 
 
 @pytest.fixture(scope="module")
 def counted(tmp_path_factory):
     out = tmp_path_factory.mktemp("step_cost") / "out.json"
     return {case["name"]: case for case in run_case_job("step_cost_job.py", CASES, out, timeout=300)}
+
+
+@pytest.fixture(scope="module")
+def counted_on_four_ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("step_cost_4") / "out.json"
+    results = run_case_job("step_cost_job.py", ON_FOUR_RANKS, out, timeout=300, world_size=4)
+    return {case["name"]: case for case in results}
+
+
+def own_calls(case: dict, kind: str) -> dict:
+    """The Python-level calls of ``kind`` (``collective`` or ``store``) a steady step made, per step, but the
+    gradient buckets' own all-reduces."""
+    return {name: n for name, n in case["calls"].items() if name.startswith(kind)}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", QUIET)
+def test_with_no_rank_having_news_a_step_makes_no_store_call(counted, name):
+    """Issue 59: the guard agreed through one store look-up per rank per step on gloo, so the store's host took N
+    calls per step. Its flags now ride in the last gradient bucket on every backend: there is no other branch (on
+    any backend but gloo, the agreement was a blocking all-reduce per synced backward)."""
+    assert counted[name]["steps"] == 14
+    assert own_calls(counted[name], "store") == {}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", QUIET)
+def test_with_no_rank_having_news_a_step_issues_no_collective_of_its_own(counted, name):
+    """Issue 59: on every backend but gloo the guard's flags took a blocking all-reduce per synced backward, and
+    without the guard a notice's flag did."""
+    assert own_calls(counted[name], "collective") == {}
+    assert {op: n for op, n in counted[name]["per_step"].items() if op != "gradient all_reduce"} == {}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", [case["name"] for case in ON_FOUR_RANKS])
+def test_on_four_ranks_a_quiet_step_makes_no_store_call_and_no_collective_of_its_own(counted_on_four_ranks, name):
+    case = counted_on_four_ranks[name]
+    assert case["steps"] == 14
+    assert own_calls(case, "store") == {}
+    assert own_calls(case, "collective") == {}
 
 
 @pytest.mark.multiprocess
@@ -39,3 +87,14 @@ def test_after_a_validation_the_per_step_features_still_see_training_forwards(co
     no forward for a training one again: the replica check every step ran 4 times in 16 steps (validation every
     4 batches). DDP itself tells a training forward by grad mode."""
     assert counted["replicas, validation"]["replica_checks"] == 16
+
+
+@pytest.mark.multiprocess
+def test_a_hook_the_user_registers_on_the_wrapper_takes_the_flag_carriers_place(counted):
+    """torch takes one communication hook per wrapper, and the flag carrier is one: a user's own, registered on
+    ``trainer.strategy.model`` once training starts, raised "can only be called once". It now takes the carrier's
+    place, and the flags take their own all-reduce."""
+    case = counted["a hook on the wrapper"]
+    assert case["users_hook_calls"] >= 16  # every step's buckets went through the user's hook
+    assert case["guard"] == "on (all-reduce per step)"
+    assert own_calls(case, "collective") == {"collective all_reduce": 1.0}

@@ -271,16 +271,17 @@ class DDPPlusArguments:
     handling, as stock). The handler only records the notice; every rank stops after the same optimizer step (at most
     one step after the notice, a window of accumulation finished), the Trainer saves it atomically where
     ``ckpt_path="last"`` finds it, and ``fit`` raises ``Preempted`` (a ``SIGTERMException``; exit code 128 + the
-    signal's number). The agreement rides on ``sync_guard``'s, so a run without a notice pays nothing; with
-    ``sync_guard=False``, one all-reduce of one integer per step. With Fabric, ask ``strategy.preemption_agreed``
+    signal's number). Its flag rides in the last gradient bucket, so a run without a notice pays nothing (with a
+    ``ddp_comm_hook`` or ``optimizer_sharding``: in ``sync_guard``'s all-reduce). With Fabric, ask ``strategy.preemption_agreed``
     after the optimizer step (the preemption guide)."""
 
     sync_guard: bool = argument(True, _flag)
     """After every backward that should synchronize, check on every rank that torch's reducer all-reduced every
     bucket, and act before the optimizer step (rule R6): no optimizer step is ever applied with gradients that were not
     all-reduced, and a parameter unused on some ranks only ends the step with an error instead of a hang. The ranks
-    agree through the job's store on gloo (one look-up per step), and with one all-reduce of a few integers per step
-    on a small gloo group of their own on other backends. Default on."""
+    agree with a few integers appended to the last gradient bucket, on every backend: no message or store call of
+    its own. With a ``ddp_comm_hook`` or ``optimizer_sharding`` (the buckets are theirs), one all-reduce of a few
+    integers per step on a small gloo group of their own. Default on."""
 
     uneven_inputs: UnevenInputs = argument(
         "error",

@@ -37,7 +37,8 @@ from lightning_ddp_plus.preemption.stop import PreemptionStop, StopDecision
 from lightning_ddp_plus.sharding.zero import ZeroSharding
 from lightning_ddp_plus.sync.accumulation import AccumulationWindow, SyncStats, WindowPosition
 from lightning_ddp_plus.sync.buckets import BucketChoice, BucketTuner
-from lightning_ddp_plus.sync.comm_hooks import HookAssembly, HookCallCounter, every_bucket_reaches_every_rank
+from lightning_ddp_plus.sync.comm_hooks import HookAssembly, HookCallCounter
+from lightning_ddp_plus.sync.flag_carrier import FlagCarrier
 from lightning_ddp_plus.sync.item_averaging import ItemAveraging
 from lightning_ddp_plus.sync.left_out import LeftOutGradients
 from lightning_ddp_plus.sync.micro_batch_runner import MicroBatchRunner
@@ -58,6 +59,7 @@ class EngineComponents:
     conflicts: ConflictCheck
     sharding: ZeroSharding
     hooks: HookAssembly
+    carrier: FlagCarrier
     replica_guard: ReplicaGuard
     channel: SideChannel
     stragglers: StragglerWatch | None
@@ -92,9 +94,11 @@ class EngineComponents:
         self.window = AccumulationWindow(arguments.gradient_accumulation_steps, arguments.short_window)
         self.conflicts = ConflictCheck(arguments.checkpointing_conflict, warn=warn, info=info)
         self.sharding = ZeroSharding(arguments.optimizer_sharding, info=info, timeout=arguments.collective_timeout)
-        self.hooks = HookAssembly(
-            *self.sharding.hook(arguments.comm_hook, arguments.ddp_comm_state), arguments.ddp_comm_wrapper
-        )
+        #: The step's flags in the last gradient bucket, where they can ride (``sync.flag_carrier``).
+        self.carrier = FlagCarrier(self._carried_flags)
+        hook, state = self.sharding.hook(arguments.comm_hook, arguments.ddp_comm_state)
+        overlap = arguments.optimizer_sharding == "overlap"
+        self.hooks = HookAssembly(hook, state, arguments.ddp_comm_wrapper, self.carrier, own_hook_later=overlap)
         self.replica_guard = ReplicaGuard(arguments.verify_replicas_every_n_steps)
         self.channel = SideChannel(timeout=arguments.collective_timeout)
         every = arguments.find_stragglers_every_n_steps
@@ -107,8 +111,7 @@ class EngineComponents:
         self.left_out = LeftOutGradients(record=self.ledger.collective, info=info)
         self.items = ItemAveraging.for_arguments(arguments, self.window, record=self.ledger.collective, info=info)
         own_chunks = self.sharding.shards.received_into_grads if self.sharding.shards is not None else None
-        everywhere = every_bucket_reaches_every_rank(arguments.ddp_comm_state)
-        self.sync_guard = SyncGuard(arguments.sync_guard, self.channel, warn, own_chunks, everywhere)
+        self.sync_guard = SyncGuard(arguments.sync_guard, self.channel, warn, own_chunks, self.carrier)
         self.uneven = UnevenInputsCheck(arguments.uneven_inputs, info=info, window=self.window)
         self.micro_batches = MicroBatchSizer(arguments.micro_batch_size, info=info)
         self.preemption = PreemptionStop(arguments.preemption_signals, self.channel)
@@ -126,6 +129,9 @@ class EngineComponents:
         self.buffer_broadcast = BufferBroadcastRecord(self.ledger)
         self.flight_recorder = None  # NCCL's, where prepare_process_group turned it on
         self._environ: MutableMapping[str, str] = {}  # where prepare_process_group set it
+
+    def _carried_flags(self) -> list[int]:  # a method, not a lambda: a spawned strategy is pickled
+        return self.agreement.flags_now()
 
     def _reducer_rebuilt(self, ddp: DistributedDataParallel) -> None:  # telemetry reads the buckets again
         if self.telemetry is not None:

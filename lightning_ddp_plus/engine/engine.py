@@ -163,8 +163,6 @@ class DDPPlusEngine(EngineComponents):
         forward had finished, not so in Lightning's manual optimization; ``last_chunk``: no chunk of the batch
         follows). A backward that raised what the per-step guard takes over is completed by the guard."""
         closes = synced and last_chunk and position.closes_window
-        if synced and self.sync_guard.active and self.pipeline.agreement_requested():  # before the buckets leave
-            self.sync_guard.request_agreement()
         self.pipeline.before_backward(
             BackwardStart(ddp=ddp, loss=loss, synced=synced, forward_synced=self.forward_synced, closes_window=closes)
         )

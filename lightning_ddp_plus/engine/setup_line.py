@@ -82,7 +82,7 @@ def setup_line(
     """``<front end>: backend=..., timeout=..., world_size=..., <every other argument>=<value in effect>``.
 
     >>> from lightning_ddp_plus.config.settings import DDPSettings
-    >>> effect = InEffect(DDPSettings(), "none", 1, "mean", "on (store)")
+    >>> effect = InEffect(DDPSettings(), "none", 1, "mean", "on (flags in the last bucket)")
     >>> setup_line("DDPPlusStrategy", DDPPlusArguments(timeout=300), effect, "gloo", 2).split(", ")[:4]
     ['DDPPlusStrategy: backend=gloo', 'timeout=5m', 'world_size=2', 'setup_timeout=None']
     """

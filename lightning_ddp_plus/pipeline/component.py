@@ -7,9 +7,8 @@ A component overrides the points it acts at; the others do nothing. Over a fit t
 2. per training forward, ``forward_starts(ForwardStart)`` (every forward of the wrapper, ``training`` says which);
 3. per backward, ``before_backward(BackwardStart)``, the backward, ``after_backward(BackwardEnd)``; after a synced
    one, the ranks agree in one exchange that carries every component's ``agreement_flags`` (their values from
-   ``agreement_values``), and each component reads the outcome by name in ``agreed(AgreedStep)``. Where the ranks
-   skip the exchange when nobody has news (gloo, through the job's store), a component with news says so before
-   the synced backward starts (``agreement_requested``), so that every rank takes the exchange;
+   ``agreement_values``, asked as the backward's last gradient bucket leaves), and each component reads the outcome
+   by name in ``agreed(AgreedStep)``;
 4. per optimizer step, ``step_done(step)``, which issues no collective; then, once the front end's loop has counted
    the step (before the next training forward, or at the epoch's end), ``step_counted(step)``, where the collectives
    a step makes due run (the straggler comparison): a death learnt in one of them then saves a whole step, where in
@@ -127,11 +126,6 @@ class StepComponent:
     def after_backward(self, backward: BackwardEnd) -> None:
         """A backward ran; for a synced one the agreement follows."""
 
-    def agreement_requested(self) -> bool:
-        """Before a synced backward: this rank has news for the agreement after it (every rank then takes the
-        exchange; without news the ranks may agree that nobody has any without it)."""
-        return False
-
     def agreement_needed(self) -> bool:
         """Where no guard check carries the flags: whether this component's must be exchanged after this synced
         backward (their own all-reduce; the same answer on every rank). By default whenever it declares any."""
@@ -221,9 +215,6 @@ class StepPipeline:
     def after_backward(self, backward: BackwardEnd) -> None:
         for component in self._at["after_backward"]:
             component.after_backward(backward)
-
-    def agreement_requested(self) -> bool:
-        return any(component.agreement_requested() for component in self._at["agreement_requested"])
 
     def agreement_needed(self) -> bool:
         return any(component.agreement_needed() for component in self._at["agreement_needed"])

@@ -3,12 +3,10 @@
 The decision rides on the agreement the per-step guard already makes after each synced backward
 (``sync.step_agreement``), as one more flag, so a run without a notice pays nothing for it:
 
-- On gloo, the ranks agree through the job's store: a rank with news sets a key before its backward sends its
-  buckets, and a rank whose backward finished can only have finished after those buckets arrived, so one look-up
-  tells every rank whether to join the flag all-reduce. A rank that has a notice announces it that way before its
-  next synced backward (``agreement_requested``), and its flag travels in that all-reduce.
-- On NCCL the guard all-reduces its flags every step; the notice is one more integer there.
-- With the guard off (``sync_guard=False``), one all-reduce of one integer per step on the side channel.
+- Its flag rides in the last gradient bucket (``sync.flag_carrier``), on every backend, with the guard on or off.
+- Where nothing can ride in the buckets (a ``ddp_comm_hook``, ``optimizer_sharding``), the guard all-reduces its
+  flags every step and the notice is one more integer there; with the guard off too, one all-reduce of one integer
+  per step on the side channel.
 
 A notice that lands during a synced backward, or during the optimizer step, is taken at the next step's: the stop
 comes at most one optimizer step after the notice. The ranks stop after the first optimizer step applied once they
@@ -111,10 +109,6 @@ class PreemptionStop(StepComponent):
         """The fit is over, every hook of it run: a notice ``end`` held is delivered to the handlers from before."""
         if not self.watch.installed:
             self.watch.pass_on()
-
-    def agreement_requested(self) -> bool:
-        """Before a synced backward: a rank with a notice makes every rank take the agreeing all-reduce."""
-        return self.watch.pending
 
     def agreement_values(self) -> dict[str, int]:
         """This rank's flag in the agreement after a synced backward."""

@@ -6,7 +6,7 @@ function, whose probe says so. torch's private names outside DDP are ``torch_dis
 
 | what | torch names used | probe, and what happens without it |
 |---|---|---|
-| rebuilding the reducer in place (``rebuild_reducer``) | ``reducer._remove_autograd_hooks``, ``_build_params_for_reducer``, ``_build_debug_param_to_name_mapping``, ``_ddp_init_helper``, ``_set_static_graph``, ``_has_rebuilt_buckets``, ``_comm_hooks`` | none; used only by ``"resolve"``, ``bucket_cap_mb="auto"`` and rule R6's resolution |
+| rebuilding the reducer in place (``rebuild_reducer``, ``withdraw_comm_hooks``) | ``reducer._remove_autograd_hooks``, ``_build_params_for_reducer``, ``_build_debug_param_to_name_mapping``, ``_ddp_init_helper``, ``_set_static_graph``, ``_has_rebuilt_buckets``, ``_comm_hooks`` | none; used only by ``"resolve"``, ``bucket_cap_mb="auto"``, rule R6's resolution, and a hook the user registers on the wrapper (it takes the flag carrier's place) |
 | bucket sizes (``set_bucket_cap``) | ``_bucket_config`` / ``_BucketCapacityConfig``, else ``bucket_bytes_cap`` | ``hasattr(ddp, "_bucket_config")`` picks the form |
 | the forward's bookkeeping for a rebuilt reducer (``replay_forward``) | ``logger.set_runtime_stats_and_log``, ``reducer.prepare_for_forward/backward``, ``_DDPSink``, ``_find_tensors`` | none |
 | did the reducer finish, and finishing it (``reducer_unfinished``, ``zeroed_buckets``, ``run_bucket_hook``) | ``reducer._check_reducer_finalized``, ``_get_zeros_like_grad_buckets``, ``_run_comm_hook`` | ``can_complete_reductions``: where it is False the per-step guard is off, with a warning that says so |
@@ -52,8 +52,15 @@ def rebuild_reducer(ddp: DistributedDataParallel, find_unused_parameters: bool, 
         ddp._set_static_graph()
     ddp._has_rebuilt_buckets = False
     hooks, ddp._comm_hooks = list(ddp._comm_hooks), []
-    for hook, state in hooks:
-        ddp.register_comm_hook(state, hook)
+    for hook, state in hooks:  # the class's method: the wrapper's own may stand for a user's later hook
+        DistributedDataParallel.register_comm_hook(ddp, state, hook)
+
+
+def withdraw_comm_hooks(ddp: DistributedDataParallel) -> None:
+    """A new reducer for ``ddp`` without the communication hooks registered on it (torch takes one per reducer and
+    has no call that removes it), between optimizer steps."""
+    ddp._comm_hooks = []
+    rebuild_reducer(ddp, ddp.find_unused_parameters, ddp.static_graph)
 
 
 def set_bucket_cap(ddp: DistributedDataParallel, cap_mb: float | None) -> None:

@@ -15,6 +15,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 
 from lightning_ddp_plus.config.messages import ArgumentTypeError, ArgumentValueError, closest_name, describe_bad_value
 from lightning_ddp_plus.pipeline.component import FitStart, StepComponent
+from lightning_ddp_plus.sync.flag_carrier import FlagCarrier, flags_ride_buckets
 
 HookFunction = Callable[[Any, "torch.distributed.GradBucket"], "torch.futures.Future[torch.Tensor]"]
 
@@ -54,15 +55,6 @@ _HOOK_FUNCTIONS: dict[CommHook, HookFunction] = {
 }
 
 _NAMES = tuple(hook.value for hook in CommHook)
-
-
-def every_bucket_reaches_every_rank(comm_state: object | None) -> bool:
-    """Whether each synced backward exchanges every bucket with every rank of the gradient group: not with post-local
-    SGD (a ``PostLocalSGDState``), whose hook all-reduces within a subgroup (a node) once its warm-up is over, so a
-    rank's backward may end before another rank's has even started."""
-    from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState
-
-    return not isinstance(comm_state, PostLocalSGDState)
 
 
 def parse_comm_hook(value: str | CommHook | HookFunction | None) -> CommHook | HookFunction | None:
@@ -217,7 +209,9 @@ def bucket_ordered_hook(hook: HookFunction) -> HookFunction:
 
 class HookAssembly(StepComponent):
     """The communication hook a wrapper gets: the named hook or callable, its state (PowerSGD gets a default one),
-    the optional wrapper, and a counter of its calls. Registered on every backend, gloo included.
+    the optional wrapper, and a counter of its calls. Registered on every backend, gloo included. Without one, the
+    ``carrier``'s (the step's flags in the last bucket) where it can ride (``flags_ride_buckets``; ``own_hook_later``:
+    the ZeRO overlap registers its hook after the wrap).
 
     >>> assembly = HookAssembly(CommHook.FP16, state=None, wrapper=None)
     >>> assembly.name
@@ -225,11 +219,17 @@ class HookAssembly(StepComponent):
     """
 
     def __init__(
-        self, hook: CommHook | HookFunction | None, state: object | None, wrapper: Callable[..., Any] | None
+        self,
+        hook: CommHook | HookFunction | None,
+        state: object | None,
+        wrapper: Callable[..., Any] | None,
+        carrier: FlagCarrier | None = None,
+        own_hook_later: bool = False,
     ) -> None:
         self.hook = hook
         self.user_state = state
         self.wrapper = wrapper
+        self.carrier, self.own_hook_later = carrier, own_hook_later
         #: Calls of the registered hook (one per gradient bucket all-reduced) on this rank.
         self.counter = HookCallCounter()
         #: The state the hook was last registered with (PowerSGD's holds its iteration and error feedback).
@@ -248,7 +248,11 @@ class HookAssembly(StepComponent):
 
     def register(self, ddp: "torch.nn.parallel.DistributedDataParallel") -> None:
         """Register the hook on a new wrapper (a fresh default state each time, like a fresh reducer)."""
+        if self.carrier is not None:
+            self.carrier.installed = False
         if self.hook is None:
+            if self.carrier is not None and flags_ride_buckets(ddp, None, self.own_hook_later):
+                self.carrier.register(ddp)  # not counted: the counter is the user's hook's
             return
         if isinstance(self.hook, CommHook):
             function = self.hook.function

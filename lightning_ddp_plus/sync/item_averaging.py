@@ -182,10 +182,6 @@ class ItemAveraging(StepComponent):
     def fit_starts(self, fit: FitStart) -> None:
         self.reset()
 
-    def agreement_requested(self) -> bool:
-        """In the first window, a rank that gives counts makes every rank compare (checked before ``take``)."""
-        return self.first_window and (self.on is True or (self.on is None and self.pending is not None))
-
     def agreement_needed(self) -> bool:
         """The ranks compare their decisions in the fit's first window only."""
         return self.first_window

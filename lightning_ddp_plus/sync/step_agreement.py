@@ -1,7 +1,8 @@
 """What every rank must know before an optimizer step, agreed in one exchange after each synced backward.
 
 The per-step guard's check (``step_guard``: did every rank's reducer all-reduce every bucket) is the agreement the
-others ride on, so they cost no collective of their own:
+others ride on, and its flags ride in the last gradient bucket (``flag_carrier``), so they cost no collective of
+their own:
 
 - an uneven-inputs flag that a rank held back for it (``uneven_inputs``, automatic optimization with k=1): whether
   this batch is some rank's last;
@@ -105,17 +106,24 @@ class StepAgreement:
         if one_synced_backward and self.guard.active:
             uneven.defer_to_step_check(state)
             self.epoch = epoch
-            if state.last:
-                self.guard.request_agreement()
             return False
         return uneven.decide(state, channel.maximum(uneven_flags(state.last)), channel.gather, epoch)
+
+    def flags_now(self) -> list[int]:
+        """This rank's flags as its last bucket leaves: the guard's two (none: its news travels in its completion)
+        and every declared one."""
+        pipeline = self.engine.pipeline
+        return [0, 0, *pipeline.flags.pack(pipeline.agreement_values())]
 
     def after_synced_backward(self, ddp: DistributedDataParallel, failed: bool, started: bool = True) -> StepAgreed:
         """The guard's check with the declared flags riding on it (``failed``: this rank's backward raised what the
         guard takes over; with ``micro_batches.failure`` set, this rank's attempt ran out of memory, ``started``
         saying whether its synced backward had begun)."""
         flags, values = self.engine.pipeline.flags, self.engine.pipeline.agreement_values()
-        if not self.guard.active:  # no check to ride on: the flags' own all-reduce, only where some flag has news
+        if not self.guard.active:  # no check to ride on: the flags rode the last bucket, or take their own all-reduce
+            carried = self.guard.carrier.take() if self.guard.carrier.installed else None
+            if carried is not None:
+                return StepAgreed(flags=flags.read(carried[2:]))
             if not self.engine.pipeline.agreement_needed():
                 return StepAgreed(flags=flags.zeros())
             return StepAgreed(flags=flags.read(self.channel.maximum(flags.pack(values))))
@@ -132,8 +140,6 @@ class StepAgreement:
         if agreed.get(OUT_OF_MEMORY):
             if deferred is not None:  # the batch runs again, and its uneven-inputs flag with it
                 self.uneven.defer_to_step_check(deferred)
-                if deferred.last:
-                    self.guard.request_agreement()
             return StepAgreed(out_of_memory=self._every_ranks_failure(failure), flags=agreed)
         skipped = outcome.fault is not None and outcome.fault.skipped
         if outcome.fault is not None:

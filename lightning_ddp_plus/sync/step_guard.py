@@ -16,13 +16,15 @@ What the guard does after every backward that should have synchronized:
    parameter got none, as ``find_unused_parameters=True`` sends), and waits. Every rank has then issued the same
    bucket collectives in the same order, so the gradient group is consistent again and a rank blocked in its
    backward is released at once. It needs no knowledge of the other ranks, so it runs before any agreement.
-3. The ranks agree whether any rank did not finish: through the job's store on gloo (see ``SyncGuard.check``), else
-   with one all-reduce of a few integers on a small gloo group of their own (``side_channel.SideChannel``: the
-   gradient group may still carry this backward's bucket all-reduces, and an NCCL group carries no CPU flags).
+3. The ranks agree whether any rank did not finish: the flags ride in the last bucket (``flag_carrier``), which a
+   finished rank's reducer launched and an unfinished rank launches in its completion, with its news; where nothing
+   can ride (another communication hook), with one all-reduce of a few integers on a small gloo group of their own
+   (``side_channel.SideChannel``: the gradient group may still carry this backward's bucket all-reduces, and an NCCL
+   group carries no CPU flags).
 4. Only after a fault: every rank learns which parameters each rank left without gradient, and ``.grad`` gets the
    exact average (``settle_gradients``).
 
-The reducer keeps its builtin all-reduce; the guard registers no hook. The front ends only call
+The front ends only call
 ``DDPPlusEngine.after_backward``; what a fault leads to (raise, or resolve and train on) is decided by the conflict
 rules (``conflicts.check.decide_late_fault``, rule R6) and applied by the engine.
 """
@@ -47,7 +49,7 @@ from lightning_ddp_plus.private_apis.torch_ddp import (
     run_bucket_hook,
     zeroed_buckets,
 )
-from lightning_ddp_plus.private_apis.torch_distributed import default_store
+from lightning_ddp_plus.sync.flag_carrier import FlagCarrier
 from lightning_ddp_plus.sync.side_channel import SideChannel
 
 #: torch's reducer names the parameters of this backward that got no gradient (``_check_reducer_finalized``).
@@ -207,20 +209,10 @@ class SyncFault:
         return "; ".join(parts)
 
 
-def store_for_agreement(ddp: DistributedDataParallel) -> Any:
-    """The job's store, when the gradient group is gloo (whose waits block the host), else ``None``."""
-    try:
-        if dist.get_backend(ddp.process_group) != "gloo":
-            return None
-    except (RuntimeError, ValueError):
-        return None
-    return default_store()
-
-
 @dataclass(frozen=True)
 class GuardOutcome:
     """What the check after a synced backward found: a fault (``None``: every reducer finished), and the maximum
-    over the ranks of each flag that travelled with the agreement (zeros when the ranks agreed through the store)."""
+    over the ranks of each flag that travelled with the agreement."""
 
     fault: SyncFault | None
     flag_maximums: list[int]
@@ -241,20 +233,17 @@ class SyncGuard(StepComponent):
         channel: SideChannel,
         warn: Callable[[str], None],
         own_chunks: Callable[[list[Parameter]], None] | None = None,
-        buckets_reach_every_rank: bool = True,
+        carrier: FlagCarrier | None = None,
     ) -> None:
         self.enabled = enabled
-        #: False (post-local SGD): a finished backward proves nothing about another rank's, so no store look-up.
-        self.buckets_reach_every_rank = buckets_reach_every_rank
+        #: The flags' ride in the last bucket (where ``carrier.installed``), else the side channel's all-reduce.
+        self.carrier = carrier or FlagCarrier(list)
         self._warn = warn
         self.channel = channel
         #: With a reduce-scatter hook: writes each rank's received chunks into ``.grad`` (see ``settle_gradients``).
         self.own_chunks = own_chunks
         self._parameters: list[tuple[str, Parameter]] = []
         self._active = False
-        self._store: Any = None
-        self._fit = 0
-        self._agreement_requested = False
         #: Synced backwards checked in the current fit on this rank.
         self.checks = 0
 
@@ -263,16 +252,11 @@ class SyncGuard(StepComponent):
         """The guard checks every synced backward of the current fit."""
         return self._active
 
-    @property
-    def agrees_through_store(self) -> bool:
-        """The ranks agree through the job's store instead of an all-reduce per step (gloo gradient groups)."""
-        return self._store is not None
-
     def describe(self) -> str:
         """How the guard runs, for the setup line."""
         if not self._active:
             return "on (checked once the wrapper is built)" if self.enabled else "off"
-        return "on (store)" if self.agrees_through_store else "on (all-reduce per step)"
+        return "on (flags in the last bucket)" if self.carrier.installed else "on (all-reduce per step)"
 
     def fit_starts(self, fit: FitStart) -> None:
         self.attach(fit.ddp)
@@ -281,9 +265,8 @@ class SyncGuard(StepComponent):
         self.detach()
 
     def attach(self, ddp: DistributedDataParallel) -> None:
-        self._active, self._store, self._agreement_requested = False, None, False
+        self._active = False
         self.checks = 0
-        self._fit += 1
         if not self.enabled or not self.channel.open:
             return
         if not can_complete_reductions(ddp):
@@ -295,22 +278,10 @@ class SyncGuard(StepComponent):
             )
             return
         self._parameters = [(name, p) for name, p in ddp.module.named_parameters() if p.requires_grad]
-        self._store = store_for_agreement(ddp) if self.buckets_reach_every_rank else None
         self._active = True
 
     def detach(self) -> None:
         self._active = False
-        self._store = None
-
-    def _key(self) -> str:
-        return f"ddp_plus/guard/{self._fit}/{self.checks + 1}"
-
-    def request_agreement(self) -> None:
-        """Before the next synced backward: this rank has something to say at its check (its batch is its epoch's
-        last), so every rank must take the agreeing all-reduce there."""
-        if not self._agreement_requested and self._store is not None:
-            self._store.set(self._key(), "1")
-        self._agreement_requested = True
 
     def check(
         self,
@@ -322,29 +293,32 @@ class SyncGuard(StepComponent):
     ) -> GuardOutcome:
         """After a synced backward (``aborted``: one that raised on this rank; ``never_started``: this rank failed
         before its synced backward began, so it launches every bucket; also taken when an aborted backward marked no
-        gradient ready): complete this rank's reduction if it did not finish, and agree with the other ranks. ``flags`` travel in the same all-reduce (their maximum over
-        ranks is returned), so that another per-step decision (uneven inputs) costs no collective of its own.
+        gradient ready): complete this rank's reduction if it did not finish, and agree with the other ranks.
+        ``flags`` travel with the guard's own (their maximum over the ranks is returned), so that another per-step
+        decision (uneven inputs) costs no collective of its own.
 
-        With a gloo gradient group the all-reduce runs only when some rank needs it: a rank with news writes a key
-        to the job's store *before* it launches its missing buckets (or, through ``request_agreement``, before this
-        backward), and a rank whose backward finished can only have finished after those buckets arrived, because
-        gloo's waits block the host; so one store look-up (tens of microseconds) tells it whether to join the
-        all-reduce. An NCCL wait does not block the host, so there the all-reduce runs every step.
+        Where the flags ride in the last bucket, a rank with news sends them in the completion that launches it, and
+        a rank whose reducer finished sent its own when its reducer launched it: no message of their own. A rank
+        whose backward raised after its last bucket left has nothing to complete (its news is lost; its gradients
+        were all-reduced whole).
         """
         message = reducer_unfinished(ddp)
+        carrier = self.carrier if self.carrier.installed else None
+        if carrier is not None and carrier.received and message is None:
+            aborted = never_started = False  # every bucket left, the last with this rank's flags
         # a backward that raised before any gradient was ready marked nothing, so the reducer reports itself finished;
         # it launched no bucket either (torch runs its finalize only once every node of the graph succeeded)
         never_started = never_started or (aborted and message is None)
         unfinished = message is not None or aborted
-        if unfinished:
-            self.request_agreement()
-        requested, self._agreement_requested = self._agreement_requested, False
-        quiet = self._store is not None and not requested and not self._store.check([self._key()])
         self.checks += 1
-        if quiet:
-            return GuardOutcome(None, [0] * len(flags))
-        completion = complete_reduction(ddp, message or "", every_bucket=never_started) if unfinished else None
-        agreed = self.channel.maximum([int(unfinished), int(aborted), *flags])
+        sent = [int(unfinished), int(aborted), *flags]
+        completion = None
+        if unfinished:
+            if carrier is not None:
+                carrier.news = sent
+            completion = complete_reduction(ddp, message or "", every_bucket=never_started)
+        received = carrier.take() if carrier is not None else None
+        agreed = received if received is not None else self.channel.maximum(sent)
         if not agreed[0]:
             return GuardOutcome(None, agreed[2:])
         return GuardOutcome(self._fault(ddp, step, completion, aborted=bool(agreed[1])), agreed[2:])

@@ -48,9 +48,6 @@ class StepRecorder(StepComponent):
     def _has_news(self) -> bool:
         return self.rank == 1 and self.steps + 1 == self.news_at_step
 
-    def agreement_requested(self) -> bool:
-        return self._has_news()
-
     def agreement_values(self) -> dict[str, int]:
         return {NEWS: int(self._has_news())}
 

@@ -17,14 +17,14 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_ddp_plus import DDPPlusStrategy
-from lightning_ddp_plus.sync import step_guard
+from lightning_ddp_plus.sync import comm_hooks
 from tests.helpers import QUIET_TRAINER, flat_parameters, job_main, regression_data, strategy_outcome
 
-STORE_FOR_AGREEMENT = step_guard.store_for_agreement
+FLAGS_RIDE_BUCKETS = comm_hooks.flags_ride_buckets
 
 
-def _no_store(ddp: object) -> None:
-    return None
+def _flags_ride_nothing(*args: object) -> bool:
+    return False
 
 
 class Shard(IterableDataset):
@@ -170,8 +170,10 @@ class Timeline(L.Callback):
 
 def run_case(case: dict) -> dict:
     warnings.filterwarnings("ignore", message=".*(find_unused_parameters|does not have many workers).*")
-    # "all_reduce": agree by an all-reduce every step, as on NCCL (gloo groups agree through the store)
-    step_guard.store_for_agreement = STORE_FOR_AGREEMENT if case.get("agreement") != "all_reduce" else _no_store
+    # "all_reduce": the flags take an all-reduce of their own every step, as where a comm hook leaves them nothing to
+    # ride in (else they ride in the last gradient bucket)
+    riding = case.get("agreement") != "all_reduce"
+    comm_hooks.flags_ride_buckets = FLAGS_RIDE_BUCKETS if riding else _flags_ride_nothing
     strategy_kwargs = dict(case.get("strategy", {}))
     accumulate = strategy_kwargs.pop("accumulate_grad_batches", 1)
     if case.get("stock"):

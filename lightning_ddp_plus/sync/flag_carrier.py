@@ -1,0 +1,97 @@
+"""The step's flags ride in the last gradient bucket, so that agreeing on them costs no message of its own.
+
+Every decision the ranks must take at the same step (the guard's unfinished reductions, a notice, an epoch's end for
+uneven inputs, an out-of-memory retry) is a handful of 0/1 flags. DDP all-reduces every bucket anyway, and torch's
+reducer launches them strictly in order, so the last one leaves after everything a rank knows when its backward ends:
+
+- a rank whose reducer finished launched it itself, with the flags it held then;
+- a rank whose reducer did not finish (or whose synced backward failed) launches it in ``step_guard``'s completion,
+  with its news set, before any rank can read the result.
+
+The hook is torch's ``allreduce_hook`` for every bucket but the last, which travels with the flags appended (one copy
+of that bucket; on a GPU a few microseconds, on CPU about a millisecond per 10 MiB). Each rank reads the flags of the
+result: their sum over the ranks, so a flag is set where any rank set it. With ``ddp_comm_hook`` set (a compressing
+hook changes the bucket's values, PowerSGD's issues its own collectives), ``optimizer_sharding`` (its own hook), a
+hook the user registers on the wrapper later (it takes the carrier's place), or a sparse gradient, nothing rides: the flags take one all-reduce of their own on the side channel
+(``side_channel.SideChannel``).
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.nn import Embedding, EmbeddingBag
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_ddp_plus.private_apis.torch_ddp import withdraw_comm_hooks
+
+
+def flags_ride_buckets(ddp: DistributedDataParallel, hook: object | None, own_hook_later: bool) -> bool:
+    """Whether the flags can ride in ``ddp``'s last bucket: no other hook (``hook``: the user's or the sharding's;
+    ``own_hook_later``: one registered after the wrap, the ZeRO overlap's), and no sparse gradient."""
+    sparse = any(isinstance(m, (Embedding, EmbeddingBag)) and m.sparse for m in ddp.module.modules())
+    return hook is None and not own_hook_later and not sparse
+
+
+class FlagCarrier:
+    """The communication hook that carries the step's flags in the last bucket, and what it received.
+
+    Args:
+        flags_now: this rank's flags when its last bucket leaves (the same number on every rank).
+    """
+
+    def __init__(self, flags_now: Callable[[], list[int]]) -> None:
+        self.flags_now = flags_now
+        #: Flags a rank with news sends instead of ``flags_now``'s (the guard's completion of a reduction).
+        self.news: list[int] | None = None
+        #: The hook is registered on the running fit's wrapper: the flags ride its buckets.
+        self.installed = False
+        self._received: torch.Tensor | None = None
+
+    def register(self, ddp: DistributedDataParallel) -> None:
+        """The carrier's hook on ``ddp``. A hook the user registers on the wrapper later (torch takes one per wrapper)
+        takes its place: the reducer is rebuilt without it, and the flags take the side channel."""
+        self._received, self.news = None, None
+        ddp.register_comm_hook(ddp.process_group, self.hook)
+        self.installed = True
+
+        def register_comm_hook(state: object, hook: Callable[..., Any]) -> None:
+            self.installed = False
+            del ddp.register_comm_hook  # the class's method again
+            withdraw_comm_hooks(ddp)
+            ddp.register_comm_hook(state, hook)
+
+        setattr(ddp, "register_comm_hook", register_comm_hook)  # noqa: B010 - on the instance, over the method
+
+    def hook(self, group: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        if not bucket.is_last():
+            return allreduce_hook(group, bucket)
+        buffer = bucket.buffer()
+        flags = self.news if self.news is not None else self.flags_now()
+        size = buffer.numel()
+        carried = torch.empty(size + len(flags), dtype=buffer.dtype, device=buffer.device)
+        torch.div(buffer, dist.get_world_size(group), out=carried[:size])
+        carried[size:].copy_(torch.tensor(flags, dtype=buffer.dtype), non_blocking=True)
+        future = dist.all_reduce(carried, group=group, async_op=True).get_future()
+
+        def split(done: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+            reduced = done.value()[0]
+            self._received = reduced[size:]
+            return reduced[:size]
+
+        carrying: torch.futures.Future[torch.Tensor] = future.then(split)
+        return carrying
+
+    @property
+    def received(self) -> bool:
+        """A last bucket left since the last ``take`` (this rank's reducer, or the guard's completion, launched it)."""
+        return self._received is not None
+
+    def take(self) -> list[int] | None:
+        """Each flag of the last bucket all-reduced since the last take, 1 where any rank set it (``None``: no last
+        bucket left). On a GPU this waits for that bucket's all-reduce on the host."""
+        received, self._received = self._received, None
+        self.news = None
+        return None if received is None else [int(value > 0) for value in received.tolist()]
