@@ -14,6 +14,9 @@ Per variant and world size it reports, from rank 0:
   a Python communication hook (``ddp_plus``'s flag carrier, torch's ``allreduce_hook``), counted apart as "gradient
   bucket"; calls from a thread other than the main one (the stall watchdog's timed poll) are marked so;
 - the median step time (between consecutive batch starts, after ``--warm-up`` steps), and its ratio to bare DDP's;
+- the CPU time rank 0's process spends per step, all its threads (the hooks' and gloo's included): on a cluster, where
+  each rank has cores of its own, this is what a step's host work adds; here, with more ranks than cores, the step
+  times also carry every other rank's;
 - the time from the process's start, and from ``Trainer.fit``, to the first training batch (the slowest rank's).
 
     python benchmarks/scale.py                        # 2, 4, 8, 16 ranks, a few minutes on 2 cores
@@ -97,11 +100,12 @@ def rank_main(variant: str, options: argparse.Namespace) -> None:
     from torch.utils.data import DataLoader, TensorDataset
 
     counts.install()
-    marks: dict[str, Any] = {"batch_starts": [], "calls_at": []}
+    marks: dict[str, Any] = {"batch_starts": [], "cpu_at": [], "calls_at": []}
 
     class Timing(pl.Callback):
         def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
             marks["batch_starts"].append(time.time())
+            marks["cpu_at"].append(time.process_time())
             marks["calls_at"].append(Counter(counts.calls))
 
     class Sleepy(pl.LightningModule):
@@ -169,6 +173,7 @@ def rank_main(variant: str, options: argparse.Namespace) -> None:
             "per step": {name: n / steady for name, n in sorted(per_step.items()) if n},
             "before the first step": dict(sorted(calls[0].items())),
             "median step (ms)": 1e3 * statistics.median(b - a for a, b in zip(starts[warm:], starts[warm + 1 :])),
+            "CPU per step (ms)": 1e3 * (marks["cpu_at"][-1] - marks["cpu_at"][warm]) / steady,
             "first step from start (s)": max(rank["from start"] for rank in gathered),
             "first step from fit (s)": max(rank["from fit"] for rank in gathered),
             "flag all_reduce (us)": 1e6 * flag_latency,
@@ -219,10 +224,10 @@ def markdown(results: list[dict[str, Any]]) -> str:
     bare = {r["ranks"]: r["median step (ms)"] for r in results if r["variant"] == "bare"}
     lines = [
         (
-            "| ranks | variant | step (ms) | to bare | first step from start / fit (s) | per step, own | before step 1 "
-            "| 5-int all_reduce (us) |"
+            "| ranks | variant | step (ms) | to bare | CPU per step (ms) | first step from start / fit (s) "
+            "| per step, own | before step 1 | 5-int all_reduce (us) |"
         ),
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         ratio = r["median step (ms)"] / bare[r["ranks"]] if r["ranks"] in bare else float("nan")
@@ -230,6 +235,7 @@ def markdown(results: list[dict[str, Any]]) -> str:
         start = ", ".join(f"{k} {v}" for k, v in r["before the first step"].items()) or "none"
         lines.append(
             f"| {r['ranks']} | {r['variant']} | {r['median step (ms)']:.1f} | {ratio:.2f}x | "
+            f"{r['CPU per step (ms)']:.2f} | "
             f"{r['first step from start (s)']:.1f} / {r['first step from fit (s)']:.2f} | {own} | {start} | "
             f"{r['flag all_reduce (us)']:.0f} |"
         )

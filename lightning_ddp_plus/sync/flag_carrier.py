@@ -8,12 +8,13 @@ reducer launches them strictly in order, so the last one leaves after everything
 - a rank whose reducer did not finish (or whose synced backward failed) launches it in ``step_guard``'s completion,
   with its news set, before any rank can read the result.
 
-The hook is torch's ``allreduce_hook`` for every bucket but the last, which travels with the flags appended (one copy
-of that bucket; on a GPU a few microseconds, on CPU about a millisecond per 10 MiB). Each rank reads the flags of the
+The hook is torch's ``allreduce_hook`` for every bucket but the last, which travels with the flags appended: one pass
+over that bucket into a buffer kept from step to step, in place of the division ``allreduce_hook`` makes in place (on
+a GPU a few microseconds; on CPU, priced in ``benchmarks/flag_transport.py``). Each rank reads the flags of the
 result: their sum over the ranks, so a flag is set where any rank set it. With ``ddp_comm_hook`` set (a compressing
 hook changes the bucket's values, PowerSGD's issues its own collectives), ``optimizer_sharding`` (its own hook), a
-hook the user registers on the wrapper later (it takes the carrier's place), or a sparse gradient, nothing rides: the flags take one all-reduce of their own on the side channel
-(``side_channel.SideChannel``).
+hook the user registers on the wrapper later (it takes the carrier's place), or a sparse gradient, nothing rides:
+the flags take one all-reduce of their own on the side channel (``side_channel.SideChannel``).
 """
 
 from collections.abc import Callable
@@ -49,11 +50,12 @@ class FlagCarrier:
         #: The hook is registered on the running fit's wrapper: the flags ride its buckets.
         self.installed = False
         self._received: torch.Tensor | None = None
+        self._carried: torch.Tensor | None = None
 
     def register(self, ddp: DistributedDataParallel) -> None:
         """The carrier's hook on ``ddp``. A hook the user registers on the wrapper later (torch takes one per wrapper)
         takes its place: the reducer is rebuilt without it, and the flags take the side channel."""
-        self._received, self.news = None, None
+        self._received, self.news, self._carried = None, None, None
         ddp.register_comm_hook(ddp.process_group, self.hook)
         self.installed = True
 
@@ -71,7 +73,11 @@ class FlagCarrier:
         buffer = bucket.buffer()
         flags = self.news if self.news is not None else self.flags_now()
         size = buffer.numel()
-        carried = torch.empty(size + len(flags), dtype=buffer.dtype, device=buffer.device)
+        carried = self._carried
+        if carried is None or carried.numel() != size + len(flags) or carried.dtype != buffer.dtype:
+            # kept from step to step: a fresh buffer of a bucket's size costs its pages again every step on CPU;
+            # the reducer copies the result into the bucket before the next backward can call the hook again
+            carried = self._carried = torch.empty(size + len(flags), dtype=buffer.dtype, device=buffer.device)
         torch.div(buffer, dist.get_world_size(group), out=carried[:size])
         carried[size:].copy_(torch.tensor(flags, dtype=buffer.dtype), non_blocking=True)
         future = dist.all_reduce(carried, group=group, async_op=True).get_future()
