@@ -2,9 +2,9 @@
 it to each other through the job's store, never through the process group that is stuck.
 
 Every ``POLL_SECONDS`` the thread looks at this rank's ledger. When a collective this rank issued has not completed for
-longer than the threshold, it asks for an episode (one counter in the store). Every rank's thread sees the new episode
-at its next look at the store (every ``store_poll_seconds(world_size)``: the store's load stays bounded as the job
-grows) and writes its state there once (``stalls.RankState``: its ledger's last records, its phase and step, and where
+longer than ``stall_report_after``, it asks for an episode (one counter in the store). Every rank's thread sees the new
+episode at its next look at the store (every ``store_poll_seconds(world_size)``: the store's load stays bounded as the
+job grows) and writes its state there once (``stalls.RankState``: its ledger's last records, its phase and step, and where
 its main thread is, with its stack). Rank 0's thread reads every state, decides (``explain_stall``) and writes the
 report under one key, which the others read: an episode costs O(N) store reads, not every rank reading every other's
 (O(N^2)). Rank 0's thread runs even when its main thread is the one stuck, and the store lives in its process:
@@ -89,7 +89,8 @@ class StallWatchdog(StepComponent):
 
     Args:
         ledger: this rank's collective ledger.
-        threshold: how long a collective may be waited in before the ranks compare states.
+        report_after: how long a collective may be waited in before the ranks compare states (the argument
+            ``stall_report_after`` in effect).
         end_process: ends this process (out of step: rank 0 ends, which ends the job).
         say: how a report reaches the user.
         warn: how a warning reaches the user at a fit's start (no client of the store could be made).
@@ -98,12 +99,12 @@ class StallWatchdog(StepComponent):
     def __init__(
         self,
         ledger: CollectiveLedger,
-        threshold: timedelta,
+        report_after: timedelta,
         end_process: Callable[[int], None] = end_process_now,
         say: Callable[[str], None] | None = None,
         warn: Callable[[str], None] | None = None,
     ) -> None:
-        self.ledger, self.threshold = ledger, threshold.total_seconds()
+        self.ledger, self.report_after = ledger, report_after.total_seconds()
         self._end_process, self._say, self._warn = end_process, say or _to_stderr, warn or _to_stderr
         #: The last report this rank took part in (``None``: no stall yet), for the timeout's error.
         self.last_report: StallReport | None = None
@@ -203,7 +204,7 @@ class StallWatchdog(StepComponent):
                     enter_device(entered)
                 current = self.ledger.current
                 waited = time.monotonic() - current.started if current is not None else 0.0
-                asks = current is not None and waited > self.threshold and self._requested_for != current.sequence
+                asks = current is not None and waited > self.report_after and self._requested_for != current.sequence
                 if asks and current is not None:
                     store.add(episodes, 1)
                     self._requested_for = current.sequence  # once per collective (asked again if the add failed)
@@ -314,7 +315,7 @@ class StallWatchdog(StepComponent):
             )
             self._end_process(1)
             return
-        self._say(f"lightning-ddp-plus: a collective has waited longer than {self.threshold:g} s.\n{report.text}")
+        self._say(f"lightning-ddp-plus: a collective has waited longer than {self.report_after:g} s.\n{report.text}")
 
 
 def _stop_every_watchdog() -> None:

@@ -90,7 +90,7 @@ def _choice(fix: str) -> Check:
     return lambda argument, value: require_one_of(argument, value, typing.get_args(argument_types()[argument]), fix)
 
 
-def _stall_threshold(argument: str, value: Any) -> Any:
+def _stall_report_after(argument: str, value: Any) -> Any:
     """``"auto"``, ``None``, or a duration in ``timeout``'s forms (parsed; compared with ``timeout`` afterwards)."""
     return value if value in ("auto", None) else parse_timeout(value, argument)
 
@@ -339,7 +339,7 @@ class DDPPlusArguments:
     ``sync_guard``, ``uneven_inputs="join"`` and gradient clipping). Checkpoints hold the consolidated, plain
     optimizer state (gathered on rank 0 at each save). Default ``False``."""
 
-    stall_report_after: TimeoutLike | Literal["auto"] | None = argument("auto", _stall_threshold)
+    stall_report_after: TimeoutLike | Literal["auto"] | None = argument("auto", _stall_report_after)
     """How long a collective may be waited in before the ranks compare what they are doing, through the job's store,
     and say why: ranks out of step (a collective issued on some ranks only, e.g. ``self.log(..., sync_dist=True)`` on
     one rank) end the job at once with each rank's collective and line; a rank that has not reached the collective is
@@ -407,23 +407,23 @@ class DDPPlusArguments:
         ``setup_timeout`` against a backend named here (``"auto"`` is judged once the device is known)."""
         if self.setup_timeout is not None:
             check_setup_timeout(self.process_group_timeout, self.backend, CAN_SET_GROUP_TIMEOUT, GROUP_TIMEOUT_BACKENDS)
-        threshold = self.stall_threshold
-        if threshold is not None and threshold >= self.collective_timeout:
+        report_after = self.stall_report_after_in_effect
+        if report_after is not None and report_after >= self.timeout_in_effect:
             raise ArgumentValueError(
                 describe_bad_value(
                     "stall_report_after",
-                    format_timeout(threshold),
-                    f"it must be shorter than `timeout` ({format_timeout(self.collective_timeout)}), which ends the job.",
+                    format_timeout(report_after),
+                    f"it must be shorter than `timeout` ({format_timeout(self.timeout_in_effect)}), which ends the job.",
                     "set it well below the timeout (e.g. a quarter of it: `'auto'`), or raise `timeout`.",
                 )
             )
-        if threshold is not None and self.ledger_length == 0:
+        if report_after is not None and self.ledger_length == 0:
             raise ArgumentValueError(
                 describe_bad_value(
                     "ledger_length",
                     0,
                     "the stall report needs the ranks' ledgers, and `stall_report_after` is on "
-                    f"({format_timeout(threshold)}).",
+                    f"({format_timeout(report_after)}).",
                     "keep a ledger (e.g. `ledger_length=64`, the default), or turn the report off with "
                     "`stall_report_after=None`.",
                 )
@@ -456,7 +456,7 @@ class DDPPlusArguments:
         return self.process_group_backend
 
     @property
-    def collective_timeout(self) -> timedelta:
+    def timeout_in_effect(self) -> timedelta:
         """``timeout`` as its check parsed it."""
         assert isinstance(self.timeout, timedelta)
         return self.timeout
@@ -465,21 +465,21 @@ class DDPPlusArguments:
     def process_group_timeout(self) -> timedelta:
         """The timeout the process group is created with: ``setup_timeout``, else ``timeout``."""
         assert self.setup_timeout is None or isinstance(self.setup_timeout, timedelta)
-        return self.setup_timeout or self.collective_timeout
+        return self.setup_timeout or self.timeout_in_effect
 
     @property
-    def setup_collective_timeout(self) -> timedelta | None:
+    def setup_timeout_in_effect(self) -> timedelta | None:
         """``setup_timeout`` as its check parsed it (``None``: ``timeout`` throughout)."""
         assert self.setup_timeout is None or isinstance(self.setup_timeout, timedelta)
         return self.setup_timeout
 
     @property
-    def stall_threshold(self) -> timedelta | None:
+    def stall_report_after_in_effect(self) -> timedelta | None:
         """``stall_report_after`` in effect: ``"auto"`` decided (a quarter of the timeout, at most 5 minutes)."""
         if self.stall_report_after is None:
             return None
         if self.stall_report_after == "auto":
-            return min(self.collective_timeout / 4, timedelta(minutes=5))
+            return min(self.timeout_in_effect / 4, timedelta(minutes=5))
         assert isinstance(self.stall_report_after, timedelta)
         return self.stall_report_after
 

@@ -90,24 +90,24 @@ class EngineComponents:
         """Each component from its arguments (``engine``: the engine the agreement asks, see ``AgreementEngine``)."""
         self.arguments, self._warn, self._info = arguments, warn, info
         self.in_effect = SettingsInEffect(arguments.settings, on_rebuilt=self._reducer_rebuilt)
-        self.timeouts = GroupTimeouts(arguments.collective_timeout, arguments.setup_collective_timeout)
+        self.timeouts = GroupTimeouts(arguments.timeout_in_effect, arguments.setup_timeout_in_effect)
         self.window = AccumulationWindow(arguments.gradient_accumulation_steps, arguments.short_window)
         self.conflicts = ConflictCheck(arguments.checkpointing_conflict, warn=warn, info=info)
-        self.sharding = ZeroSharding(arguments.optimizer_sharding, info=info, timeout=arguments.collective_timeout)
+        self.sharding = ZeroSharding(arguments.optimizer_sharding, info=info, timeout=arguments.timeout_in_effect)
         #: The step's flags in the last gradient bucket, where they can ride (``sync.flag_carrier``).
         self.carrier = FlagCarrier(self._carried_flags)
         hook, state = self.sharding.hook(arguments.comm_hook, arguments.ddp_comm_state)
         overlap = arguments.optimizer_sharding == "overlap"
         self.hooks = HookAssembly(hook, state, arguments.ddp_comm_wrapper, self.carrier, own_hook_later=overlap)
         self.replica_guard = ReplicaGuard(arguments.verify_replicas_every_n_steps)
-        self.channel = SideChannel(timeout=arguments.collective_timeout)
+        self.channel = SideChannel(timeout=arguments.timeout_in_effect)
         every = arguments.find_stragglers_every_n_steps
         self.stragglers = None if every is None else StragglerWatch(every, warn, channel=self.channel)
         clock = self.stragglers.clock if self.stragglers is not None else None
         self.ledger = CollectiveLedger(arguments.ledger_length, clock=clock)
         self.channel.record = self.ledger.collective  # the flag exchanges in the ledger too
-        threshold = arguments.stall_threshold
-        self.stall_watchdog = None if threshold is None else StallWatchdog(self.ledger, threshold, warn=warn)
+        after = arguments.stall_report_after_in_effect
+        self.stall_watchdog = None if after is None else StallWatchdog(self.ledger, after, warn=warn)
         self.left_out = LeftOutGradients(record=self.ledger.collective, info=info)
         self.items = ItemAveraging.for_arguments(arguments, self.window, record=self.ledger.collective, info=info)
         own_chunks = self.sharding.shards.received_into_grads if self.sharding.shards is not None else None

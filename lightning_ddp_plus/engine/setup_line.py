@@ -61,8 +61,8 @@ def resolved_values(arguments: DDPPlusArguments, effect: InEffect) -> dict[str, 
     """The values that differ from what was given: decided, parsed or resolved."""
     settings = effect.settings
     auto = "auto->" if arguments.broadcast_buffers == "auto" else ""
-    threshold = arguments.stall_threshold
-    stall = "None" if threshold is None else format_timeout(threshold)
+    report_after = arguments.stall_report_after_in_effect
+    stall = "None" if report_after is None else format_timeout(report_after)
     return {
         "setup_timeout": "None" if arguments.setup_timeout is None else format_timeout(arguments.process_group_timeout),
         "stall_report_after": ("auto->" if arguments.stall_report_after == "auto" else "") + stall,
@@ -93,7 +93,7 @@ def setup_line(
         if name not in _LEADING
     )
     extra = f", extra={effect.settings.extra}" if effect.settings.extra else ""
-    timeout = format_timeout(arguments.collective_timeout)
+    timeout = format_timeout(arguments.timeout_in_effect)
     return f"{front_end}: backend={backend}, timeout={timeout}, world_size={world_size}, {rest}{extra}"
 
 

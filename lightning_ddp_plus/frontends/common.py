@@ -94,7 +94,7 @@ class DDPPlusFrontEnd:
     @property
     def timeout(self) -> timedelta:
         """The collective timeout of the training steps (``setup_timeout``, when given, covers what comes before)."""
-        return self.engine.arguments.collective_timeout
+        return self.engine.arguments.timeout_in_effect
 
     @property
     def phase_times(self) -> list[PhaseTimes]:
