@@ -13,6 +13,10 @@ variants run alternately (A B C ... A B C ...) and each reports the median time 
   (``2 (n-1)/n`` times the gradient bytes; for 2 ranks the gradient bytes), and link time = bytes / rate;
 - the bounds ``compute + link`` (no overlap) and ``max(compute, link)`` (perfect overlap), per optimizer step.
 
+``stock_no_sigterm`` is stock with Lightning's per-step SIGTERM broadcast off (bare DDP under Lightning, the floor);
+``ddp_plus_side_channel`` is ``ddp_plus`` with nothing riding in the gradient buckets (as with a ``ddp_comm_hook``):
+the step's flags take an all-reduce of their own, and torch's reducer all-reduces the buckets in C++.
+
 Writes ``benchmarks/results/shaped_link.json`` and ``shaped_link.png``; without root it says why and exits 0.
 """
 
@@ -41,7 +45,9 @@ OUTPUTS = 16
 AUTO_WARMUP_STEPS = 14  # bucket_cap_mb="auto" times 4 sizes for 3 steps each, then rebuilds once more
 VARIANTS = (
     "stock",
+    "stock_no_sigterm",
     "ddp_plus",
+    "ddp_plus_side_channel",
     "ddp_plus_check_off",
     "fp16",
     "bf16",
@@ -146,6 +152,19 @@ class StepClock:
         return 1e3 * statistics.median(steps)
 
 
+class NoSigtermBroadcast:
+    """Lightning's per-step broadcast of rank 0's SIGTERM flag off (a callback, built lazily like the modules)."""
+
+    def __new__(cls):
+        import lightning as L
+
+        class _NoBroadcast(L.Callback):
+            def on_train_start(self, trainer, pl_module):
+                trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: None
+
+        return _NoBroadcast()
+
+
 def strategy_for(variant: str):
     from lightning.pytorch.strategies import DDPStrategy
     from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
@@ -181,6 +200,9 @@ def fit_variant(variant: str, args, devices: int = 1, num_nodes: int = 2) -> dic
     model = model_class(args.width, args.layers, batches, args.layernorm)
     clock = StepClock()
     strategy = strategy_for(variant) if num_nodes > 1 else "auto"
+    callbacks = [clock.callback]
+    if variant == "stock_no_sigterm":  # bare DDP under Lightning: its per-step SIGTERM broadcast off
+        callbacks.append(NoSigtermBroadcast())
     trainer = L.Trainer(
         strategy=strategy,
         accelerator="cpu",
@@ -188,13 +210,21 @@ def fit_variant(variant: str, args, devices: int = 1, num_nodes: int = 2) -> dic
         num_nodes=num_nodes,
         max_epochs=1,
         accumulate_grad_batches=k if variant == "stock_accumulate_k4" else 1,
-        callbacks=[clock.callback],
+        callbacks=callbacks,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(model)
+    from lightning_ddp_plus.sync import comm_hooks
+
+    rides = comm_hooks.flags_ride_buckets
+    if variant == "ddp_plus_side_channel":  # nothing rides in the buckets, as with a comm hook: a flag all-reduce
+        comm_hooks.flags_ride_buckets = lambda *args: False
+    try:
+        trainer.fit(model)
+    finally:
+        comm_hooks.flags_ride_buckets = rides
     skip = AUTO_WARMUP_STEPS if k == 1 else 3
     choice = getattr(strategy, "bucket_choice", None)
     return {

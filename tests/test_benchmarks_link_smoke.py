@@ -19,7 +19,15 @@ def test_shaped_link_benchmark_runs_on_two_namespaced_nodes(tmp_path):
     if reason:
         pytest.skip(f"two shaped nodes cannot be made here: {reason}")
     script = str(REPO_ROOT / "benchmarks" / "shaped_link.py")
-    variants = ["stock", "ddp_plus", "bucket_auto", "powersgd_r1", "stock_manual_recipe_k4", "ddp_plus_manual_k4"]
+    variants = [
+        "stock",
+        "ddp_plus",
+        "ddp_plus_side_channel",
+        "bucket_auto",
+        "powersgd_r1",
+        "stock_manual_recipe_k4",
+        "ddp_plus_manual_k4",
+    ]
     args = ["--rates", "1gbit", "--repeats", "1", "--batches", "16", "--width", "64", "--layers", "1"]
     result = run_job(
         [sys.executable, script, *args, "--variants", *variants, "--out", str(tmp_path), "--timeout", "240"],
