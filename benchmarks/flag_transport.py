@@ -104,12 +104,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--out", default="flag_transport.json")
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "flag_transport.json"))
     parser.add_argument("--as-rank", type=int, help=argparse.SUPPRESS)
     options = parser.parse_args()
     if options.as_rank is not None:
         rank_main(options)
         return
+    Path(options.out).resolve().parent.mkdir(parents=True, exist_ok=True)
     run_ranks(
         [sys.executable, __file__, *sys.argv[1:]], options.ranks, 900, {"FLAG_OUT": str(Path(options.out).resolve())}
     )

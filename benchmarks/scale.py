@@ -42,6 +42,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.ranks import run_ranks
+from benchmarks.recipes import flags_on_side_channel, no_sigterm_broadcast
 
 VARIANTS = ("bare", "stock", "ddp_plus", "ddp_plus_side_channel")
 COLLECTIVES = (
@@ -129,10 +130,7 @@ def rank_main(variant: str, options: argparse.Namespace) -> None:
             callbacks.append(no_sigterm_broadcast())
     else:
         import lightning_ddp_plus
-        from lightning_ddp_plus.sync import comm_hooks
 
-        if variant == "ddp_plus_side_channel":  # nothing rides in the buckets, as with a comm hook
-            comm_hooks.flags_ride_buckets = lambda *args: False
         strategy = lightning_ddp_plus.DDPPlusStrategy(process_group_backend="gloo")
     world = int(os.environ["WORLD_SIZE"])
     trainer = pl.Trainer(
@@ -149,7 +147,8 @@ def rank_main(variant: str, options: argparse.Namespace) -> None:
     )
     data = TensorDataset(torch.randn(8 * options.steps * world, 8), torch.randn(8 * options.steps * world, 1))
     fit_called = time.time()
-    trainer.fit(Sleepy(), DataLoader(data, batch_size=8))
+    with flags_on_side_channel(variant == "ddp_plus_side_channel"):
+        trainer.fit(Sleepy(), DataLoader(data, batch_size=8))
     first = marks["batch_starts"][0]
     times = [{"from start": first - started, "from fit": first - fit_called}]
     gathered: list[Any] = [None] * world
@@ -197,18 +196,6 @@ def flag_all_reduce_seconds(repeats: int = 50) -> float:
         dist.all_reduce(flags)
         times.append(time.perf_counter() - started)
     return statistics.median(times)
-
-
-def no_sigterm_broadcast() -> Any:
-    import lightning.pytorch as pl
-
-    class NoBroadcast(pl.Callback):
-        """Lightning's per-step SIGTERM broadcast off: bare DDP under Lightning."""
-
-        def on_train_start(self, trainer: Any, module: Any) -> None:
-            trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: None
-
-    return NoBroadcast()
 
 
 def run(variant: str, world: int, options: argparse.Namespace) -> dict[str, Any]:

@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.netns import tcp_throughput_mbit, two_nodes, unavailable_reason
 from benchmarks.ranks import base_environment, run_processes
-from benchmarks.recipes import K, plus_manual_step, stock_manual_step
+from benchmarks.recipes import K, flags_on_side_channel, no_sigterm_broadcast, plus_manual_step, stock_manual_step
 
 BATCH = 8
 FEATURES = 64
@@ -152,19 +152,6 @@ class StepClock:
         return 1e3 * statistics.median(steps)
 
 
-class NoSigtermBroadcast:
-    """Lightning's per-step broadcast of rank 0's SIGTERM flag off (a callback, built lazily like the modules)."""
-
-    def __new__(cls):
-        import lightning as L
-
-        class _NoBroadcast(L.Callback):
-            def on_train_start(self, trainer, pl_module):
-                trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: None
-
-        return _NoBroadcast()
-
-
 def strategy_for(variant: str):
     from lightning.pytorch.strategies import DDPStrategy
     from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
@@ -202,7 +189,7 @@ def fit_variant(variant: str, args, devices: int = 1, num_nodes: int = 2) -> dic
     strategy = strategy_for(variant) if num_nodes > 1 else "auto"
     callbacks = [clock.callback]
     if variant == "stock_no_sigterm":  # bare DDP under Lightning: its per-step SIGTERM broadcast off
-        callbacks.append(NoSigtermBroadcast())
+        callbacks.append(no_sigterm_broadcast())
     trainer = L.Trainer(
         strategy=strategy,
         accelerator="cpu",
@@ -216,15 +203,8 @@ def fit_variant(variant: str, args, devices: int = 1, num_nodes: int = 2) -> dic
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    from lightning_ddp_plus.sync import comm_hooks
-
-    rides = comm_hooks.flags_ride_buckets
-    if variant == "ddp_plus_side_channel":  # nothing rides in the buckets, as with a comm hook: a flag all-reduce
-        comm_hooks.flags_ride_buckets = lambda *args: False
-    try:
+    with flags_on_side_channel(variant == "ddp_plus_side_channel"):
         trainer.fit(model)
-    finally:
-        comm_hooks.flags_ride_buckets = rides
     skip = AUTO_WARMUP_STEPS if k == 1 else 3
     choice = getattr(strategy, "bucket_choice", None)
     return {
