@@ -6,8 +6,8 @@ the step (collectives in the ledger, a save's phase, the window's position, clip
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,17 +35,21 @@ from lightning_ddp_plus.sync.uneven import RankBatches
 from lightning_ddp_plus.sync.wrapper import wrap_module
 
 
-@dataclass(frozen=True)
-class BackwardDone:
-    """What a backward through the engine returned, and what the ranks agreed after it."""
+@dataclass
+class BackwardRun:
+    """One backward through the engine (``with engine.backward(...) as backward``): the front end runs its backward on
+    ``loss`` inside the block and keeps what it returned in ``result``; after the block, ``agreed`` is what the ranks
+    agreed after it (``synced``: whether this backward all-reduces)."""
 
-    result: Any
-    agreed: StepAgreed
+    loss: Tensor
+    synced: bool
+    result: Any = None
+    agreed: StepAgreed | None = None
 
     @property
     def ends_epoch(self) -> bool:
         """A held uneven-inputs flag decided that this batch ends the epoch on every rank."""
-        return self.agreed.ends_epoch
+        return self.agreed is not None and self.agreed.ends_epoch
 
 
 class DDPPlusEngine(EngineComponents):
@@ -145,6 +149,7 @@ class DDPPlusEngine(EngineComponents):
             return False
         return self.agreement.batch_starts(state, epoch, one_synced_backward)
 
+    @contextmanager
     def backward(
         self,
         ddp: DistributedDataParallel,
@@ -154,14 +159,14 @@ class DDPPlusEngine(EngineComponents):
         *,
         divided_by_steps: bool,
         post_forward: bool,
-        run: Callable[[Tensor], Any],
-        restore: Callable[[], None] = lambda: None,
         last_chunk: bool = True,
-    ) -> BackwardDone:
-        """The backward of ``loss`` at ``position`` of the window: ``run(scaled loss)`` runs it, ``restore`` runs
-        whatever happens (``divided_by_steps``: Lightning already divided the loss by k; ``post_forward``: DDP's
-        forward had finished, not so in Lightning's manual optimization; ``last_chunk``: no chunk of the batch
-        follows). A backward that raised what the per-step guard takes over is completed by the guard."""
+    ) -> Iterator[BackwardRun]:
+        """The backward of ``loss`` at ``position`` of the window, as a ``with`` block: the front end runs its own
+        backward on ``backward.loss`` inside it (in its own frame: the engine calls nothing of the front end's), and
+        reads ``backward.agreed`` after it (``divided_by_steps``: Lightning already divided the loss by k;
+        ``post_forward``: DDP's forward had finished, not so in Lightning's manual optimization; ``last_chunk``: no
+        chunk of the batch follows). A backward that raised what the per-step guard takes over is completed by the
+        guard: the block's error ends there."""
         closes = synced and last_chunk and position.closes_window
         self.pipeline.before_backward(
             BackwardStart(ddp=ddp, loss=loss, synced=synced, forward_synced=self.forward_synced, closes_window=closes)
@@ -175,25 +180,24 @@ class DDPPlusEngine(EngineComponents):
         )
         assert decided is not None
         scaled = self.scaled_loss(ddp, decided, position, divided_by_steps, closes)
-        result, failed = scaled, False
+        backward, failed = BackwardRun(loss=scaled, synced=synced, result=scaled), False
         try:
             # with the loss divided by k, Lightning's loop called the backward: the user's line would be trainer.fit
             with self.in_ledger(synced, users_call=not divided_by_steps):
-                result = run(scaled)
+                yield backward
         except RuntimeError as error:
             if not (synced and self.sync_guard.active and recovers_in_backward(error)):
                 raise
             failed = True
-        finally:
-            restore()
         self.pipeline.after_backward(BackwardEnd(ddp=ddp, synced=synced, failed=failed))
         if not synced:
-            return BackwardDone(result, StepAgreed(flags=self.pipeline.flags.zeros()))
+            backward.agreed = StepAgreed(flags=self.pipeline.flags.zeros())
+            return
         agreed = self.agreement.after_synced_backward(ddp, failed)
         step = self.window.stats.optimizer_steps + 1
         oom, skipped = bool(agreed.out_of_memory), agreed.skipped
         self.pipeline.agreed(AgreedStep(flags=agreed.flags, step=step, out_of_memory=oom, skipped=skipped))
-        return BackwardDone(result, agreed)
+        backward.agreed = agreed
 
     def scaled_loss(
         self, ddp: DistributedDataParallel, loss: Tensor, position: WindowPosition, divided_by_steps: bool, closes: bool

@@ -222,23 +222,17 @@ class DDPPlusFabricStrategy(DDPPlusFrontEnd, DDPStrategy):
     ) -> StepAgreed:
         end_an_ignored_stop(self.engine, self.global_rank)
 
-        def run(loss: Tensor) -> None:  # marked as `fabric.backward` marks it: Fabric's module refuses others
-            with fabric_backward(as_fabric_backward):
-                super(DDPPlusFabricStrategy, self).backward(loss, module, *args, **kwargs)
-
-        restore = lambda: self.window.sync_back_on(ddp)
-        done = self.engine.backward(
-            ddp,
-            loss,
-            position,
-            synced,
-            divided_by_steps=False,
-            post_forward=True,
-            run=run,
-            restore=restore,
-            last_chunk=last_chunk,
-        )
-        return done.agreed
+        engine = self.engine
+        with engine.backward(
+            ddp, loss, position, synced, divided_by_steps=False, post_forward=True, last_chunk=last_chunk
+        ) as backward:
+            try:  # marked as `fabric.backward` marks it: Fabric's module refuses others
+                with fabric_backward(as_fabric_backward):
+                    super().backward(backward.loss, module, *args, **kwargs)
+            finally:
+                self.window.sync_back_on(ddp)
+        assert backward.agreed is not None
+        return backward.agreed
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:

@@ -324,10 +324,11 @@ class DDPPlusStrategy(DDPPlusFrontEnd, DDPStrategy):
         ddp, module = self.model, self.lightning_module
         if not isinstance(ddp, DistributedDataParallel) or module is None:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
-        run = lambda loss: super(DDPPlusStrategy, self).backward(loss, optimizer, *args, **kwargs)
-        done: tuple[Tensor, bool] = backward_in_window(self.engine, ddp, module, self._position(), closure_loss, run)
-        self._backward_syncs = done[1]
-        return done[0]
+        with backward_in_window(self.engine, ddp, module, self._position(), closure_loss) as backward:
+            backward.result = super().backward(backward.loss, optimizer, *args, **kwargs)
+        self._backward_syncs = backward.synced
+        result: Tensor = backward.result
+        return result
 
     @override
     def post_backward(self, closure_loss: Tensor) -> None:

@@ -61,19 +61,13 @@ class TrainerChunks:
             return (loss if isinstance(loss, Tensor) else None), output
 
         def chunk_backward(loss: Tensor, synced: bool, last: bool) -> Any:
-            done = engine.backward(
-                ddp,
-                loss / divisor,
-                position,
-                synced,
-                divided_by_steps=True,
-                post_forward=True,
-                run=backward,
-                last_chunk=last,
-            )
-            if done.ends_epoch:  # a held uneven-inputs flag ends the epoch on this batch
+            with engine.backward(
+                ddp, loss / divisor, position, synced, divided_by_steps=True, post_forward=True, last_chunk=last
+            ) as run:
+                run.result = backward(run.loss)
+            if run.ends_epoch:  # a held uneven-inputs flag ends the epoch on this batch
                 end_epoch_after_this_batch(trainer)
-            return done.agreed
+            return run.agreed
 
         done = engine.run_micro_batches(
             ddp,

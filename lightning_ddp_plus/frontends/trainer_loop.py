@@ -5,7 +5,8 @@ a manual static graph's first all-reduce, and the callbacks the strategy adds to
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from lightning.pytorch.callbacks import Callback
@@ -15,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from lightning_ddp_plus.diagnostics.telemetry import DDPTelemetry
-from lightning_ddp_plus.engine.engine import DDPPlusEngine
+from lightning_ddp_plus.engine.engine import BackwardRun, DDPPlusEngine
 from lightning_ddp_plus.frontends.trainer_after_death import StepBoundaries
 from lightning_ddp_plus.frontends.trainer_preemption import PreemptionSave
 from lightning_ddp_plus.persistence.resume import ResumeCoordinator
@@ -74,33 +75,26 @@ def flush_manual_static_graph(ddp: Any, module: Any, backward_synced: bool) -> b
     return False
 
 
+@contextmanager
 def backward_in_window(
-    engine: DDPPlusEngine,
-    ddp: DistributedDataParallel,
-    module: Any,
-    position: WindowPosition,
-    loss: Tensor,
-    run: Callable[[Tensor], Any],
-) -> tuple[Any, bool]:
-    """The Trainer's backward of ``loss`` at ``position`` of its window, through the engine; returns what ``run``
-    returned and whether the backward all-reduced. In automatic optimization the loop decided the sync before the
-    forward (``block_backward_sync``); in manual optimization it is decided here, before Lightning's
-    ``pre_backward`` prepares the reducer, and switched back on afterwards."""
+    engine: DDPPlusEngine, ddp: DistributedDataParallel, module: Any, position: WindowPosition, loss: Tensor
+) -> Iterator[BackwardRun]:
+    """The Trainer's backward of ``loss`` at ``position`` of its window, as a ``with`` block around Lightning's
+    backward (run on ``backward.loss``); ``backward.agreed`` says after it whether it all-reduced. In automatic
+    optimization the loop decided the sync before the forward (``block_backward_sync``); in manual optimization it is
+    decided here, before Lightning's ``pre_backward`` prepares the reducer, and switched back on afterwards."""
     automatic = module.automatic_optimization
     syncs = ddp.require_backward_grad_sync if automatic else engine.syncs(position)
     if not syncs:
         ddp.require_backward_grad_sync = False
-
-    def restore() -> None:
-        if not automatic:
-            ddp.require_backward_grad_sync = True
-
-    done = engine.backward(
-        ddp, loss, position, syncs, divided_by_steps=automatic, post_forward=automatic, run=run, restore=restore
-    )
-    if done.ends_epoch:
+    with engine.backward(ddp, loss, position, syncs, divided_by_steps=automatic, post_forward=automatic) as backward:
+        try:
+            yield backward
+        finally:
+            if not automatic:
+                ddp.require_backward_grad_sync = True
+    if backward.ends_epoch:
         end_epoch_after_this_batch(module.trainer)
-    return done.result, syncs
 
 
 def settle_accumulation(engine: DDPPlusEngine, module: Any, trainer: Any) -> None:
