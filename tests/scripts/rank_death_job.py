@@ -254,15 +254,26 @@ def trainer_for(case: dict, directory: Path, callbacks: list) -> L.Trainer:
     )
 
 
+class Outcome(L.Callback):
+    """A survivor writes the ``RankDied`` that ended its fit to ``DIR/outcome-rank{r}.json`` from Lightning's
+    ``on_exception``: before the fit's teardown hands SIGTERM back to its default handler, after which the SIGTERM
+    that torchrun's agent sends the survivors of a worker's death ends the process at once."""
+
+    def __init__(self, directory: Path, rank: int) -> None:
+        self.directory, self.rank = directory, rank
+
+    def on_exception(self, trainer, pl_module, exception):
+        if isinstance(exception, RankDied):
+            save = exception.save
+            outcome = {"error": str(exception), "time": time.time(), "step": save.step, "gone": list(save.gone)}
+            outcome["save_seconds"] = save.save_seconds
+            (self.directory / f"outcome-rank{self.rank}.json").write_text(json.dumps(outcome))
+
+
 def fit_until_death(trainer: L.Trainer, model: IndexedRegression, directory: Path, rank: int) -> None:
-    """The fit; a survivor writes the ``RankDied`` that ended it to ``DIR/outcome-rank{r}.json``."""
-    try:
-        trainer.fit(model)
-    except RankDied as error:
-        outcome = {"error": str(error), "time": time.time(), "step": error.save.step, "gone": list(error.save.gone)}
-        outcome["save_seconds"] = error.save.save_seconds
-        (directory / f"outcome-rank{rank}.json").write_text(json.dumps(outcome))
-        raise
+    """The fit; a survivor writes the ``RankDied`` that ended it to ``DIR/outcome-rank{r}.json`` (``Outcome``)."""
+    trainer.callbacks.append(Outcome(directory, rank))
+    trainer.fit(model)
 
 
 class TwoOptimizers(IndexedRegression):
