@@ -222,8 +222,7 @@ class DDPPlusFabricStrategy(DDPPlusFrontEnd, DDPStrategy):
     ) -> StepAgreed:
         end_an_ignored_stop(self.engine, self.global_rank)
 
-        engine = self.engine
-        with engine.backward(
+        with self.engine.backward(
             ddp, loss, position, synced, divided_by_steps=False, post_forward=True, last_chunk=last_chunk
         ) as backward:
             try:  # marked as `fabric.backward` marks it: Fabric's module refuses others

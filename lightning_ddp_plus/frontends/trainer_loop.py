@@ -80,7 +80,7 @@ def backward_in_window(
     engine: DDPPlusEngine, ddp: DistributedDataParallel, module: Any, position: WindowPosition, loss: Tensor
 ) -> Iterator[BackwardRun]:
     """The Trainer's backward of ``loss`` at ``position`` of its window, as a ``with`` block around Lightning's
-    backward (run on ``backward.loss``); ``backward.agreed`` says after it whether it all-reduced. In automatic
+    backward (run on ``backward.loss``); ``backward.synced`` says whether it all-reduced. In automatic
     optimization the loop decided the sync before the forward (``block_backward_sync``); in manual optimization it is
     decided here, before Lightning's ``pre_backward`` prepares the reducer, and switched back on afterwards."""
     automatic = module.automatic_optimization
