@@ -46,9 +46,16 @@ def wait_for(condition, seconds: float = 10.0) -> bool:
     return condition()
 
 
+def quiet_ledger() -> CollectiveLedger:
+    """The ledger of a rank whose main thread has made no progress for an hour (its thread looks at the store)."""
+    ledger = CollectiveLedger()
+    ledger.progressed -= 3600
+    return ledger
+
+
 def test_a_stop_during_an_exchange_ends_that_thread_and_the_next_fit_has_one_thread(job_store):
     said: list[str] = []
-    watchdog = StallWatchdog(CollectiveLedger(), timedelta(seconds=60), say=said.append)
+    watchdog = StallWatchdog(quiet_ledger(), timedelta(seconds=60), say=said.append)
     store = job_store()
     watchdog.start(store, rank=0, world_size=2, prefix="fit1")
     store.add("fit1/episodes", 1)  # an episode: the thread writes its state, then waits for rank 1's (5 s)
@@ -90,7 +97,7 @@ def test_a_store_that_is_gone_is_said_and_the_watchdog_stops(job_store, monkeypa
         assert server.stdout.readline().strip() == "up"
         store = dist.TCPStore("127.0.0.1", port, 1, False, timeout=timedelta(seconds=5))
         said: list[str] = []
-        watchdog = StallWatchdog(CollectiveLedger(), timedelta(seconds=60), say=said.append)
+        watchdog = StallWatchdog(quiet_ledger(), timedelta(seconds=60), say=said.append)
         watchdog.start(store, rank=1, world_size=2, prefix="gone")
         [thread] = watchdog_threads()
         time.sleep(2 * stall_watchdog.POLL_SECONDS)
@@ -152,6 +159,43 @@ def test_an_episode_costs_o_n_store_reads_and_every_rank_gets_rank_0s_report(job
     assert f"rank {stuck} has not reached it" in watchdogs[5].last_report.text
     assert stores[0].gets == world - 1 and [s.gets for s in stores[1:]] == [1] * (world - 1)
     assert len(said) == 1 and said[0].startswith("lightning-ddp-plus: a collective has waited longer than 0.3 s")
+
+
+class CallCountingStore:
+    """A store client that counts every call made on it."""
+
+    def __init__(self, store) -> None:
+        self.store, self.calls = store, 0
+
+    def __getattr__(self, name: str):
+        method = getattr(self.store, name)
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return method(*args, **kwargs)
+
+        return counted
+
+
+def test_a_rank_that_makes_progress_leaves_the_store_alone_and_answers_once_it_stops(job_store):
+    """Issue 59: every rank's thread asked the store for a new episode every 0.5 s, steps or not. Now a rank's thread
+    looks only once its main thread has made no progress for half of ``stall_report_after`` (here 1 s): a rank that
+    another waits on stops making progress too, and then answers the episode."""
+    ledger, other = CollectiveLedger(), job_store()
+    store = CallCountingStore(job_store())
+    watchdog = StallWatchdog(ledger, timedelta(seconds=2), say=lambda text: None)
+    watchdog.start(store, rank=1, world_size=2, prefix="busy")
+    try:
+        at_start = store.calls
+        other.add("busy/episodes", 1)  # rank 0 asks
+        for _ in range(20):  # 2 s of steps: four looks of the thread
+            ledger.enter_phase("forward")
+            time.sleep(0.1)
+        assert store.calls == at_start
+        assert not other.check(["busy/1/1"])
+        assert wait_for(lambda: other.check(["busy/1/1"]), seconds=10)  # quiet now: it answers
+    finally:
+        watchdog.stop(orderly=False)
 
 
 def test_the_store_is_polled_less_often_as_the_job_grows():

@@ -16,6 +16,8 @@ CASES = [
     {"name": "notices without the guard", "strategy": {"sync_guard": False}},
     {"name": "defaults, k=2", "strategy": {}, "k": 2},
     {"name": "a hook on the wrapper", "strategy": {}, "hook_on_the_wrapper": True},
+    # 14 steady steps of 80 ms: about 2 looks of the stall watchdog's thread (every 0.5 s)
+    {"name": "defaults, 80 ms steps", "strategy": {}, "sleep": 0.08},
 ]
 STEADY = ["off", "off, k=2"]
 QUIET = ["defaults", "notices without the guard", "defaults, k=2"]
@@ -67,6 +69,17 @@ def test_on_four_ranks_a_quiet_step_makes_no_store_call_and_no_collective_of_its
     assert case["steps"] == 14
     assert own_calls(case, "store") == {}
     assert own_calls(case, "collective") == {}
+
+
+@pytest.mark.multiprocess
+def test_with_no_rank_having_news_the_stall_watchdogs_thread_makes_no_store_call(counted):
+    """Issue 59: the stall watchdog's thread asked the store for a new episode every 0.5 s on every rank, 0.08-0.21
+    calls per rank per step; a store's host took N of them per poll. A rank whose main thread makes progress has
+    nothing to explain and nobody it must answer: a rank that waits on it stops making progress too."""
+    case = counted["defaults, 80 ms steps"]
+    assert case["steps"] == 14
+    assert case["thread_calls"] == {}
+    assert own_calls(case, "store") == {}
 
 
 @pytest.mark.multiprocess

@@ -2,9 +2,12 @@
 it to each other through the job's store, never through the process group that is stuck.
 
 Every ``POLL_SECONDS`` the thread looks at this rank's ledger. When a collective this rank issued has not completed for
-longer than ``stall_report_after``, it asks for an episode (one counter in the store). Every rank's thread sees the new
-episode at its next look at the store (every ``store_poll_seconds(world_size)``: the store's load stays bounded as the
-job grows) and writes its state there once (``stalls.RankState``: its ledger's last records, its phase and step, and
+longer than ``stall_report_after``, it asks for an episode (one counter in the store). A rank's thread looks at the
+store only while its main thread has made no progress (entered or left a collective, changed phase) for half of
+``stall_report_after``: a rank that another waits on stops making progress too (every step ends in a collective), so
+it is looking by the time it is asked, and a job whose ranks keep stepping costs the store nothing. A rank that looks
+sees the new episode at its next look at the store (every ``store_poll_seconds(world_size)``: the store's load stays
+bounded as the job grows) and writes its state there once (``stalls.RankState``: its ledger's last records, its phase and step, and
 where its main thread is, with its stack). Rank 0's thread reads every state, decides (``explain_stall``) and writes the
 report under one key, which the others read: an episode costs O(N) store reads, not every rank reading every other's
 (O(N^2)). Rank 0's thread runs even when its main thread is the one stuck, and the store lives in its process:
@@ -193,6 +196,7 @@ class StallWatchdog(StepComponent):
         episodes = f"{prefix}/episodes"
         store_errors, entered = 0, None
         looks_per_poll = round(store_poll_seconds(world_size) / POLL_SECONDS)
+        quiet_after = self.report_after / 2
         for look in itertools.count(1):
             if stop.wait(POLL_SECONDS):
                 return
@@ -202,13 +206,14 @@ class StallWatchdog(StepComponent):
                 if self.ledger.device is not entered:  # before its first probe of the device's events
                     entered = self.ledger.device
                     enter_device(entered)
-                current = self.ledger.current
-                waited = time.monotonic() - current.started if current is not None else 0.0
+                current, now = self.ledger.current, time.monotonic()
+                waited = now - current.started if current is not None else 0.0
                 asks = current is not None and waited > self.report_after and self._requested_for != current.sequence
                 if asks and current is not None:
                     store.add(episodes, 1)
                     self._requested_for = current.sequence  # once per collective (asked again if the add failed)
-                if not asks and look % looks_per_poll:
+                quiet = now - self.ledger.progressed > quiet_after
+                if not asks and (not quiet or look % looks_per_poll):
                     continue
                 latest = int(store.add(episodes, 0))  # read the counter without waiting
                 if latest > self._handled:

@@ -8,15 +8,19 @@ window decides):
 
 - the collective ledger's new records by name (every collective the strategy issues passes through it);
 - every Python-level collective of ``torch.distributed`` and every call on a ``torch.distributed.Store``, made by the
-  rank's main thread (the stall watchdog's timed poll runs in a thread of its own and is not a step's), but the
-  gradient buckets' own all-reduces where a Python communication hook issues them (counted apart).
+  rank's main thread, but the gradient buckets' own all-reduces where a Python communication hook issues them
+  (counted apart);
+- every call on a ``torch.distributed.Store`` made by another thread (the stall watchdog's), by the thread's name.
 
-Rank 0 reports them with how many replica checks ran.
+A case with ``sleep`` sleeps that many seconds in each training step, as an accelerator's compute would take, so that
+the steady steps span several of the stall watchdog's looks (``POLL_SECONDS``). Rank 0 reports the counts with how
+many replica checks ran.
 """
 
 import os
 import sys
 import threading
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -42,6 +46,8 @@ class PythonCalls:
 
     def __init__(self) -> None:
         self.calls: Counter[str] = Counter()
+        #: Store calls of the other threads, by thread name and method.
+        self.thread_calls: Counter[str] = Counter()
 
     def install(self) -> None:
         for name in COLLECTIVES:
@@ -51,9 +57,12 @@ class PythonCalls:
 
     def _counted(self, key: str, function: Any) -> Any:
         def counted(*args: Any, **kwargs: Any) -> Any:
-            if threading.current_thread() is threading.main_thread():
+            thread = threading.current_thread()
+            if thread is threading.main_thread():
                 caller = Path(sys._getframe(1).f_code.co_filename).name
                 self.calls["gradient bucket hook" if caller in BUCKET_HOOK_FILES else key] += 1
+            elif key.startswith("store"):
+                self.thread_calls[f"{thread.name}: {key}"] += 1
             return function(*args, **kwargs)
 
         return counted
@@ -69,15 +78,19 @@ class CountCollectives(L.Callback):
         self.seen, self.counts, self.steps = 0, Counter(), 0
         self.calls_seen: Counter[str] = Counter()
         self.calls: Counter[str] = Counter()
+        self.thread_calls_seen: Counter[str] = Counter()
+        self.thread_calls: Counter[str] = Counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         ledger = trainer.strategy.engine.ledger
         new = [record for record in ledger.records if record.sequence > self.seen]
         self.seen = ledger.sequence
         calls, self.calls_seen = CALLS.calls - self.calls_seen, Counter(CALLS.calls)
+        thread_calls, self.thread_calls_seen = CALLS.thread_calls - self.thread_calls_seen, Counter(CALLS.thread_calls)
         if trainer.global_step > WARM_UP:
             self.counts.update(record.op for record in new)
             self.calls.update(calls)
+            self.thread_calls.update(thread_calls)
             self.steps = trainer.global_step - WARM_UP
 
 
@@ -99,6 +112,18 @@ class HookOnTheWrapper(L.Callback):
             return allreduce_hook(state, bucket)
 
         trainer.strategy.model.register_comm_hook(None, counted)
+
+
+class Sleeping(TinyRegression):
+    """Each training step takes ``sleep`` seconds more, as an accelerator's compute would."""
+
+    def __init__(self, sleep: float, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.sleep = sleep
+
+    def training_step(self, batch, batch_idx):
+        time.sleep(self.sleep)
+        return super().training_step(batch, batch_idx)
 
 
 class Validated(TinyRegression):
@@ -125,15 +150,19 @@ def run_case(case: dict) -> dict:
         limit_val_batches=2 if validate else 0,
         **QUIET_TRAINER,
     )
-    trainer.fit((Validated if validate else TinyRegression)(num_samples=16 * 4 * WORLD_SIZE * k, batch_size=4))
+    data = {"num_samples": 16 * 4 * WORLD_SIZE * k, "batch_size": 4}
+    sleep = case.get("sleep")
+    trainer.fit(Sleeping(sleep, **data) if sleep else Validated(**data) if validate else TinyRegression(**data))
     per_step = {op: n / counter.steps for op, n in counter.counts.items()}
     calls = {name: n / counter.steps for name, n in counter.calls.items()}
+    thread_calls = {name: n / counter.steps for name, n in counter.thread_calls.items()}
     replica_checks = len(trainer.strategy.replica_check_seconds)
     return {
         **case,
         "steps": counter.steps,
         "per_step": per_step,
         "calls": calls,
+        "thread_calls": thread_calls,
         "replica_checks": replica_checks,
         "users_hook_calls": user_hook.calls,
         "guard": user_hook.guard,
