@@ -16,11 +16,15 @@ CASES = [
     {"name": "notices without the guard", "strategy": {"sync_guard": False}},
     {"name": "defaults, k=2", "strategy": {}, "k": 2},
     {"name": "a hook on the wrapper", "strategy": {}, "hook_on_the_wrapper": True},
+    {"name": "num_items", "strategy": {}, "num_items": True},
+    {"name": "num_items, k=2", "strategy": {}, "num_items": True, "k": 2},
+    # 16-bit buckets hold counts above 256 inexactly (bf16): the counts take their own all-reduce
+    {"name": "num_items, bf16", "strategy": {}, "num_items": True, "precision": "bf16-true"},
     # 14 steady steps of 80 ms: about 2 looks of the stall watchdog's thread (every 0.5 s)
     {"name": "defaults, 80 ms steps", "strategy": {}, "sleep": 0.08},
 ]
 STEADY = ["off", "off, k=2"]
-QUIET = ["defaults", "notices without the guard", "defaults, k=2"]
+QUIET = ["defaults", "notices without the guard", "defaults, k=2", "num_items", "num_items, k=2"]
 ON_FOUR_RANKS = [case for case in CASES if case["name"] in ("defaults", "notices without the guard")]
 
 
@@ -80,6 +84,16 @@ def test_with_no_rank_having_news_the_stall_watchdogs_thread_makes_no_store_call
     assert case["steps"] == 14
     assert case["thread_calls"] == {}
     assert own_calls(case, "store") == {}
+
+
+@pytest.mark.multiprocess
+def test_item_counts_in_a_16_bit_bucket_take_their_own_all_reduce(counted):
+    """The counts ride only where the last bucket holds them exactly (32 or 64 bits); in a bf16 bucket they would
+    round above 256, so every rank all-reduces them itself, once per optimizer step."""
+    case = counted["num_items, bf16"]
+    assert case["steps"] == 14
+    assert case["per_step"].get("item count all_reduce (num_items)") == 1.0
+    assert own_calls(case, "collective") == {"collective all_reduce": 1.0}
 
 
 @pytest.mark.multiprocess

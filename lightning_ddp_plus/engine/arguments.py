@@ -202,8 +202,8 @@ class DDPPlusArguments:
     average_items_across_ranks: bool = argument(True, _flag)
     """When the training step returns ``num_items`` (the items its loss is a mean over: valid tokens, samples),
     each optimizer step's gradient is the mean over every item of the accumulation window. ``True`` (default): over
-    every rank's items, as one device computing the global batch would (one small all-reduce per optimizer step).
-    ``False``: over each rank's own items, then averaged over the ranks (the Hugging Face Trainer's
+    every rank's items, as one device computing the global batch would (the counts ride in the last gradient bucket;
+    one small all-reduce per optimizer step where they cannot: a comm hook, sharding, 16-bit gradients). ``False``: over each rank's own items, then averaged over the ranks (the Hugging Face Trainer's
     ``average_tokens_across_devices=False``). Without ``num_items``, micro-batches weigh the same (and the chunks of
     ``micro_batch_size`` weigh their rows)."""
 

@@ -9,6 +9,7 @@ from collections.abc import Callable, MutableMapping
 from contextlib import AbstractContextManager
 from typing import Any
 
+import torch
 from torch import Tensor
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
@@ -39,7 +40,7 @@ from lightning_ddp_plus.sync.accumulation import AccumulationWindow, SyncStats, 
 from lightning_ddp_plus.sync.buckets import BucketChoice, BucketTuner
 from lightning_ddp_plus.sync.comm_hooks import HookAssembly, HookCallCounter
 from lightning_ddp_plus.sync.flag_carrier import FlagCarrier
-from lightning_ddp_plus.sync.item_averaging import ItemAveraging
+from lightning_ddp_plus.sync.item_averaging import ITEM_SUMS, ItemAveraging
 from lightning_ddp_plus.sync.left_out import LeftOutGradients
 from lightning_ddp_plus.sync.micro_batch_runner import MicroBatchRunner
 from lightning_ddp_plus.sync.micro_batches import CHECKPOINT_KEY, MicroBatchSizer
@@ -95,7 +96,7 @@ class EngineComponents:
         self.conflicts = ConflictCheck(arguments.checkpointing_conflict, warn=warn, info=info)
         self.sharding = ZeroSharding(arguments.optimizer_sharding, info=info, timeout=arguments.timeout_in_effect)
         #: The step's flags in the last gradient bucket, where they can ride (``sync.flag_carrier``).
-        self.carrier = FlagCarrier(self._carried_flags)
+        self.carrier = FlagCarrier(self._carried_flags, self._carried_sums, ITEM_SUMS)
         hook, state = self.sharding.hook(arguments.comm_hook, arguments.ddp_comm_state)
         overlap = arguments.optimizer_sharding == "overlap"
         self.hooks = HookAssembly(hook, state, arguments.ddp_comm_wrapper, self.carrier, own_hook_later=overlap)
@@ -109,7 +110,9 @@ class EngineComponents:
         after = arguments.stall_report_after_in_effect
         self.stall_watchdog = None if after is None else StallWatchdog(self.ledger, after, warn=warn)
         self.left_out = LeftOutGradients(record=self.ledger.collective, info=info)
-        self.items = ItemAveraging.for_arguments(arguments, self.window, record=self.ledger.collective, info=info)
+        self.items = ItemAveraging.for_arguments(
+            arguments, self.window, record=self.ledger.collective, info=info, carried=self._summed_items
+        )
         own_chunks = self.sharding.shards.received_into_grads if self.sharding.shards is not None else None
         self.sync_guard = SyncGuard(arguments.sync_guard, self.channel, warn, own_chunks, self.carrier)
         self.uneven = UnevenInputsCheck(arguments.uneven_inputs, info=info, window=self.window)
@@ -132,6 +135,12 @@ class EngineComponents:
 
     def _carried_flags(self) -> list[int]:  # a method, not a lambda: a spawned strategy is pickled
         return self.agreement.flags_now()
+
+    def _carried_sums(self, dtype: torch.dtype, device: torch.device) -> Tensor | None:
+        return self.items.sums_now(dtype, device)
+
+    def _summed_items(self) -> Tensor | None:
+        return self.carrier.summed
 
     def _reducer_rebuilt(self, ddp: DistributedDataParallel) -> None:  # telemetry reads the buckets again
         if self.telemetry is not None:

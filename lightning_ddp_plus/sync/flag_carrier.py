@@ -8,6 +8,11 @@ reducer launches them strictly in order, so the last one leaves after everything
 - a rank whose reducer did not finish (or whose synced backward failed) launches it in ``step_guard``'s completion,
   with its news set, before any rank can read the result.
 
+Numbers that the ranks sum rather than flag ride the same way (``sums``: ``num_items``' counts of the window, which
+the backward that closes the window knows before its last bucket leaves). They are exact only in a bucket of 32 or 64
+bits (a count of up to 2**24 in float32); in a bucket of 16 bits they are not read, and their owner all-reduces them
+itself.
+
 The hook is torch's ``allreduce_hook`` for every bucket but the last, which travels with the flags appended: one pass
 over that bucket into a buffer kept from step to step, in place of the division ``allreduce_hook`` makes in place (on
 a GPU a few microseconds; on CPU, priced in ``benchmarks/flag_transport.py``). Each rank reads the flags of the
@@ -36,15 +41,29 @@ def flags_ride_buckets(ddp: DistributedDataParallel, hook: object | None, own_ho
     return hook is None and not own_hook_later and not sparse
 
 
+#: Bucket dtypes in which a sum rides exactly enough to be read (a count of up to 2**24 in float32).
+EXACT_SUMS = (torch.float32, torch.float64)
+
+
 class FlagCarrier:
     """The communication hook that carries the step's flags in the last bucket, and what it received.
 
     Args:
         flags_now: this rank's flags when its last bucket leaves (the same number on every rank).
+        sums_now: this rank's numbers to sum over the ranks when its last bucket leaves, ``sums`` of them, in the
+            bucket's dtype and on its device (``None``: zeros).
+        sums: how many numbers ``sums_now`` gives (the same on every rank, whether it has any or not).
     """
 
-    def __init__(self, flags_now: Callable[[], list[int]]) -> None:
-        self.flags_now = flags_now
+    def __init__(
+        self,
+        flags_now: Callable[[], list[int]],
+        sums_now: Callable[[torch.dtype, torch.device], torch.Tensor | None] = lambda dtype, device: None,
+        sums: int = 0,
+    ) -> None:
+        self.flags_now, self.sums_now, self.sums = flags_now, sums_now, sums
+        #: The sums over the ranks of the last bucket taken (``None``: none, or not exact in its dtype).
+        self.summed: torch.Tensor | None = None
         #: Flags a rank with news sends instead of ``flags_now``'s (the guard's completion of a reduction).
         self.news: list[int] | None = None
         #: The hook is registered on the running fit's wrapper: the flags ride its buckets.
@@ -72,14 +91,20 @@ class FlagCarrier:
             return allreduce_hook(group, bucket)
         buffer = bucket.buffer()
         flags = self.news if self.news is not None else self.flags_now()
-        size = buffer.numel()
+        size, tail = buffer.numel(), len(flags) + self.sums
         carried = self._carried
-        if carried is None or carried.numel() != size + len(flags) or carried.dtype != buffer.dtype:
+        if carried is None or carried.numel() != size + tail or carried.dtype != buffer.dtype:
             # kept from step to step: a fresh buffer of a bucket's size costs its pages again every step on CPU;
             # the reducer copies the result into the bucket before the next backward can call the hook again
-            carried = self._carried = torch.empty(size + len(flags), dtype=buffer.dtype, device=buffer.device)
+            carried = self._carried = torch.empty(size + tail, dtype=buffer.dtype, device=buffer.device)
         torch.div(buffer, dist.get_world_size(group), out=carried[:size])
-        carried[size:].copy_(torch.tensor(flags, dtype=buffer.dtype), non_blocking=True)
+        carried[size : size + len(flags)].copy_(torch.tensor(flags, dtype=buffer.dtype), non_blocking=True)
+        if self.sums:
+            sums = self.sums_now(buffer.dtype, buffer.device)
+            if sums is None:
+                carried[size + len(flags) :].zero_()
+            else:
+                carried[size + len(flags) :].copy_(sums)
         future = dist.all_reduce(carried, group=group, async_op=True).get_future()
 
         def split(done: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
@@ -97,7 +122,13 @@ class FlagCarrier:
 
     def take(self) -> list[int] | None:
         """Each flag of the last bucket all-reduced since the last take, 1 where any rank set it (``None``: no last
-        bucket left). On a GPU this waits for that bucket's all-reduce on the host."""
+        bucket left); its sums are kept in ``summed`` until the next take. On a GPU this waits for that bucket's
+        all-reduce on the host."""
         received, self._received = self._received, None
-        self.news = None
-        return None if received is None else [int(value > 0) for value in received.tolist()]
+        self.news, self.summed = None, None
+        if received is None:
+            return None
+        flags = received[: received.numel() - self.sums]
+        if self.sums and received.dtype in EXACT_SUMS:
+            self.summed = received[flags.numel() :]
+        return [int(value > 0) for value in flags.tolist()]

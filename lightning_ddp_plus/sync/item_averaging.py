@@ -6,10 +6,12 @@ for a loss that is a mean over a varying number of items (padded or packed seque
 after the fact, not up front: each micro-batch's backward runs on ``loss * num_items / unit`` (its items' summed loss,
 divided by a constant every rank shares), DDP all-reduces as always, and when the window closes one all-reduce of a
 few numbers gives the window's items on every rank; the gradients are then multiplied by
-``world_size * unit / items``. Knowing the count up front would need every micro-batch of the window fetched (and
+``world_size * unit / items``. Those numbers are known before the closing backward's last bucket leaves, so where the
+step's flags ride in it (``flag_carrier``, a bucket of 32 or 64 bits) they ride along and cost no message of their
+own. Knowing the count up front would need every micro-batch of the window fetched (and
 held in memory) before the first forward, which is what the Hugging Face Trainer does; scaling afterwards needs
-nothing held, costs one small all-reduce and one host read per optimizer step, and no device sync per micro-batch
-(the counts stay on the device until then).
+nothing held, costs one host read per optimizer step (and the small all-reduce where nothing rides), and no device
+sync per micro-batch (the counts stay on the device until then).
 
 ``unit`` is the previous window's mean items per micro-batch (1 in a fit's first window), the same on every rank
 because it comes from the all-reduce: it keeps the summed loss near the size of a mean loss, so that a compressing
@@ -107,6 +109,8 @@ class WindowItems:
 
 #: The agreement's flags of per-item averaging: some rank averages per item, some rank does not (both: they differ).
 ITEMS_ON, ITEMS_OFF = "num_items given", "num_items not given"
+#: The window's numbers summed over the ranks, in ``ItemAveraging.numbers``' order (what rides in the last bucket).
+ITEM_SUMS = 6
 
 
 class ItemAveraging(StepComponent):
@@ -119,12 +123,15 @@ class ItemAveraging(StepComponent):
 
     Args:
         window: the accumulation window, told when per-item averaging is on (it then rescales nothing itself).
-        across_ranks: divide by every rank's items (one all-reduce per optimizer step); False: by this rank's own.
+        across_ranks: divide by every rank's items (summed over the ranks once per optimizer step); False: by this
+            rank's own.
         count_first: count every rank's items before the backward that closes the window, not after it, so that the
             buckets hold the final gradient (see ``counts_first``).
         hooked: a comm hook sees the buckets (the first window counted after its backward is checked once).
         record: called around the all-reduce with its name and size (the engine's collective ledger).
         info: how a one-line report reaches the user (rank 0 only).
+        carried: the window's numbers summed over the ranks as the closing backward's last bucket carried them
+            (``sums_now``), or ``None`` where they did not ride: they are then all-reduced.
     """
 
     agreement_flags = (ITEMS_ON, ITEMS_OFF)
@@ -141,8 +148,9 @@ class ItemAveraging(StepComponent):
         hooked: bool = False,
         record: Callable[[str, int], AbstractContextManager[Any]] | None = None,
         info: Callable[[str], None] = lambda message: None,
+        carried: Callable[[], Tensor | None] = lambda: None,
     ) -> None:
-        self.window, self.across_ranks, self.info = window, across_ranks, info
+        self.window, self.across_ranks, self.info, self.carried = window, across_ranks, info, carried
         self.count_first, self.hooked = count_first, hooked
         self.record = record or (lambda op, size: nullcontext())
         #: A count given for the next backward (a training step's output, ``manual_backward``, ``fabric.backward``).
@@ -162,11 +170,13 @@ class ItemAveraging(StepComponent):
         window: AccumulationWindow,
         record: Callable[[str, int], AbstractContextManager[Any]] | None = None,
         info: Callable[[str], None] = lambda message: None,
+        carried: Callable[[], Tensor | None] = lambda: None,
     ) -> ItemAveraging:
         """The averaging the strategy's ``arguments`` ask for (``average_items_across_ranks``, and the comm hook and
         ``micro_batch_size`` that decide ``counts_first``)."""
         first, hooked = counts_first(arguments)
-        averaging = cls(window, arguments.average_items_across_ranks, first, hooked, record=record, info=info)
+        across = arguments.average_items_across_ranks
+        averaging = cls(window, across, first, hooked, record=record, info=info, carried=carried)
         averaging.may_count_first = arguments.micro_batch_size != "auto"
         return averaging
 
@@ -340,18 +350,33 @@ class ItemAveraging(StepComponent):
                 parameter.grad.mul_(self.unit / divisor)
         self._closing_divisor = divisor
 
-    def _totals(self, parameters: list[Tensor], group: Any, without_counts: bool = False) -> tuple[WindowItems, int]:
-        """The window's numbers summed over the ranks (one all-reduce; this rank's alone with ``across_ranks=False``)
-        and the world size; raises on counts given for some micro-batches and not others, or negative, and on ranks
-        that give none beside ranks that do (``without_counts``: this rank gives none, see ``closing_without_counts``)."""
-        device = parameters[0].device if parameters else torch.device("cpu")
+    def numbers(self, dtype: torch.dtype, device: torch.device, without_counts: bool = False) -> Tensor:
+        """This rank's numbers of the window, to be summed over the ranks: the items' summed loss, the items, the
+        micro-batches with a count and without, the negative counts, and whether this rank gives none."""
         numbers = [self._loss_sum, self._items, self._counted, self._uncounted, self._negative, int(without_counts)]
-        summed = torch.stack([torch.as_tensor(n, dtype=torch.float64, device=device).reshape(()) for n in numbers])
+        return torch.stack([torch.as_tensor(n, dtype=dtype, device=device).reshape(()) for n in numbers])
+
+    def sums_now(self, dtype: torch.dtype, device: torch.device) -> Tensor | None:
+        """What rides in the last bucket as it leaves (``flag_carrier``): the window's numbers in the backward that
+        closes it, where they are summed after it (``None``: nothing to sum now)."""
+        if not (self.on and self._closing and self.across_ranks) or self.count_first:
+            return None
+        return self.numbers(dtype, device)
+
+    def _totals(self, parameters: list[Tensor], group: Any, without_counts: bool = False) -> tuple[WindowItems, int]:
+        """The window's numbers summed over the ranks (as the last bucket carried them, else one all-reduce; this
+        rank's alone with ``across_ranks=False``) and the world size; raises on counts given for some micro-batches
+        and not others, or negative, and on ranks that give none beside ranks that do (``without_counts``: this rank
+        gives none, see ``closing_without_counts``)."""
+        device = parameters[0].device if parameters else torch.device("cpu")
+        carried = None if without_counts or self.count_first or not self.across_ranks else self.carried()
+        summed = self.numbers(torch.float64, device, without_counts) if carried is None else carried
         world_size = 1
         if self.across_ranks and dist.is_available() and dist.is_initialized():
             world_size = dist.get_world_size(group)
-            with self.record("item count all_reduce (num_items)", summed.numel() * 8):
-                dist.all_reduce(summed, group=group)
+            if carried is None:
+                with self.record("item count all_reduce (num_items)", summed.numel() * 8):
+                    dist.all_reduce(summed, group=group)
         values = summed.tolist()  # the one host read per optimizer step
         window = WindowItems(values[0], values[1], int(values[2]), int(values[3]), int(values[4]))
         ranks_without = int(values[5])

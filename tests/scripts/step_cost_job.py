@@ -12,7 +12,7 @@ window decides):
   (counted apart);
 - every call on a ``torch.distributed.Store`` made by another thread (the stall watchdog's), by the thread's name.
 
-A case with ``sleep`` sleeps that many seconds in each training step, as an accelerator's compute would take, so that
+A case with ``num_items`` returns the count of its rows from each training step; ``precision`` is the Trainer's. A case with ``sleep`` sleeps that many seconds in each training step, as an accelerator's compute would take, so that
 the steady steps span several of the stall watchdog's looks (``POLL_SECONDS``). Rank 0 reports the counts with how
 many replica checks ran.
 """
@@ -126,6 +126,13 @@ class Sleeping(TinyRegression):
         return super().training_step(batch, batch_idx)
 
 
+class Counted(TinyRegression):
+    """Each training step returns the items its loss is a mean over (``num_items``): here, its rows."""
+
+    def training_step(self, batch, batch_idx):
+        return {"loss": super().training_step(batch, batch_idx), "num_items": torch.tensor(len(batch[0]))}
+
+
 class Validated(TinyRegression):
     """With a validation set: Lightning puts the wrapper in eval mode for each validation."""
 
@@ -147,12 +154,14 @@ def run_case(case: dict) -> dict:
         accumulate_grad_batches=k,
         callbacks=[counter, user_hook] if case.get("hook_on_the_wrapper") else [counter],
         val_check_interval=validate,
+        precision=case.get("precision", "32-true"),
         limit_val_batches=2 if validate else 0,
         **QUIET_TRAINER,
     )
     data = {"num_samples": 16 * 4 * WORLD_SIZE * k, "batch_size": 4}
     sleep = case.get("sleep")
-    trainer.fit(Sleeping(sleep, **data) if sleep else Validated(**data) if validate else TinyRegression(**data))
+    model = Sleeping(sleep, **data) if sleep else Validated(**data) if validate else TinyRegression(**data)
+    trainer.fit(Counted(**data) if case.get("num_items") else model)
     per_step = {op: n / counter.steps for op, n in counter.counts.items()}
     calls = {name: n / counter.steps for name, n in counter.calls.items()}
     thread_calls = {name: n / counter.steps for name, n in counter.thread_calls.items()}
