@@ -4,15 +4,17 @@ started as torchrun starts them.
 
 Each rank trains a tiny model whose step sleeps ``--sleep`` seconds for the accelerator's time, so that many ranks fit
 on a few cores. "Bare DDP" is stock Lightning with its per-step SIGTERM broadcast off (the floor).
-``ddp_plus_side_channel`` is ``ddp_plus`` with nothing riding in the buckets, as with a ``ddp_comm_hook`` or
-``optimizer_sharding``: the flags take an all-reduce of their own on every synced backward.
+``ddp_plus_side_channel`` is ``ddp_plus`` with nothing riding in the buckets, as with PowerSGD's or a user's
+``ddp_comm_hook``, or ``optimizer_sharding="overlap"``: the flags take an all-reduce of their own on every synced
+backward.
 
 Per variant and world size it reports, from rank 0:
 
 - Python-level collectives (``torch.distributed``'s functions, by name) and store calls (``get``, ``set``, ``check``,
   ``add``, ``wait``, ...) per steady step and before the first step; DDP's own bucket all-reduces run in C++, or in
   a Python communication hook (``ddp_plus``'s flag carrier, torch's ``allreduce_hook``), counted apart as "gradient
-  bucket"; calls from a thread other than the main one (the stall watchdog's timed poll) are marked so;
+  bucket"; calls from a thread other than the main one (the stall watchdog's, once a rank makes no progress) are
+  marked so;
 - the median step time (between consecutive batch starts, after ``--warm-up`` steps), and its ratio to bare DDP's;
 - the CPU time rank 0's process spends per step, all its threads (the hooks' and gloo's included): on a cluster, where
   each rank has cores of its own, this is what a step's host work adds; here, with more ranks than cores, the step

@@ -18,14 +18,22 @@ CASES = [
     {"name": "a hook on the wrapper", "strategy": {}, "hook_on_the_wrapper": True},
     {"name": "num_items", "strategy": {}, "num_items": True},
     {"name": "num_items, k=2", "strategy": {}, "num_items": True, "k": 2},
+    # the flags ride in the last bucket's reduce-scatter
+    {"name": "optimizer_sharding", "strategy": {"optimizer_sharding": True}, "num_items": True},
+    {"name": "optimizer_sharding, guard off", "strategy": {"optimizer_sharding": True, "sync_guard": False}},
+    # the compressing hooks' last bucket carries the flags, compressed as torch's hook compresses it
+    {"name": "ddp_comm_hook fp16", "strategy": {"ddp_comm_hook": "fp16"}},
+    {"name": "ddp_comm_hook bf16", "strategy": {"ddp_comm_hook": "bf16"}},
     # 16-bit buckets hold counts above 256 inexactly (bf16): the counts take their own all-reduce
     {"name": "num_items, bf16", "strategy": {}, "num_items": True, "precision": "bf16-true"},
     # 14 steady steps of 80 ms: about 2 looks of the stall watchdog's thread (every 0.5 s)
     {"name": "defaults, 80 ms steps", "strategy": {}, "sleep": 0.08},
 ]
 STEADY = ["off", "off, k=2"]
-QUIET = ["defaults", "notices without the guard", "defaults, k=2", "num_items", "num_items, k=2"]
-ON_FOUR_RANKS = [case for case in CASES if case["name"] in ("defaults", "notices without the guard")]
+SHARDED = ["optimizer_sharding", "optimizer_sharding, guard off"]
+COMPRESSED = ["ddp_comm_hook fp16", "ddp_comm_hook bf16"]
+QUIET = ["defaults", "notices without the guard", "defaults, k=2", "num_items", "num_items, k=2", *SHARDED, *COMPRESSED]
+ON_FOUR_RANKS = [case for case in CASES if case["name"] in ("defaults", "notices without the guard", *SHARDED)]
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +69,9 @@ def test_with_no_rank_having_news_a_step_makes_no_store_call(counted, name):
 @pytest.mark.parametrize("name", QUIET)
 def test_with_no_rank_having_news_a_step_issues_no_collective_of_its_own(counted, name):
     """Issue 59: on every backend but gloo the guard's flags took a blocking all-reduce per synced backward, and
-    without the guard a notice's flag did."""
+    without the guard a notice's flag did; with ``optimizer_sharding`` the flags kept that all-reduce (they ride in
+    the last bucket's reduce-scatter now), and so did they with ``ddp_comm_hook="fp16"`` or ``"bf16"`` (they ride in the
+    last compressed bucket now); ``num_items``' counts took one more (they ride with the flags now)."""
     assert own_calls(counted[name], "collective") == {}
     assert {op: n for op, n in counted[name]["per_step"].items() if op != "gradient all_reduce"} == {}
 

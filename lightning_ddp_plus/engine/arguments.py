@@ -271,17 +271,19 @@ class DDPPlusArguments:
     handling, as stock). The handler only records the notice; every rank stops after the same optimizer step (at most
     one step after the notice, a window of accumulation finished), the Trainer saves it atomically where
     ``ckpt_path="last"`` finds it, and ``fit`` raises ``Preempted`` (a ``SIGTERMException``; exit code 128 + the
-    signal's number). Its flag rides in the last gradient bucket, so a run without a notice pays nothing (with a
-    ``ddp_comm_hook`` or ``optimizer_sharding``: in ``sync_guard``'s all-reduce). With Fabric, ask ``strategy.preemption_agreed``
-    after the optimizer step (the preemption guide)."""
+    signal's number). Its flag rides in the last gradient bucket, so a run without a notice pays nothing (with
+    PowerSGD's or a user's ``ddp_comm_hook``, or ``optimizer_sharding="overlap"``: in ``sync_guard``'s all-reduce). With Fabric, ask
+    ``strategy.preemption_agreed`` after the optimizer step (the preemption guide)."""
 
     sync_guard: bool = argument(True, _flag)
     """After every backward that should synchronize, check on every rank that torch's reducer all-reduced every
     bucket, and act before the optimizer step (rule R6): no optimizer step is ever applied with gradients that were not
     all-reduced, and a parameter unused on some ranks only ends the step with an error instead of a hang. The ranks
     agree with a few integers appended to the last gradient bucket, on every backend: no message or store call of
-    its own. With a ``ddp_comm_hook`` or ``optimizer_sharding`` (the buckets are theirs), one all-reduce of a few
-    integers per step on a small gloo group of their own. Default on."""
+    its own (with ``optimizer_sharding=True``, appended to the last bucket's reduce-scatter; with
+    ``ddp_comm_hook="fp16"`` or ``"bf16"``, to its last compressed bucket). With PowerSGD's or a user's
+    ``ddp_comm_hook``, a ``ddp_comm_wrapper`` or ``optimizer_sharding="overlap"`` (the buckets are theirs), one
+    all-reduce of a few integers per step on a small gloo group of their own. Default on."""
 
     uneven_inputs: UnevenInputs = argument(
         "error",

@@ -97,6 +97,8 @@ class EngineComponents:
         self.sharding = ZeroSharding(arguments.optimizer_sharding, info=info, timeout=arguments.timeout_in_effect)
         #: The step's flags in the last gradient bucket, where they can ride (``sync.flag_carrier``).
         self.carrier = FlagCarrier(self._carried_flags, self._carried_sums, ITEM_SUMS)
+        if self.sharding.shards is not None:  # the flags ride in the last bucket's reduce-scatter
+            self.sharding.shards.carrier = self.carrier
         hook, state = self.sharding.hook(arguments.comm_hook, arguments.ddp_comm_state)
         overlap = arguments.optimizer_sharding == "overlap"
         self.hooks = HookAssembly(hook, state, arguments.ddp_comm_wrapper, self.carrier, own_hook_later=overlap)

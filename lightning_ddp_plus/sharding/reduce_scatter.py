@@ -12,6 +12,10 @@ factor) acts on it as on DDP's. A synced backward that does not end its window (
 reducer needs synced) is followed by more accumulation: there the averaged chunks a rank received count ``N`` times in
 the next reduce-scatter (they are one rank's where every rank's local gradient used to be), which keeps the window's
 average exact, whichever rank owns those elements by then.
+
+The step's flags ride in the last bucket's reduce-scatter as they ride in DDP's all-reduce (``sync.flag_carrier``):
+each rank's chunk of the source is followed by a copy of this rank's flags, so that every rank receives their sum
+after its chunk. That costs the flags' few elements once per rank, and no message of their own.
 """
 
 # real (not string) annotations: torch compares the hook's with dist.GradBucket and Future
@@ -19,7 +23,7 @@ average exact, whichever rank owns those elements by then.
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -27,6 +31,19 @@ from torch import Tensor
 
 from lightning_ddp_plus.sharding.bucket_shards import BucketLayout, chunk_size, flat_in_memory_order
 from lightning_ddp_plus.sharding.exchange import exchange_reduce_scatter
+
+
+class FlagsToCarry(Protocol):
+    """The step's flags as a hook that carries them sees them (``sync.flag_carrier.FlagCarrier``)."""
+
+    installed: bool
+    """The flags ride in the running fit's buckets."""
+
+    def tail(self, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """This rank's flags (and sums) to send after its last bucket's gradients."""
+
+    def arrived(self, summed: Tensor) -> None:
+        """The ``tail`` summed over the ranks."""
 
 
 @dataclass(eq=False, kw_only=True)
@@ -47,7 +64,10 @@ class GradientShards:
     """The buckets of the latest backward that reduce-scattered every bucket."""
     sent_bytes: int = 0
     """Bytes this rank's reduce-scatters and all-gathers sent: (N-1)/N of each one's full size, as a ring or a
-    pairwise exchange sends."""
+    pairwise exchange sends. The gradients' and parameters' bytes: the step's flags riding after each chunk of the
+    last bucket (a few elements per rank) are not counted, as DDP's hook is not handed them either."""
+    carrier: FlagsToCarry | None = None
+    """The step's flags, carried in the last bucket's reduce-scatter where ``carrier.installed``."""
     _index: dict[int, int] = field(default_factory=dict)
     _seen: dict[int, tuple[tuple[int, int], ...]] = field(default_factory=dict)
     _waiter: ThreadPoolExecutor | None = None
@@ -156,12 +176,22 @@ def reduce_scatter_hook(state: GradientShards, bucket: dist.GradBucket) -> torch
     padded.div_(world)
     parameters = bucket.parameters()
     state.count_received_again(padded, parameters)
-    state.count(chunk * world, buffer.element_size())
+    carrier = state.carrier if bucket.is_last() and state.carrier is not None and state.carrier.installed else None
+    if carrier is not None:  # each rank's chunk, then the flags: every rank receives their sum after its chunk
+        tail = carrier.tail(buffer.dtype, buffer.device)
+        rows = buffer.new_empty(world, chunk + tail.numel())
+        rows[:, :chunk].copy_(padded.view(world, chunk))
+        rows[:, chunk:].copy_(tail.expand(world, -1))
+        padded = rows.view(-1)
+    width = padded.numel() // world
+    state.count(chunk * world, buffer.element_size())  # the gradients' bytes, as DDP's hook is handed them
     begin = state.rank * chunk
     end = min(begin + chunk, size)
 
     def own_chunk_only(shard: Tensor) -> Tensor:
         own = shard[: end - begin].clone()  # the shard may be a view of the buffer
+        if carrier is not None:
+            carrier.arrived(shard[chunk:].clone())
         buffer.zero_()
         if end > begin:
             buffer[begin:end].copy_(own)
@@ -171,6 +201,6 @@ def reduce_scatter_hook(state: GradientShards, bucket: dist.GradBucket) -> torch
     if state.uses_exchange:
         exchange_group = state.exchange_group if state.exchange_group is not None else group
         return state.in_thread(lambda: own_chunk_only(exchange_reduce_scatter(padded, exchange_group)))
-    shard = buffer.new_empty(chunk)
+    shard = buffer.new_empty(width)
     work = dist.reduce_scatter_tensor(shard, padded, group=group, async_op=True)
     return cast("torch.futures.Future[Tensor]", work.get_future().then(lambda _: own_chunk_only(shard)))

@@ -54,6 +54,9 @@ _HOOK_FUNCTIONS: dict[CommHook, HookFunction] = {
     CommHook.BATCHED_POWERSGD: powerSGD_hook.batched_powerSGD_hook,
 }
 
+#: The compressing hooks, by the dtype they send: their last bucket can carry the step's flags (``FlagCarrier``).
+COMPRESSED: dict[CommHook, torch.dtype] = {CommHook.FP16: torch.float16, CommHook.BF16: torch.bfloat16}
+
 _NAMES = tuple(hook.value for hook in CommHook)
 
 
@@ -211,7 +214,8 @@ class HookAssembly(StepComponent):
     """The communication hook a wrapper gets: the named hook or callable, its state (PowerSGD gets a default one),
     the optional wrapper, and a counter of its calls. Registered on every backend, gloo included. Without one, the
     ``carrier``'s (the step's flags in the last bucket) where it can ride (``flags_ride_buckets``; ``own_hook_later``:
-    the ZeRO overlap registers its hook after the wrap).
+    the ZeRO overlap registers its hook after the wrap). A hook whose state holds the ``carrier`` carries the flags
+    itself (``optimizer_sharding=True``'s reduce-scatter).
 
     >>> assembly = HookAssembly(CommHook.FP16, state=None, wrapper=None)
     >>> assembly.name
@@ -259,8 +263,17 @@ class HookAssembly(StepComponent):
             self.state = self.user_state if self.user_state is not None else self.hook.default_state()
         else:
             function, self.state = self.hook, self.user_state
+        rides = self.carrier is not None and flags_ride_buckets(ddp, None, self.own_hook_later)
+        carrier = self.carrier if rides else None
+        plain = isinstance(self.hook, CommHook) and self.wrapper is None and self.state is None
+        compression = COMPRESSED.get(self.hook) if plain and isinstance(self.hook, CommHook) else None
+        if carrier is not None and compression is not None:
+            function = carrier.compressing(function, compression)  # its last bucket carries the flags
         if self.wrapper is not None:
             function = self.wrapper(function)
         if self.hook in (CommHook.POWERSGD, CommHook.BATCHED_POWERSGD):
             function = bucket_ordered_hook(function)
         ddp.register_comm_hook(state=self.state, hook=counted_hook(function, self.counter))
+        # the flags ride where the hook carries them: the compressing one above, or the sharding's reduce-scatter
+        if carrier is not None and (compression is not None or getattr(self.state, "carrier", None) is carrier):
+            carrier.riding()

@@ -16,14 +16,17 @@ itself.
 The hook is torch's ``allreduce_hook`` for every bucket but the last, which travels with the flags appended: one pass
 over that bucket into a buffer kept from step to step, in place of the division ``allreduce_hook`` makes in place (on
 a GPU a few microseconds; on CPU, priced in ``benchmarks/flag_transport.py``). Each rank reads the flags of the
-result: their sum over the ranks, so a flag is set where any rank set it. With ``ddp_comm_hook`` set (a compressing
-hook changes the bucket's values, PowerSGD's issues its own collectives), ``optimizer_sharding`` (its own hook), a
-hook the user registers on the wrapper later (it takes the carrier's place), or a sparse gradient, nothing rides:
-the flags take one all-reduce of their own on the side channel (``side_channel.SideChannel``).
+result: their sum over the ranks, so a flag is set where any rank set it. ``optimizer_sharding=True``'s
+reduce-scatter carries them too (``tail`` and ``arrived``: after each rank's chunk), and so does the last bucket of
+``ddp_comm_hook="fp16"`` or ``"bf16"`` without a ``ddp_comm_wrapper`` (``compressing``: compressed as torch's hook
+compresses it; a flag's sum stays above 0 in 16 bits, and the sums are not read there). With another
+``ddp_comm_hook`` (PowerSGD's issues its own collectives; a callable is the user's), ``optimizer_sharding="overlap"``
+(torch's hook), a hook the user registers on the wrapper later (it takes the carrier's place), or a sparse gradient,
+nothing rides: the flags take one all-reduce of their own on the side channel (``side_channel.SideChannel``).
 """
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -74,9 +77,8 @@ class FlagCarrier:
     def register(self, ddp: DistributedDataParallel) -> None:
         """The carrier's hook on ``ddp``. A hook the user registers on the wrapper later (torch takes one per wrapper)
         takes its place: the reducer is rebuilt without it, and the flags take the side channel."""
-        self._received, self.news, self._carried = None, None, None
         ddp.register_comm_hook(ddp.process_group, self.hook)
-        self.installed = True
+        self.riding()
 
         def register_comm_hook(state: object, hook: Callable[..., Any]) -> None:
             self.installed = False
@@ -86,34 +88,76 @@ class FlagCarrier:
 
         setattr(ddp, "register_comm_hook", register_comm_hook)  # noqa: B010 - on the instance, over the method
 
+    def riding(self) -> None:
+        """The flags ride in the hook just registered on a new wrapper (this carrier's, or one that carries them)."""
+        self._received, self.news, self._carried = None, None, None
+        self.installed = True
+
     def hook(self, group: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         if not bucket.is_last():
             return allreduce_hook(group, bucket)
+        return self._carry(group, bucket, None)
+
+    def compressing(self, hook: Callable[..., Any], dtype: torch.dtype) -> Callable[..., Any]:
+        """torch's compressing ``hook`` (``fp16_compress_hook``, ``bf16_compress_hook``) for every bucket but the
+        last, which is compressed the same way (cast to ``dtype``, divided by the world size) with the flags
+        appended: ``ddp_comm_hook="fp16"`` or ``"bf16"`` carries them too."""
+
+        def ddp_plus_compressing_carrier(group: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+            if not bucket.is_last():
+                return cast("torch.futures.Future[torch.Tensor]", hook(group, bucket))
+            return self._carry(group, bucket, dtype)
+
+        return ddp_plus_compressing_carrier
+
+    def _carry(
+        self, group: Any, bucket: dist.GradBucket, compressed: torch.dtype | None
+    ) -> torch.futures.Future[torch.Tensor]:
+        """The last bucket (cast to ``compressed``, if given) all-reduced with the ``tail`` appended."""
         buffer = bucket.buffer()
-        flags = self.news if self.news is not None else self.flags_now()
-        size, tail = buffer.numel(), len(flags) + self.sums
+        dtype, world = compressed or buffer.dtype, dist.get_world_size(group)
+        tail = self.tail(dtype, buffer.device)
+        size = buffer.numel()
         carried = self._carried
-        if carried is None or carried.numel() != size + tail or carried.dtype != buffer.dtype:
+        if carried is None or carried.numel() != size + tail.numel() or carried.dtype != dtype:
             # kept from step to step: a fresh buffer of a bucket's size costs its pages again every step on CPU;
             # the reducer copies the result into the bucket before the next backward can call the hook again
-            carried = self._carried = torch.empty(size + tail, dtype=buffer.dtype, device=buffer.device)
-        torch.div(buffer, dist.get_world_size(group), out=carried[:size])
-        carried[size : size + len(flags)].copy_(torch.tensor(flags, dtype=buffer.dtype), non_blocking=True)
-        if self.sums:
-            sums = self.sums_now(buffer.dtype, buffer.device)
-            if sums is None:
-                carried[size + len(flags) :].zero_()
-            else:
-                carried[size + len(flags) :].copy_(sums)
+            carried = self._carried = torch.empty(size + tail.numel(), dtype=dtype, device=buffer.device)
+        if compressed is None:
+            torch.div(buffer, world, out=carried[:size])
+        else:  # as torch's compressing hooks: cast, then divide in the compressed dtype
+            carried[:size].copy_(buffer).div_(world)
+        carried[size:].copy_(tail)
         future = dist.all_reduce(carried, group=group, async_op=True).get_future()
 
         def split(done: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
             reduced = done.value()[0]
-            self._received = reduced[size:]
-            return reduced[:size]
+            self.arrived(reduced[size:])
+            if compressed is None:
+                return reduced[:size]
+            return buffer.copy_(reduced[:size])  # decompressed in place, as torch's hooks do
 
         carrying: torch.futures.Future[torch.Tensor] = future.then(split)
         return carrying
+
+    def tail(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """What this rank's last bucket carries after its gradients: the flags (a rank with ``news``, its news), then
+        the sums (zeros where it has none). Another hook that carries them (the sharding's reduce-scatter) sends
+        this, summed over the ranks, and hands the result to ``arrived``."""
+        flags = self.news if self.news is not None else self.flags_now()
+        tail = torch.empty(len(flags) + self.sums, dtype=dtype, device=device)
+        tail[: len(flags)].copy_(torch.tensor(flags, dtype=dtype), non_blocking=True)
+        if self.sums:
+            sums = self.sums_now(dtype, device)
+            if sums is None:
+                tail[len(flags) :].zero_()
+            else:
+                tail[len(flags) :].copy_(sums)
+        return tail
+
+    def arrived(self, summed: torch.Tensor) -> None:
+        """The ``tail`` summed over the ranks: the last bucket left."""
+        self._received = summed
 
     @property
     def received(self) -> bool:
