@@ -72,6 +72,7 @@ class GradientShards:
     _seen: dict[int, tuple[tuple[int, int], ...]] = field(default_factory=dict)
     _waiter: ThreadPoolExecutor | None = None
     _received: dict[int, list[tuple[int, Tensor]]] = field(default_factory=dict)
+    _rows: Tensor | None = None
 
     @property
     def world_size(self) -> int:
@@ -121,6 +122,15 @@ class GradientShards:
         self._waiter.submit(run_then_set)
         return future
 
+    def rows(self, world: int, width: int, like: Tensor) -> Tensor:
+        """The last bucket's source laid out by rank (each rank's chunk, then the flags), kept from step to step: a
+        fresh tensor of a bucket's size costs its pages again every step on CPU (the reducer waits for this bucket's
+        future before the next backward can call the hook again)."""
+        rows = self._rows
+        if rows is None or rows.shape != (world, width) or rows.dtype != like.dtype or rows.device != like.device:
+            rows = self._rows = like.new_empty(world, width)
+        return rows
+
     def note_received(self, buffer: Tensor, parameters: list[Tensor], begin: int, end: int) -> None:
         """Keep the averaged elements ``begin .. end`` of this bucket (this rank's chunk), by parameter, until a step
         uses them (``consumed``)."""
@@ -130,6 +140,11 @@ class GradientShards:
             if high > low:
                 self._received.setdefault(self.index_of(parameter), []).append((low - offset, buffer[low:high].clone()))
             offset += parameter.numel()
+
+    def received_for(self, parameters: list[Tensor]) -> bool:
+        """Some of ``parameters`` hold chunks received that no step used yet (they count again in this bucket's
+        next reduce-scatter)."""
+        return any(self._index.get(id(parameter), -1) in self._received for parameter in parameters)
 
     def count_received_again(self, padded: Tensor, parameters: list[Tensor]) -> None:
         """Before a reduce-scatter (its source divided by N): what this rank received and no step used counts N
@@ -165,6 +180,24 @@ class GradientShards:
         self.sent_bytes += times * elements * element_size * (world - 1) // world
 
 
+def divided_into_rows(buffer: Tensor, world: int, chunks: Tensor) -> None:
+    """``buffer / world`` written into ``chunks`` (``world`` rows of a chunk each, the last ones zero-padded), in one
+    pass.
+
+    >>> chunks = torch.full((2, 3), -1.0)
+    >>> divided_into_rows(torch.arange(5.0), 2, chunks)
+    >>> chunks
+    tensor([[0.0000, 0.5000, 1.0000],
+            [1.5000, 2.0000, 0.0000]])
+    """
+    chunk = chunks.shape[1]
+    full, rest = divmod(buffer.numel(), chunk)
+    torch.div(buffer[: full * chunk].view(full, chunk), world, out=chunks[:full])
+    if full < world:
+        chunks[full:].zero_()
+        torch.div(buffer[full * chunk :], world, out=chunks[full, :rest])
+
+
 def reduce_scatter_hook(state: GradientShards, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average this bucket's gradients into each rank's chunk (zeros elsewhere); see the module's docstring."""
     state.record(bucket)
@@ -172,17 +205,26 @@ def reduce_scatter_hook(state: GradientShards, bucket: dist.GradBucket) -> torch
     world, group = state.world_size, state.process_group
     size = buffer.numel()
     chunk = chunk_size(size, world)
-    padded = buffer if chunk * world == size else torch.cat([buffer, buffer.new_zeros(chunk * world - size)])
-    padded.div_(world)
     parameters = bucket.parameters()
-    state.count_received_again(padded, parameters)
     carrier = state.carrier if bucket.is_last() and state.carrier is not None and state.carrier.installed else None
-    if carrier is not None:  # each rank's chunk, then the flags: every rank receives their sum after its chunk
+    if carrier is not None and chunk and not state.received_for(parameters):
+        # each rank's chunk, then the flags, so that every rank receives their sum after its chunk: the division
+        # writes the chunks in place of the division in place below (one pass over the bucket either way)
         tail = carrier.tail(buffer.dtype, buffer.device)
-        rows = buffer.new_empty(world, chunk + tail.numel())
-        rows[:, :chunk].copy_(padded.view(world, chunk))
+        rows = state.rows(world, chunk + tail.numel(), buffer)
+        divided_into_rows(buffer, world, rows[:, :chunk])
         rows[:, chunk:].copy_(tail.expand(world, -1))
         padded = rows.view(-1)
+    else:
+        padded = buffer if chunk * world == size else torch.cat([buffer, buffer.new_zeros(chunk * world - size)])
+        padded.div_(world)
+        state.count_received_again(padded, parameters)
+        if carrier is not None:  # the same layout, after a copy (chunks received earlier count again)
+            tail = carrier.tail(buffer.dtype, buffer.device)
+            rows = state.rows(world, chunk + tail.numel(), buffer)
+            rows[:, :chunk].copy_(padded.view(world, chunk))
+            rows[:, chunk:].copy_(tail.expand(world, -1))
+            padded = rows.view(-1)
     width = padded.numel() // world
     state.count(chunk * world, buffer.element_size())  # the gradients' bytes, as DDP's hook is handed them
     begin = state.rank * chunk
