@@ -1,9 +1,12 @@
 """What a steady step costs: counted, not timed, on real gloo jobs of 2 and 4 ranks (``tests/scripts/step_cost_job.py``):
-with the features that need a per-step agreement off, and with them on while no rank has news."""
+with the features that need a per-step agreement off, and with them on while no rank has news. And what opening the
+side channel connects (``tests/scripts/side_channel_job.py``)."""
+
+import json
 
 import pytest
 
-from tests.helpers import run_case_job
+from tests.helpers import python_script, run_case_job, start_ranks
 
 #: Every feature that agrees across ranks per step off: no guard, no notices, no ``num_items``.
 OFF = {"sync_guard": False, "preemption_signals": []}
@@ -135,3 +138,19 @@ def test_a_hook_the_user_registers_on_the_wrapper_takes_the_flag_carriers_place(
     assert case["users_hook_calls"] >= 16  # every step's buckets went through the user's hook
     assert case["guard"] == "on (all-reduce per step)"
     assert own_calls(case, "collective") == {"collective all_reduce": 1.0}
+
+
+@pytest.mark.multiprocess
+def test_opening_the_side_channel_connects_to_no_peer_before_it_is_used():
+    """Issue 59: the side channel is a gloo group of every rank, opened at each fit's start. gloo connected every pair
+    of ranks there, N - 1 connections per rank (on an NCCL job, a full mesh that only its rare exchanges use: a fault,
+    an out-of-memory retry, uneven inputs, the straggler comparison). It now connects a pair at its first exchange."""
+    world = 6
+    results = start_ranks(python_script("side_channel_job.py"), world_size=world, timeout=120)
+    for result in results:
+        assert result.returncode == 0, result.stdout[-3000:]
+    ranks = [json.loads(line) for result in results for line in result.stdout.splitlines() if line.startswith("{")]
+    assert sorted(rank["rank"] for rank in ranks) == list(range(world))
+    assert all(rank["maximum"] == [world - 1] for rank in ranks)
+    added = {rank["rank"]: rank["opened"] - rank["joined"] for rank in ranks}
+    assert max(added.values()) <= 2, added  # its listening socket (and the store's), no peer: eagerly, N - 1 more

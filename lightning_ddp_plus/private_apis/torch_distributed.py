@@ -11,10 +11,12 @@
 | the devices with foreach kernels (``foreach_devices``) | ``torch.utils._foreach_utils._get_foreach_kernels_supported_devices`` | the same | ``{"cuda"}`` where it is missing |
 | ZeRO's overlap flag and a scheduler's step check (``zero_overlaps_with_ddp``, ``mark_stepped``) | ``ZeroRedundancyOptimizer._overlap_with_ddp``, ``Optimizer._opt_called`` | the same | ``getattr`` with the default torch sets |
 | whether a tensor was changed in place (``tensor_version``) | ``Tensor._version`` | the same | none |
+| a gloo group that connects a pair of ranks at its first exchange (``lazy_gloo_group``) | the variable ``TORCH_GLOO_LAZY_INIT``, which gloo reads when a group is created | 2.13.0 | a torch that does not read it connects every pair at the creation, as any group (N - 1 connections per rank); a value the user set is kept |
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -36,6 +38,7 @@ __all__ = [
     "default_group",
     "default_store",
     "foreach_devices",
+    "lazy_gloo_group",
     "mark_stepped",
     "queue_backward_callback",
     "set_group_timeout",
@@ -98,3 +101,20 @@ def mark_stepped(optimizer: torch.optim.Optimizer) -> None:
     """What ``Optimizer.step`` records, so that a learning-rate scheduler on ``optimizer`` does not warn that it
     stepped before the optimizer did."""
     optimizer._opt_called = True  # type: ignore[attr-defined]  # set by torch's step wrapper, not declared
+
+
+#: gloo's switch for groups that connect a pair of ranks at its first exchange (read when a group is created).
+GLOO_LAZY_INIT = "TORCH_GLOO_LAZY_INIT"
+
+
+def lazy_gloo_group(timeout: timedelta) -> Any:
+    """A gloo group of every rank (a collective: every rank calls it at the same point) that connects a pair of
+    ranks at their first exchange, not at its creation: a group used rarely costs no full mesh at the start. A value
+    of ``TORCH_GLOO_LAZY_INIT`` the user set is kept (and then applies to every gloo group, as torch reads it)."""
+    if GLOO_LAZY_INIT in os.environ:
+        return dist.new_group(backend="gloo", timeout=timeout)
+    os.environ[GLOO_LAZY_INIT] = "1"
+    try:
+        return dist.new_group(backend="gloo", timeout=timeout)
+    finally:
+        del os.environ[GLOO_LAZY_INIT]

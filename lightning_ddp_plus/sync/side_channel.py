@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_ddp_plus.pipeline.component import FitStart, StepComponent
+from lightning_ddp_plus.private_apis.torch_distributed import lazy_gloo_group
 
 
 class SideChannel(StepComponent):
@@ -39,10 +40,12 @@ class SideChannel(StepComponent):
         return self._group is not None
 
     def start(self, timeout: timedelta) -> None:
-        """Create the group (a collective: every rank calls it at the same point of its setup)."""
+        """Create the group (a collective: every rank calls it at the same point of its setup). Its pairs of ranks
+        connect at their first exchange, not here: most fits never use it (the step's flags ride in the gradient
+        buckets), and a full mesh of N - 1 connections per rank is a start cost that grows with the job."""
         self.stop()
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            self._group = dist.new_group(backend="gloo", timeout=timeout)
+            self._group = lazy_gloo_group(timeout)
 
     def stop(self) -> None:
         if self._group is not None:
