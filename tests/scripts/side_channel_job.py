@@ -31,6 +31,7 @@ def main() -> None:
     channel = SideChannel(timeout=timedelta(seconds=60))
     channel.start(channel.timeout)
     opened = sockets()
+    dist.barrier()  # every rank counted before any exchange on the channel (a peer's first one connects to this rank)
     maximum = channel.maximum([rank])
     used = sockets()
     print(json.dumps({"rank": rank, "joined": joined, "opened": opened, "used": used, "maximum": maximum}), flush=True)
