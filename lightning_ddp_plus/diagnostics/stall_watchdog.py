@@ -4,12 +4,12 @@ it to each other through the job's store, never through the process group that i
 Every ``POLL_SECONDS`` the thread looks at this rank's ledger. When a collective this rank issued has not completed for
 longer than ``stall_report_after``, it asks for an episode (one counter in the store). A rank's thread looks at the
 store only while its main thread has made no progress (entered or left a collective, changed phase) for half of
-``stall_report_after``: a rank that another waits on stops making progress too (every step ends in a collective), so
-it is looking by the time it is asked, and a job whose ranks keep stepping costs the store nothing. A rank that looks
-sees the new episode at its next look at the store (every ``store_poll_seconds(world_size)``: the store's load stays
-bounded as the job grows) and writes its state there once (``stalls.RankState``: its ledger's last records, its phase and step, and
-where its main thread is, with its stack). Rank 0's thread reads every state, decides (``explain_stall``) and writes the
-report under one key, which the others read: an episode costs O(N) store reads, not every rank reading every other's
+``stall_report_after``: a rank that another waits on stops making progress too (every step ends in a collective), so it
+is looking by the time it is asked, and a job whose ranks keep stepping costs the store nothing. A rank that looks sees
+the new episode at its next look at the store (every ``store_poll_seconds(world_size)``: the store's load stays bounded
+as the job grows) and writes its state there once (``stalls.RankState``: its ledger's last records, its phase and step,
+and where its main thread is, with its stack). Rank 0's thread reads every state, decides (``explain_stall``) and writes
+the report under one key, which the others read: an episode costs O(N) store reads, not every rank reading every other's
 (O(N^2)). Rank 0's thread runs even when its main thread is the one stuck, and the store lives in its process:
 
 - out of step: rank 0 prints the report and ends its process, which ends the job at once instead of at the timeout

@@ -265,7 +265,7 @@ class HookAssembly(StepComponent):
             function, self.state = self.hook, self.user_state
         rides = self.carrier is not None and flags_ride_buckets(ddp, None, self.own_hook_later)
         carrier = self.carrier if rides else None
-        plain = isinstance(self.hook, CommHook) and self.wrapper is None and self.state is None
+        plain = self.wrapper is None and self.state is None
         compression = COMPRESSED.get(self.hook) if plain and isinstance(self.hook, CommHook) else None
         if carrier is not None and compression is not None:
             function = carrier.compressing(function, compression)  # its last bucket carries the flags
