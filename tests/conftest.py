@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import warm
+
 #: Longest first (seconds of one worker, from `--durations`, rounded): a new slow file goes where its time puts it.
 LONGEST_FIRST = (
     "test_failures.py",  # ~205
@@ -37,3 +39,7 @@ LONGEST_FIRST = (
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     place = {name: index for index, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: place.get(Path(str(item.fspath)).name, len(LONGEST_FIRST)))
+
+
+def pytest_sessionfinish() -> None:
+    warm.stop()

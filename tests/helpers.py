@@ -19,6 +19,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
+from tests import warm
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 #: Trainer arguments that keep test runs free of files and console noise.
@@ -143,20 +145,23 @@ def clean_environment() -> dict[str, str]:
     return {key: value for key, value in os.environ.items() if key not in _LAUNCH_VARIABLES}
 
 
+def start_process(args: list[str], env: dict[str, str], cwd: Path | str = REPO_ROOT) -> Any:
+    """Start ``args`` in a session of its own, its output (stdout and stderr together) as text in ``.stdout``:
+    ``python SCRIPT`` from this worker's warm interpreter (``tests/warm.py``) where a fork can be that process, else
+    (or with ``DDP_PLUS_FRESH_INTERPRETERS=1``) a fresh one. Either way ``subprocess.Popen``'s interface."""
+    if warm.can_fork(args, env) and not os.environ.get("DDP_PLUS_FRESH_INTERPRETERS"):
+        return warm.popen(args, env, cwd)
+    return subprocess.Popen(
+        args, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+
+
 def run_job(
     args: list[str], timeout: float = 180, env: dict[str, str] | None = None, cwd: Path | None = None
 ) -> subprocess.CompletedProcess:
     """Run a command in its own session; on time-out kill its whole process group (launched ranks included)."""
     full_env = {**clean_environment(), "MASTER_PORT": str(free_port()), "PYTHONPATH": str(REPO_ROOT), **(env or {})}
-    process = subprocess.Popen(
-        args,
-        cwd=cwd or REPO_ROOT,
-        env=full_env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    process = start_process(args, full_env, cwd or REPO_ROOT)
     try:
         output, _ = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -216,17 +221,7 @@ def start_ranks(
             "WORLD_SIZE": str(world_size),
             **(env or {}),
         }
-        processes.append(
-            subprocess.Popen(
-                args,
-                cwd=REPO_ROOT,
-                env=rank_env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                start_new_session=True,
-            )
-        )
+        processes.append(start_process(args, rank_env))
     results = []
     try:
         for process in processes:

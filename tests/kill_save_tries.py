@@ -22,7 +22,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lightning_ddp_plus.persistence.files import unreadable_reason
-from tests.helpers import REPO_ROOT, clean_environment, free_port, kill_process_groups, python_script, small_filesystem
+from tests.helpers import (
+    REPO_ROOT,
+    clean_environment,
+    free_port,
+    kill_process_groups,
+    python_script,
+    small_filesystem,
+    start_process,
+)
 
 
 def run(directory: Path, atomic: bool, kill_after: float | None) -> tuple[dict[str, str | None], str]:
@@ -33,8 +41,7 @@ def run(directory: Path, atomic: bool, kill_after: float | None) -> tuple[dict[s
     for rank in range(2):
         env = {**clean_environment(), "PYTHONPATH": str(REPO_ROOT), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
                "LOCAL_RANK": str(rank), "NODE_RANK": "0", "WORLD_SIZE": "2"}  # fmt: skip
-        processes.append(subprocess.Popen(args, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
-                                          stderr=subprocess.STDOUT, text=True, start_new_session=True))  # fmt: skip
+        processes.append(start_process(args, env))
     lines, begins = [], 0
     try:
         for line in processes[0].stdout:

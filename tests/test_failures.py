@@ -11,7 +11,7 @@ import uuid
 
 import pytest
 
-from tests.helpers import REPO_ROOT, clean_environment, free_port
+from tests.helpers import REPO_ROOT, clean_environment, free_port, start_process
 from tests.scripts.failure_job import HANG_S, SETUP_S
 
 pytestmark = pytest.mark.multiprocess
@@ -76,10 +76,10 @@ def run_failing_job(
         setup_timeout,
     ]
     env = {**clean_environment(), "PYTHONPATH": str(REPO_ROOT), "MASTER_PORT": str(free_port())}
-    # Not in a new session: the job must clean up after itself; survivors are found by their tag.
+    # The test kills no process group: the job must clean up after itself; survivors are found by their tag.
     # in a directory of its own: a survivor of a crashed rank saves the last step there (save_on_rank_death)
     with tempfile.TemporaryDirectory() as cwd:
-        process = subprocess.Popen(args, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        process = start_process(args, env, cwd)
         try:
             output, _ = process.communicate(timeout=HANG_S + 60)
         except subprocess.TimeoutExpired:
