@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from tests import warm
 from tests.helpers import REPO_ROOT, run_job
 
 pytestmark = pytest.mark.multiprocess
@@ -62,7 +63,7 @@ def test_sharding_benchmark_runs_with_its_bytes_and_shares(tmp_path):
     args = ["--width", "64", "--layers", "1", "--batches", "6", "--repeats", "1", "--nodes", "2"]
     variants = ["ddp_plus", "ddp_plus_sharded", "ddp_plus_sharded_all_reduce", "ddp_plus_overlap", "step_in_hook"]
     command = [sys.executable, script, *args, "--variants", *variants, "--out", str(tmp_path), "--timeout", "240"]
-    result = run_job(command, timeout=400)
+    result = run_job(command, timeout=400, env=warm.environment())
     assert result.returncode == 0, result.stdout[-3000:]
     report = json.loads((tmp_path / "sharding.json").read_text())
     loopback = report["sharding"][0]["variants"]

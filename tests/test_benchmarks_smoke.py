@@ -5,6 +5,7 @@ import sys
 
 import pytest
 
+from tests import warm
 from tests.helpers import REPO_ROOT, run_job
 
 pytestmark = pytest.mark.multiprocess
@@ -34,7 +35,7 @@ def test_suite_runs_its_benchmarks_at_a_tiny_size(tmp_path):
         "--timeout",
         "240",
     ]
-    result = run_job([sys.executable, script, *args], timeout=600)
+    result = run_job([sys.executable, script, *args], timeout=600, env=warm.environment())
     assert result.returncode == 0, result.stdout[-3000:]
     summary = json.loads((tmp_path / "suite.json").read_text())
     assert set(summary) >= {
@@ -74,7 +75,7 @@ def test_the_ddp_or_zero_example_plans_a_model_from_the_meta_device():
 def test_the_straggler_noise_and_ledger_cost_benchmarks_run_at_a_tiny_size(tmp_path):
     noise = [sys.executable, str(REPO_ROOT / "benchmarks" / "straggler_noise.py")]
     tiny = ["--repeats", "1", "--steps", "10", "--every", "5", "--width", "32", "--layers", "1", "--delay-ms", "60"]
-    result = run_job([*noise, *tiny, "--out", str(tmp_path), "--timeout", "240"], timeout=400)
+    result = run_job([*noise, *tiny, "--out", str(tmp_path), "--timeout", "240"], timeout=400, env=warm.environment())
     assert result.returncode == 0, result.stdout[-3000:]
     summary = json.loads((tmp_path / "straggler_noise.json").read_text())
     assert summary["balanced_comparisons"] == 2 and summary["balanced_warnings"] == []
@@ -87,7 +88,7 @@ def test_the_item_averaging_cost_benchmark_runs_at_a_tiny_size(tmp_path):
     """Its table's workload is what ``test_item_averaging.py`` checks; here its cost part runs end to end."""
     command = [sys.executable, str(REPO_ROOT / "benchmarks" / "item_averaging.py"), "--only", "cost"]
     tiny = ["--steps", "6", "--repeats", "1", "--width", "16"]
-    result = run_job([*command, *tiny, "--out", str(tmp_path / "items.json")], timeout=300)
+    result = run_job([*command, *tiny, "--out", str(tmp_path / "items.json")], timeout=300, env=warm.environment())
     assert result.returncode == 0, result.stdout[-3000:]
     cost = json.loads((tmp_path / "items.json").read_text())["cost"]
     assert set(cost) == {"stock", "ddp_plus", "ddp_plus + num_items"}
@@ -108,7 +109,7 @@ def test_the_scale_benchmark_counts_what_each_variant_issues_per_step(tmp_path):
     """Counts, not times: stock broadcasts its SIGTERM flag every step, bare DDP issues nothing of its own."""
     script = [sys.executable, str(REPO_ROOT / "benchmarks" / "scale.py")]
     tiny = ["--ranks", "2", "--steps", "8", "--warm-up", "2", "--sleep", "0.01", "--variants", "bare", "stock"]
-    result = run_job([*script, *tiny, "--out", str(tmp_path), "--timeout", "240"], timeout=400)
+    result = run_job([*script, *tiny, "--out", str(tmp_path), "--timeout", "240"], timeout=400, env=warm.environment())
     assert result.returncode == 0, result.stdout[-3000:]
     by_variant = {r["variant"]: r for r in json.loads((tmp_path / "scale.json").read_text())}
     assert by_variant["stock"]["per step"] == {"collective broadcast": 1.0}
@@ -120,7 +121,7 @@ def test_the_flag_transport_benchmark_keeps_the_gradients(tmp_path):
     """The flags appended to the last bucket leave the all-reduced gradients as they were."""
     script = [sys.executable, str(REPO_ROOT / "benchmarks" / "flag_transport.py")]
     tiny = ["--width", "64", "--layers", "2", "--steps", "5", "--repeats", "1", "--out", str(tmp_path / "flags.json")]
-    result = run_job([*script, *tiny], timeout=300)
+    result = run_job([*script, *tiny], timeout=300, env=warm.environment())
     assert result.returncode == 0, result.stdout[-3000:]
     summary = json.loads((tmp_path / "flags.json").read_text())
     assert summary["flags in last bucket"]["largest weight difference to python hook"] == 0.0

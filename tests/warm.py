@@ -30,6 +30,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 #: Read by the C runtime when it loads, so a fork would not see them: these start a fresh interpreter.
 _READ_AT_LOAD = ("MALLOC_", "LD_", "GLIBC_TUNABLES", "PYTHON")
+#: Names the server to a job that starts processes of its own (``benchmarks/ranks.py``); a user's run never sets it.
+SERVER_VARIABLE = "DDP_PLUS_WARM_SERVER"
 #: Room in the server's own argv for a child's: /proc/PID/cmdline is that memory, rewritten in the child.
 _ARGV_ROOM = 4096
 
@@ -128,20 +130,28 @@ class _Server:
             os.rmdir(os.path.dirname(cls.path))
 
 
-def popen(args: list[str], env: dict[str, str], cwd: Path | str, output: bool = True) -> WarmProcess:
+def popen(
+    args: list[str], env: dict[str, str], cwd: Path | str, output_fd: int | None = None, server: str | None = None
+) -> WarmProcess:
     """Start ``python SCRIPT ARGS`` (see ``can_fork``) as a child of the warm server, in a session of its own; its
-    output (stdout and stderr together) comes as ``.stdout`` when ``output``, else goes to this process's."""
+    output (stdout and stderr together) comes as ``.stdout``, or goes to ``output_fd``. ``server``: the address of a
+    running server (``SERVER_VARIABLE``), else this worker's."""
     connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    connection.connect(_Server.address())
-    read_end, write_end = os.pipe() if output else (None, None)
-    fds = [write_end if write_end is not None else sys.stdout.fileno()]
+    connection.connect(server or _Server.address())
+    read_end, write_end = os.pipe() if output_fd is None else (None, output_fd)
     request = json.dumps({"argv": args[1:], "env": env, "cwd": str(cwd)}).encode()
-    socket.send_fds(connection, [len(request).to_bytes(8, "big") + request], fds)
-    if write_end is not None:
+    socket.send_fds(connection, [len(request).to_bytes(8, "big") + request], [write_end])
+    if read_end is not None:
         os.close(write_end)
     pid = int(connection.recv(32).split(b"\n")[0])
     stdout = os.fdopen(read_end, "r", errors="replace") if read_end is not None else None
     return WarmProcess(connection, pid, stdout)
+
+
+def environment() -> dict[str, str]:
+    """For a job that starts processes of its own through ``benchmarks/ranks.py``: the variable that has them forked
+    from this worker's server too."""
+    return {SERVER_VARIABLE: _Server.address()}
 
 
 def stop() -> None:
