@@ -8,31 +8,34 @@ import pytest
 
 from tests import warm
 
-#: Longest first (seconds of one worker, from `--durations`, rounded): a new slow file goes where its time puts it.
+#: Longest first (seconds of one worker, from `--durations` with the job processes forked warm, rounded): a new slow file
+#: goes where its time puts it.
 LONGEST_FIRST = (
-    "test_failures.py",  # ~205
-    "test_rank_death.py",  # ~215 (its 10 kills and their resume ~185)
-    "test_rank_death_saves.py",  # ~115 (5 jobs, one on 2 nodes of 2 ranks)
-    "test_benchmarks_smoke.py",  # ~150
-    "test_restart.py",  # ~140
-    "test_memory_plan.py",  # ~120 (its step-peak job alone ~110)
-    "test_fabric_rank_death.py",  # ~110
-    "test_preemption.py",  # ~100
-    "test_benchmarks_link_smoke.py",  # ~80
+    "test_restart.py",  # ~220 (torchrun agents and their workers start fresh)
+    "test_failures.py",  # ~215
+    "test_rank_death.py",  # ~195 (its kills and their resume ~160)
+    "test_memory_plan.py",  # ~165 (its step-peak job alone ~135)
+    "test_benchmarks_link_smoke.py",  # ~100
+    "test_benchmarks_smoke.py",  # ~95
+    "test_rank_death_saves.py",  # ~95 (5 jobs, one on 2 nodes of 2 ranks)
+    "test_fabric_rank_death.py",  # ~75
     "test_link_faults.py",  # ~65
-    "test_world_size.py",  # ~75
-    "test_comm_hooks.py",  # ~60
-    "test_resume_multinode.py",  # ~57
-    "test_zoo.py",  # ~53
-    "test_sharding.py",  # ~60
-    "test_checkpoint_jobs.py",  # ~47
-    "test_fabric.py",  # ~46
-    "test_micro_batches.py",  # ~45
-    "test_ddp_training.py",  # ~44
-    "test_buckets.py",  # ~35
-    "test_diagnostics.py",  # ~32
-    "test_bad_input.py",  # ~25
-    "test_step_guard.py",  # ~24
+    "test_micro_batches.py",  # ~65
+    "test_preemption.py",  # ~60
+    "test_sharding.py",  # ~45
+    "test_resume_multinode.py",  # ~45
+    "test_item_averaging.py",  # ~40
+    "test_zoo.py",  # ~35
+    "test_ddp_training.py",  # ~35
+    "test_report.py",  # ~30
+    "test_comm_hooks.py",  # ~30
+    "test_step_cost.py",  # ~40 (many short jobs)
+    "test_diagnostics.py",  # ~20
+    "test_fabric.py",  # ~20
+    "test_step_guard.py",  # ~15
+    "test_world_size.py",  # ~15
+    "test_buckets.py",  # ~15
+    "test_bad_input.py",  # ~10
 )
 
 
