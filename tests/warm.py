@@ -33,7 +33,7 @@ _READ_AT_LOAD = ("MALLOC_", "LD_", "GLIBC_TUNABLES", "PYTHON")
 #: Names the server to a job that starts processes of its own (``benchmarks/ranks.py``); a user's run never sets it.
 SERVER_VARIABLE = "DDP_PLUS_WARM_SERVER"
 #: Room in the server's own argv for a child's: /proc/PID/cmdline is that memory, rewritten in the child.
-_ARGV_ROOM = 4096
+_ARGV_ROOM = 32768  # a job's argv carries its cases as JSON
 
 
 def can_fork(args: list[str], env: dict[str, str]) -> bool:

@@ -109,8 +109,11 @@ class WindowItems:
 
 #: The agreement's flags of per-item averaging: some rank averages per item, some rank does not (both: they differ).
 ITEMS_ON, ITEMS_OFF = "num_items given", "num_items not given"
-#: The window's numbers summed over the ranks, in ``ItemAveraging.numbers``' order (what rides in the last bucket).
-ITEM_SUMS = 6
+#: The window's numbers summed over the ranks, in this order (``ItemAveraging.numbers``; what rides in the last bucket):
+#: the items' summed loss, the items, the micro-batches with a count and without, the negative counts; then whether a
+#: rank gives none.
+_WINDOW_NUMBERS = ("_loss_sum", "_items", "_counted", "_uncounted", "_negative")
+ITEM_SUMS = len(_WINDOW_NUMBERS) + 1
 
 
 class ItemAveraging(StepComponent):
@@ -351,9 +354,9 @@ class ItemAveraging(StepComponent):
         self._closing_divisor = divisor
 
     def numbers(self, dtype: torch.dtype, device: torch.device, without_counts: bool = False) -> Tensor:
-        """This rank's numbers of the window, to be summed over the ranks: the items' summed loss, the items, the
-        micro-batches with a count and without, the negative counts, and whether this rank gives none."""
-        numbers = [self._loss_sum, self._items, self._counted, self._uncounted, self._negative, int(without_counts)]
+        """This rank's numbers of the window, to be summed over the ranks (``_WINDOW_NUMBERS``, then whether this
+        rank gives no counts)."""
+        numbers = [*(getattr(self, name) for name in _WINDOW_NUMBERS), int(without_counts)]
         return torch.stack([torch.as_tensor(n, dtype=dtype, device=device).reshape(()) for n in numbers])
 
     def sums_now(self, dtype: torch.dtype, device: torch.device) -> Tensor | None:
