@@ -115,7 +115,7 @@ class TokenModel(L.LightningModule):
         super().__init__()
         self.case, self.net = case, make_net(case)
         self.automatic_optimization = not case.get("manual", False)
-        self.limit = case.get("rows_that_fit")  # rank 1 runs out of memory above it (micro_batch_size="auto")
+        self.limit = case.get("rows_that_fit")  # rank 1 runs out of memory above it (chunk_size="auto")
 
     def training_step(self, batch, batch_idx):
         if self.limit and self.global_rank == 1 and batch[0].shape[0] > self.limit:
@@ -227,7 +227,7 @@ def run_case(case: dict) -> dict:
     if not case.get("fabric") and scaler is not None:  # 16-mixed: each skipped (overflowed) step halved it
         result["scaler_scale"] = float(scaler.get_scale())
     if isinstance(strategy, (DDPPlusStrategy, DDPPlusFabricStrategy)):
-        result["size_changes"] = len(strategy.engine.micro_batches.changes)
+        result["size_changes"] = len(strategy.engine.chunks.changes)
     flat = torch.cat([p.detach().flatten() for p in net.parameters()])
     gathered = [torch.zeros_like(flat) for _ in range(2)]
     dist.all_gather(gathered, flat)
@@ -246,10 +246,10 @@ TABLE = [
     {"name": "stock DDPStrategy, 2 ranks x 4 rows x accumulate_grad_batches=2", "stock": True, "num_items": False},
     {"name": "ddp_plus without num_items, the same", "num_items": False},
     {"name": "ddp_plus with num_items, the same"},
-    {"name": "ddp_plus without num_items, 2 ranks x 8 rows, micro_batch_size=2", "k": 1, "batch_size": 8,
-     "num_items": False, "strategy": {"micro_batch_size": 2}},
-    {"name": "ddp_plus with num_items, 2 ranks x 8 rows, micro_batch_size=2", "k": 1, "batch_size": 8,
-     "strategy": {"micro_batch_size": 2}},
+    {"name": "ddp_plus without num_items, 2 ranks x 8 rows, chunk_size=2", "k": 1, "batch_size": 8,
+     "num_items": False, "strategy": {"chunk_size": 2}},
+    {"name": "ddp_plus with num_items, 2 ranks x 8 rows, chunk_size=2", "k": 1, "batch_size": 8,
+     "strategy": {"chunk_size": 2}},
     {"name": "control (every sequence full length), stock", "stock": True, "num_items": False, "equal": True},
     {"name": "control, ddp_plus with num_items", "equal": True},
 ]  # fmt: skip

@@ -10,8 +10,8 @@ Benchmarks (each alternates its variants A B A B ... on one process group, repor
   setup      time from Trainer.fit to the end of the first optimizer step: stock, ddp_plus validator on / off
   scaling    samples per second with 1 and 2 processes (ddp_plus), and the ratio to 1 process
   micro_batches   the same global batch per optimizer step (32 rows per rank) as stock Lightning's accumulate_grad_batches=4
-             over batches of 8, ddp_plus's the same, and ddp_plus with batches of 32 split by micro_batch_size=8,
-             and by micro_batch_size="auto" with memory to spare: samples per second, and the ratio to stock
+             over batches of 8, ddp_plus's the same, and ddp_plus with batches of 32 split by chunk_size=8,
+             and by chunk_size="auto" with memory to spare: samples per second, and the ratio to stock
   manual_accumulation   runs benchmarks/bench_manual_accumulation.py (k=4, manual optimization)
 Writes benchmarks/results/suite.json and, with matplotlib (the `bench` extra), suite.png.
 """
@@ -141,8 +141,8 @@ def variants(name: str):
         return {
             "stock_accumulate_4": stock,
             "ddp_plus_accumulate_4": plus(),
-            "ddp_plus_micro_batch_8": plus(micro_batch_size=8),
-            "ddp_plus_micro_batch_auto": plus(micro_batch_size="auto"),
+            "ddp_plus_micro_batch_8": plus(chunk_size=8),
+            "ddp_plus_micro_batch_auto": plus(chunk_size="auto"),
         }
     raise ValueError(name)
 

@@ -192,6 +192,7 @@ def keywords_text() -> str:
     from lightning_ddp_plus.engine.arguments import (
         ARGUMENT_FIELDS,
         DDP_FURTHER_ARGUMENTS,
+        RENAMED_ARGUMENTS,
         DDPPlusArguments,
         front_end_arguments,
     )
@@ -199,6 +200,8 @@ def keywords_text() -> str:
     source = (ROOT / "lightning_ddp_plus" / "engine" / "arguments.py").read_text()
     docs, origins = field_docs(source), imported_names(source)
     annotations = {name: DDPPlusArguments.__annotations__[name] for name in ARGUMENT_FIELDS}
+    annotations |= {r.former: annotations[r.name] for r in RENAMED_ARGUMENTS}
+    docs |= {r.former: r.doc for r in RENAMED_ARGUMENTS}
     used = sorted({word for text in annotations.values() for word in re.findall(r"[A-Za-z_]\w*", text)})
     imports: dict[str, list[str]] = {"typing": ["Any", "TypedDict"]}
     for word in used:
@@ -224,7 +227,8 @@ def keywords_text() -> str:
 
     def typed_dict(name: str, bases: list[str], doc: str, arguments: list[str]) -> list[str]:
         body = [f"class {name}({', '.join(bases)}, total=False):", f'    """{doc}"""', ""]
-        for argument in arguments:
+        former = [r.former for r in RENAMED_ARGUMENTS if r.name in arguments]  # still typed, deprecated
+        for argument in [*arguments, *former]:
             body += [
                 f"    {argument}: {double_quoted_literals(annotations[argument])}",
                 f'    """{docs[argument]}"""',

@@ -11,6 +11,10 @@ Importing the package registers the strategy names ``ddp_plus``, ``ddp_plus_spaw
 (``Fabric(strategy="ddp_plus")``).
 """
 
+from typing import Any
+
+from lightning.fabric.utilities.rank_zero import rank_zero_deprecation
+
 from lightning_ddp_plus.config.backend import KNOWN_BACKENDS
 from lightning_ddp_plus.config.messages import ArgumentTypeError, ArgumentValueError
 from lightning_ddp_plus.config.settings import DDPSettings
@@ -29,8 +33,8 @@ from lightning_ddp_plus.persistence.files import CheckpointResumeError
 from lightning_ddp_plus.persistence.io import AtomicCheckpointIO, CheckpointSaveError
 from lightning_ddp_plus.preemption.report import Preempted, PreemptionReport
 from lightning_ddp_plus.sharding.optimizer import elementwise_optimizer
+from lightning_ddp_plus.sync.chunks import Chunk, ChunkOutOfMemoryError, UnsplittableBatchError
 from lightning_ddp_plus.sync.comm_hooks import CommHook
-from lightning_ddp_plus.sync.micro_batches import MicroBatch, MicroBatchOutOfMemoryError, UnsplittableBatchError
 from lightning_ddp_plus.sync.uneven import UnevenInputsError
 
 __version__ = "0.2.0"
@@ -47,6 +51,8 @@ __all__ = [
     "AtomicCheckpointIO",
     "CheckpointResumeError",
     "CheckpointSaveError",
+    "Chunk",
+    "ChunkOutOfMemoryError",
     "CommHook",
     "DDPConflictError",
     "DDPPlusArguments",
@@ -55,8 +61,6 @@ __all__ = [
     "DDPSettings",
     "DDPTelemetry",
     "HFStyleDDPPlusStrategy",
-    "MicroBatch",
-    "MicroBatchOutOfMemoryError",
     "Preempted",
     "PreemptionReport",
     "RankDied",
@@ -67,3 +71,17 @@ __all__ = [
     "parse_timeout",
     "peer_gone_in",
 ]
+
+#: Former public names, still importable with a deprecation warning (``MicroBatch`` named a chunk of a batch, not a
+#: micro-batch of an accumulation window).
+_RENAMED = {"MicroBatch": "Chunk", "MicroBatchOutOfMemoryError": "ChunkOutOfMemoryError"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _RENAMED:
+        rank_zero_deprecation(
+            f"`{name}` is renamed `{_RENAMED[name]}` (since lightning-ddp-plus 0.2.0). Fix: import "
+            f"`lightning_ddp_plus.{_RENAMED[name]}`; the former name goes in the next major release."
+        )
+        return globals()[_RENAMED[name]]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

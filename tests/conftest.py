@@ -20,7 +20,7 @@ LONGEST_FIRST = (
     "test_rank_death_saves.py",  # ~95 (5 jobs, one on 2 nodes of 2 ranks)
     "test_fabric_rank_death.py",  # ~75
     "test_link_faults.py",  # ~65
-    "test_micro_batches.py",  # ~65
+    "test_chunks.py",  # ~65
     "test_preemption.py",  # ~60
     "test_sharding.py",  # ~45
     "test_resume_multinode.py",  # ~45

@@ -169,7 +169,7 @@ def test_the_plan_columns_line_up_and_lightningcli_does_not_warn_about_its_argum
 
 def test_a_micro_batch_suggestion_is_left_for_auto_and_removed_when_the_whole_batch_fits(tmp_path, capsys):
     """Batches of 2048 rows against 2 MiB: parameters, gradients and Adam's state fit and a whole batch's activations
-    do not, so the plan suggests a micro-batch and leaves it in the run's folder for ``micro_batch_size="auto"``; a
+    do not, so the plan suggests a micro-batch and leaves it in the run's folder for ``chunk_size="auto"``; a
     later plan whose whole batch fits removes it."""
     import json
 
@@ -178,11 +178,11 @@ def test_a_micro_batch_suggestion_is_left_for_auto_and_removed_when_the_whole_ba
 
     run = ["--trainer.default_root_dir", str(tmp_path), "--data.init_args.batch_size", "2048"]
     code, out = check_in_process(DEMO_CONFIG, capsys, "--device-memory", "2MiB", *run)
-    assert code == 1 and "verdict: fits with micro_batch_size=" in out, out[-2000:]  # the configured run does not fit
+    assert code == 1 and "verdict: fits with chunk_size=" in out, out[-2000:]  # the configured run does not fit
     suggestion = json.loads((tmp_path / SUGGESTION_FILE).read_text())
-    assert f"verdict: fits with micro_batch_size={suggestion['micro_batch_size']}:" in out
+    assert f"verdict: fits with chunk_size={suggestion['chunk_size']}:" in out
     assert suggestion["world_size"] == 2 and suggestion["device_memory"] == 2 * 2**20
-    assert f"wrote {tmp_path / SUGGESTION_FILE}: a run of this model on 2 rank(s) with micro_batch_size='auto'" in out
+    assert f"wrote {tmp_path / SUGGESTION_FILE}: a run of this model on 2 rank(s) with chunk_size='auto'" in out
     code, out = check_in_process(DEMO_CONFIG, capsys, "--device-memory", "64MiB", *run)
     assert code == 0 and f"removed {tmp_path / SUGGESTION_FILE}" in out
     assert not (tmp_path / SUGGESTION_FILE).exists()

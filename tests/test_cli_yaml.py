@@ -172,3 +172,11 @@ def test_demo_writes_the_shipped_config_and_never_overwrites(tmp_path):
     with pytest.raises(SystemExit, match="exists; name a new file"):
         main(["demo", "--write-config", str(target)])
     assert target.read_text() == "edited"
+
+
+def test_the_former_name_micro_batch_size_still_reads_from_yaml(tmp_path):
+    strategy = "\n    class_path: lightning_ddp_plus.DDPPlusStrategy\n    init_args: {micro_batch_size: 2}"
+    with pytest.warns(DeprecationWarning, match=r"`micro_batch_size` is renamed `chunk_size`"):
+        cli = run_cli(tmp_path, strategy)
+    assert cli.trainer.strategy.arguments.chunk_size == 2
+    assert cli.trainer.global_step == 2

@@ -36,8 +36,8 @@ CASES = [
     # 15: rank 1's batches arrive 150 ms late; the ranks compare their phase times every 10 steps
     {"slow_rank": 1, "delay_s": 0.15, "num_samples": 160, "strategy": {"find_stragglers_every_n_steps": 10}},
     # 16, 17: train_micro_batches; rank 1 runs out of memory above 1 row (auto: 4 -> 2 -> 1), and fixed chunks of 3
-    {"oom_above": 1, "strategy": {"micro_batch_size": "auto"}},
-    {"oom_above": 4, "strategy": {"micro_batch_size": 3, "gradient_accumulation_steps": 2}},
+    {"oom_above": 1, "strategy": {"chunk_size": "auto"}},
+    {"oom_above": 4, "strategy": {"chunk_size": 3, "gradient_accumulation_steps": 2}},
     {
         "preempt_at": 3
     },  # 18: rank 1 gets SIGTERM after step 3; every rank saves step 4 and ends; the resume loses nothing
@@ -242,7 +242,7 @@ def test_a_balanced_fabric_loop_names_no_straggler(results):
 def test_train_micro_batches_in_a_fabric_loop(results, index, k, size):
     result = results[index]
     check_trained(result, reference(result, k=k))
-    assert result["micro_batch_size"] == size
+    assert result["chunk_size"] == size
     assert result["optimizer_steps"] == 5 // k + (5 % k > 0)
     # one all-reduce per optimizer step, and one for each of the two failed attempts of 'auto'
     assert result["hook_calls"] == result["optimizer_steps"] + (2 if index == 16 else 0)

@@ -240,16 +240,16 @@ def test_crashed_rank_ends_the_job_with_the_original_error(rank):
 
 
 def test_out_of_memory_on_one_rank_ends_every_rank_with_an_error_that_names_it():
-    """``micro_batch_size=None``: rank 1 runs out of memory in its forward; rank 0, waiting in the gradient
+    """``chunk_size=None``: rank 1 runs out of memory in its forward; rank 0, waiting in the gradient
     all-reduce, ends as soon as rank 1's process is gone, and both say which rank, where, and what to change."""
     code, output, since_failure, survivors = run_failing_job("out_of_memory", 1, step=2, timeout_s=CRASH_TIMEOUT_S)
     assert not survivors, f"processes left behind: {survivors}"
     assert code != 0
     message = (
-        "MicroBatchOutOfMemoryError: Out of memory on rank 1 in the forward, training a batch of 4 rows. Every rank "
-        "stops here. Fix: set `micro_batch_size='auto'`"
+        "ChunkOutOfMemoryError: Out of memory on rank 1 in the forward, training a batch of 4 rows. Every rank "
+        "stops here. Fix: set `chunk_size='auto'`"
     )
-    assert f"[rank1]: lightning_ddp_plus.sync.micro_batches.{message}" in output, output[-3000:]
-    assert f"[rank0]: lightning_ddp_plus.sync.micro_batches.{message}" in output, output[-3000:]
+    assert f"[rank1]: lightning_ddp_plus.sync.chunks.{message}" in output, output[-3000:]
+    assert f"[rank0]: lightning_ddp_plus.sync.chunks.{message}" in output, output[-3000:]
     assert "Connection closed" not in output and "Connection reset" not in output
     assert since_failure < CRASH_TIMEOUT_S, (since_failure, output[-3000:])

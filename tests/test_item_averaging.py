@@ -98,9 +98,9 @@ CASES = [
     case("stock DDPStrategy", stock=True, num_items=False),
     case("ddp_plus without num_items", num_items=False),
     case("ddp_plus, accumulation 2"),
-    case("chunks", k=1, batch_size=8, strategy={"micro_batch_size": 2}),
-    case("chunks and accumulation", strategy={"micro_batch_size": 3}),
-    case("chunks without num_items", k=1, batch_size=8, num_items=False, strategy={"micro_batch_size": 2}),
+    case("chunks", k=1, batch_size=8, strategy={"chunk_size": 2}),
+    case("chunks and accumulation", strategy={"chunk_size": 3}),
+    case("chunks without num_items", k=1, batch_size=8, num_items=False, strategy={"chunk_size": 2}),
     case("clipping", clip=0.05),
     case("sharding and momentum", momentum=0.9, strategy={"optimizer_sharding": True}),
     case("fp16 compression", strategy={"ddp_comm_hook": "fp16"}),
@@ -112,11 +112,9 @@ CASES = [
         batch_size=8,
         loss_scale=2e4,
         lr=1e-7,
-        strategy={"ddp_comm_hook": "fp16", "micro_batch_size": "auto"},
+        strategy={"ddp_comm_hook": "fp16", "chunk_size": "auto"},
     ),
-    case(
-        "auto after an out-of-memory error", k=1, batch_size=16, rows_that_fit=5, strategy={"micro_batch_size": "auto"}
-    ),
+    case("auto after an out-of-memory error", k=1, batch_size=16, rows_that_fit=5, strategy={"chunk_size": "auto"}),
     case("join on uneven shards", uneven=True, strategy={"uneven_inputs": "join"}),
     case("manual optimization", manual=True, strategy={"gradient_accumulation_steps": 2}),
     case("static graph", strategy={"static_graph": True}),
@@ -154,7 +152,7 @@ CASES = [
         k=1,
         batch_size=16,
         rows_that_fit=5,
-        strategy={"micro_batch_size": "auto", "optimizer_sharding": True},
+        strategy={"chunk_size": "auto", "optimizer_sharding": True},
     ),
     case(
         "sharding, join on uneven shards", uneven=True, strategy={"uneven_inputs": "join", "optimizer_sharding": True}
@@ -162,7 +160,7 @@ CASES = [
     case(
         "sharding, chunks, static graph, clipping",
         clip=0.05,
-        strategy={"optimizer_sharding": True, "static_graph": True, "micro_batch_size": 3},
+        strategy={"optimizer_sharding": True, "static_graph": True, "chunk_size": 3},
     ),
     case(
         "sharding, manual optimization",
@@ -191,9 +189,7 @@ CASES = [
         override={"batches": [2, 3], "value": "zero"},
         skipped_steps=[1],
     ),
-    case(
-        "fp16 with a gradient scaler, auto", fp16_scaler=True, k=1, batch_size=8, strategy={"micro_batch_size": "auto"}
-    ),
+    case("fp16 with a gradient scaler, auto", fp16_scaler=True, k=1, batch_size=8, strategy={"chunk_size": "auto"}),
 ]
 
 
@@ -298,9 +294,9 @@ def test_a_gradient_scaler_skips_only_the_window_without_items(results):
     empty = results["fp16 with a gradient scaler, a window with no item"]
     assert empty["error"] is None and empty["replicas_equal"] and empty["scaler_scale"] == 32768.0
     assert empty["max_difference"] < 1e-4
-    # micro_batch_size="auto" counts after the backward (a rank may run its batch again): the first window still runs
+    # chunk_size="auto" counts after the backward (a rank may run its batch again): the first window still runs
     # at the summed loss and overflows, and the scaler skips that one step, now said with the way to count first
     auto = results["fp16 with a gradient scaler, auto"]
     assert auto["error"] is None and auto["replicas_equal"] and auto["scaler_scale"] == 32768.0
-    assert len(auto["num_items_warnings"]) == 1 and "Set a fixed `micro_batch_size`" in auto["num_items_warnings"][0]
+    assert len(auto["num_items_warnings"]) == 1 and "Set a fixed `chunk_size`" in auto["num_items_warnings"][0]
     assert scaled["num_items_warnings"] == []

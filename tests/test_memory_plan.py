@@ -215,11 +215,11 @@ def test_when_only_the_activations_do_not_fit_the_plan_suggests_the_largest_micr
     plan = plan_layouts(figures, 2, 30_000, headroom=0.0)  # 2000 left for activations
     assert plan.decision.layout == "micro_batch"  # before activation checkpointing, which would fit too
     micro = plan.layout("micro_batch")
-    assert micro.micro_batch_size == 12 == int(2000 // (5000 / 32))  # the largest that fits
+    assert micro.chunk_size == 12 == int(2000 // (5000 / 32))  # the largest that fits
     assert micro.total <= 30_000 < micro.total + 5000 / 32
-    assert plan.decision.verdict == "fits with micro_batch_size=12: the activations of a whole batch do not"
-    assert "set `micro_batch_size=12` (DDP + ZeRO-1" in plan.advice and "activation checkpointing" in plan.advice
-    assert "bucket view, micro_batch_size=12" in plan.render()
+    assert plan.decision.verdict == "fits with chunk_size=12: the activations of a whole batch do not"
+    assert "set `chunk_size=12` (DDP + ZeRO-1" in plan.advice and "activation checkpointing" in plan.advice
+    assert "bucket view, chunk_size=12" in plan.render()
     # where the whole batch fits nothing changes, and without the batch's rows nothing is suggested
     assert plan_layouts(figures, 2, 45_000, headroom=0.0).decision.layout == "ddp"
     unknown = dataclasses.replace(figures, rows=None)
@@ -238,7 +238,7 @@ def test_a_tiny_gpt2_whose_activations_do_not_fit_gets_a_micro_batch_not_fsdp():
     device = held + figures.backward_peak // 3  # a third of the batch's forward and backward fits
     plan = plan_layouts(figures, 1, device, headroom=0.0)
     assert plan.decision.layout == "micro_batch"
-    assert plan.layout("micro_batch").micro_batch_size == 2  # 8 rows / 3, rounded down
+    assert plan.layout("micro_batch").chunk_size == 2  # 8 rows / 3, rounded down
 
 
 def test_the_optimizer_steps_temporaries_leave_out_its_state_and_follow_the_implementation_of_the_jobs_device():

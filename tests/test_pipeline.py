@@ -10,8 +10,8 @@ from lightning_ddp_plus import DDPPlusFabricStrategy, DDPPlusStrategy
 from lightning_ddp_plus.pipeline.agreement import AgreementFlags
 from lightning_ddp_plus.pipeline.component import EpochEnd, StepComponent, StepPipeline
 from lightning_ddp_plus.preemption.stop import STOP
+from lightning_ddp_plus.sync.chunks import OUT_OF_MEMORY
 from lightning_ddp_plus.sync.item_averaging import ITEMS_OFF, ITEMS_ON
-from lightning_ddp_plus.sync.micro_batches import OUT_OF_MEMORY
 from lightning_ddp_plus.sync.uneven import SOME_RANK_ENDS, SOME_RANK_GOES_ON
 from tests.helpers import process_group_ended_after
 
@@ -78,8 +78,8 @@ ITEMS = (ITEMS_ON, ITEMS_OFF)
     [
         ({}, (*ITEMS, SOME_RANK_ENDS, SOME_RANK_GOES_ON, STOP)),  # notices are on by default
         ({"preemption_signals": []}, (*ITEMS, SOME_RANK_ENDS, SOME_RANK_GOES_ON)),
-        ({"micro_batch_size": "auto"}, (*ITEMS, SOME_RANK_ENDS, SOME_RANK_GOES_ON, OUT_OF_MEMORY, STOP)),
-        ({"micro_batch_size": 4, "preemption_signals": []}, (*ITEMS, SOME_RANK_ENDS, SOME_RANK_GOES_ON)),
+        ({"chunk_size": "auto"}, (*ITEMS, SOME_RANK_ENDS, SOME_RANK_GOES_ON, OUT_OF_MEMORY, STOP)),
+        ({"chunk_size": 4, "preemption_signals": []}, (*ITEMS, SOME_RANK_ENDS, SOME_RANK_GOES_ON)),
     ],
 )
 def test_each_feature_declares_its_own_flags_as_its_arguments_turn_it_on(arguments, flags):

@@ -175,13 +175,13 @@ def test_a_peer_s_death_is_told_from_other_errors():
     assert peer_gone_in(wrapped) == "[pair.cc:553] Connection closed by peer [127.0.0.1]:26019"  # gloo's advice cut
     assert peer_gone_in(RuntimeError("Expected to have finished reduction in the prior iteration")) is None
     assert peer_gone_in(KeyboardInterrupt()) is None
-    from lightning_ddp_plus import MicroBatchOutOfMemoryError
+    from lightning_ddp_plus import ChunkOutOfMemoryError
 
-    explained = MicroBatchOutOfMemoryError("Out of memory on rank 1 in the forward ... Every rank stops here.")
+    explained = ChunkOutOfMemoryError("Out of memory on rank 1 in the forward ... Every rank stops here.")
     explained.__cause__ = closed  # the agreed error of a rank whose peer then ended: not a death to save after
     assert peer_gone_in(explained) is None
     # a survivor's collective that broke because the rank that ran out of memory ended: a death (issue 57, item 7)
-    survivors = MicroBatchOutOfMemoryError("Out of memory on rank 1 in the forward. Every rank stops here.")
+    survivors = ChunkOutOfMemoryError("Out of memory on rank 1 in the forward. Every rank stops here.")
     survivors.broken_collective = closed
     assert peer_gone_in(survivors) == "Out of memory on rank 1 in the forward"
 

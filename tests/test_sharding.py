@@ -9,7 +9,7 @@ import torch
 from lightning.fabric.accelerators import CPUAccelerator as FabricCPUAccelerator
 
 from lightning_ddp_plus import DDPPlusFabricStrategy, DDPPlusStrategy
-from lightning_ddp_plus.sharding.bucket_shards import BucketLayout, chunk_size, pieces_of
+from lightning_ddp_plus.sharding.bucket_shards import BucketLayout, pieces_of, shard_size
 from lightning_ddp_plus.sharding.optimizer import check_optimizer_sharding
 from lightning_ddp_plus.sharding.partition import assign_ranks, bytes_per_rank
 from tests.helpers import python_script, run_case_job, start_ranks
@@ -128,7 +128,7 @@ CASES = [
     {"optimizer": "adamw", "k": 4, "clip": 0.05},
     {"optimizer": "groups", "manual_k": 4, "scheduler": True},
     {"optimizer": "adam", "strategy": {"verify_replicas_every_n_steps": 1, "telemetry": True, "bucket_cap_mb": "auto"}},
-    {"optimizer": "adamw", "k": 2, "clip": 0.05, "strategy": {"static_graph": True, "micro_batch_size": 2}},
+    {"optimizer": "adamw", "k": 2, "clip": 0.05, "strategy": {"static_graph": True, "chunk_size": 2}},
     {"optimizer": "adamw", "k": 2, "clip": 0.05, "mode": "all_reduce"},
     # the reducer's map of used parameters and the hook's exchanges, on gloo (before: a hang at the second step)
     {"optimizer": "adam", "strategy": {"find_unused_parameters": True}},
@@ -252,7 +252,7 @@ def test_each_rank_owns_one_equal_chunk_of_every_bucket_padded_to_the_world_size
         [(1, 0, 3)],  # the second bucket's third chunk is padding only
     ]
     assert sorted((p.parameter, p.start) for own in owned for p in own) == [(0, 0), (0, 3), (1, 0), (2, 0), (2, 1)]
-    assert chunk_size(9, 3) == 3 and chunk_size(10, 3) == 4
+    assert shard_size(9, 3) == 3 and shard_size(10, 3) == 4
 
 
 THREE_RANK_CASES = [

@@ -33,7 +33,7 @@ strategy = DDPPlusStrategy(bucket_cap_mbb=25, find_unused_parameters="yes")
 fabric = DDPPlusFabricStrategy(gradient_accumulation_steps=4, resume_from_last="always")
 ported, trainer_kwargs = DDPPlusStrategy.from_training_arguments({}, telemetri=True)
 right = DDPPlusStrategy(bucket_cap_mb=25, find_unused_parameters=True, timeout="1h", device_ids=[0])
-also_right = DDPPlusFabricStrategy(gradient_accumulation_steps=4, micro_batch_size="auto")
+also_right = DDPPlusFabricStrategy(gradient_accumulation_steps=4, chunk_size="auto")
 """
 
 
@@ -98,11 +98,11 @@ def test_the_package_imports_and_builds_its_strategies_from_compiled_files_only(
         import lightning_ddp_plus
         from lightning_ddp_plus import DDPPlusFabricStrategy, DDPPlusStrategy
         assert lightning_ddp_plus.__file__.endswith(".pyc"), lightning_ddp_plus.__file__
-        strategy = DDPPlusStrategy(process_group_backend="gloo", timeout="1h30m", micro_batch_size=8)
+        strategy = DDPPlusStrategy(process_group_backend="gloo", timeout="1h30m", chunk_size=8)
         assert strategy.timeout.total_seconds() == 5400
         assert DDPPlusFabricStrategy(gradient_accumulation_steps=4).gradient_accumulation_steps == 4
         parameters = inspect.signature(DDPPlusStrategy).parameters
-        assert "sync_guard" in parameters and "micro_batch_size" in parameters
+        assert "sync_guard" in parameters and "chunk_size" in parameters
         assert "sync_guard: After every backward" in pydoc.render_doc(DDPPlusStrategy.__init__)
         print("compiled only: ok")
         """

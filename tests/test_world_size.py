@@ -113,7 +113,7 @@ def run(world: int, cases: list, out) -> dict:
 
 #: The other knobs a change of world size must keep working: chunks of 4 rows, telemetry, joined uneven inputs and
 #: the replica check at every step (the every-step guard is on in every case).
-KNOBS = {"micro_batch_size": 4, "telemetry": True, "uneven_inputs": "join", "verify_replicas_every_n_steps": 1}
+KNOBS = {"chunk_size": 4, "telemetry": True, "uneven_inputs": "join", "verify_replicas_every_n_steps": 1}
 
 
 @pytest.fixture(scope="module")

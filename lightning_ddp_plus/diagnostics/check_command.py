@@ -32,12 +32,12 @@ from lightning_ddp_plus.memory.plan import MemoryPlan, device_memory_of, measure
 from lightning_ddp_plus.memory.sizes import parse_size
 from lightning_ddp_plus.memory.suggestion import (
     SUGGESTION_FILE,
-    MicroBatchSuggestion,
+    ChunkSuggestion,
     parameter_count,
     write_suggestion,
 )
 from lightning_ddp_plus.sync.accumulation import merge_accumulation_settings
-from lightning_ddp_plus.sync.micro_batches import batch_rows
+from lightning_ddp_plus.sync.chunks import batch_rows
 
 CHECK_HELP = """usage: ddp-plus check --config FILE [--device-memory SIZE] [--world-size N] [--device-type TYPE]
                       [LightningCLI arguments]
@@ -204,28 +204,28 @@ def memory_plan(
 
 
 def leave_suggestion(plan: MemoryPlan, folder: str, model: pl.LightningModule) -> str | None:
-    """Where the plan suggests a micro-batch: write it for ``micro_batch_size="auto"`` (``memory.suggestion``); where
+    """Where the plan suggests a chunk size: write it for ``chunk_size="auto"`` (``memory.suggestion``); where
     it decided on another layout, remove a suggestion an earlier check left. What was done, as a line (``None``: the
     plan made no decision, having no device memory to decide against)."""
     if plan.decision is None or plan.device_memory is None:
         return None
     path = Path(folder) / SUGGESTION_FILE
     micro = next((layout for layout in plan.layouts if layout.name == "micro_batch"), None)
-    if plan.decision.layout != "micro_batch" or micro is None or micro.micro_batch_size is None:
+    if plan.decision.layout != "micro_batch" or micro is None or micro.chunk_size is None:
         if path.is_file():
             path.unlink()
-            return f"removed {path}: this plan suggests no micro-batch for micro_batch_size='auto' to start from."
+            return f"removed {path}: this plan suggests no chunk size for chunk_size='auto' to start from."
         return None
-    suggestion = MicroBatchSuggestion(
-        micro_batch_size=micro.micro_batch_size,
+    suggestion = ChunkSuggestion(
+        chunk_size=micro.chunk_size,
         world_size=plan.world_size,
         device_memory=plan.device_memory,
         parameters=parameter_count(model),
     )
     written = write_suggestion(folder, suggestion)
     return (
-        f"wrote {written}: a run of this model on {plan.world_size} rank(s) with micro_batch_size='auto' starts from "
-        f"{suggestion.micro_batch_size} rows per chunk."
+        f"wrote {written}: a run of this model on {plan.world_size} rank(s) with chunk_size='auto' starts from "
+        f"{suggestion.chunk_size} rows per chunk."
     )
 
 

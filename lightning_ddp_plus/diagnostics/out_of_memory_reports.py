@@ -1,7 +1,7 @@
-"""An out-of-memory error that ``micro_batch_size`` does not get around, explained on every rank.
+"""An out-of-memory error that ``chunk_size`` does not get around, explained on every rank.
 
-Where ``micro_batch_size`` is not ``"auto"`` (or outside its chunks), an out-of-memory error on one rank becomes
-``MicroBatchOutOfMemoryError`` naming the rank, the phase, the batch's rows and the fix. The rank leaves that message
+Where ``chunk_size`` is not ``"auto"`` (or outside its chunks), an out-of-memory error on one rank becomes
+``ChunkOutOfMemoryError`` naming the rank, the phase, the batch's rows and the fix. The rank leaves that message
 in the job's store before it raises, so that the ranks whose next collective then breaks say the same instead of
 the transport's error ("Connection closed by peer").
 """
@@ -15,11 +15,11 @@ from typing import Any
 
 from lightning_ddp_plus.diagnostics.collective_ledger import CollectiveLedger
 from lightning_ddp_plus.processes.restart import restart_attempt, store_client
-from lightning_ddp_plus.sync.micro_batches import (
+from lightning_ddp_plus.sync.chunks import (
     PHASES,
-    MicroBatchOutOfMemoryError,
-    MicroBatchSize,
-    MicroBatchSizer,
+    ChunkOutOfMemoryError,
+    ChunkSize,
+    ChunkSizer,
     OutOfMemory,
     batch_rows,
     default_mode_message,
@@ -71,21 +71,21 @@ class OutOfMemoryReports:
     """Explains an out-of-memory error in a training batch, on this rank and on its peers.
 
     Args:
-        setting: ``micro_batch_size`` as given.
+        setting: ``chunk_size`` as given.
         ledger: the collective ledger (the phase this rank is in).
         sizer: the rows per chunk in effect (``None``: the whole batch).
     """
 
-    def __init__(self, setting: MicroBatchSize, ledger: CollectiveLedger, sizer: MicroBatchSizer) -> None:
+    def __init__(self, setting: ChunkSize, ledger: CollectiveLedger, sizer: ChunkSizer) -> None:
         self.setting, self.ledger, self.sizer = setting, ledger, sizer
 
     @contextmanager
     def explained(self, batch: Any, rank: int, world_size: int) -> Generator[None, None, None]:
-        """Around a training batch: an out-of-memory error here becomes ``MicroBatchOutOfMemoryError`` (left in the
+        """Around a training batch: an out-of-memory error here becomes ``ChunkOutOfMemoryError`` (left in the
         job's store first), and a collective that breaks because a peer ran out says so."""
         try:
             yield
-        except MicroBatchOutOfMemoryError:
+        except ChunkOutOfMemoryError:
             raise
         except Exception as error:
             if is_out_of_memory(error):
@@ -94,11 +94,11 @@ class OutOfMemoryReports:
                 failure = OutOfMemory(rank, phase, min(self.sizer.size or rows, rows), rows)
                 message = default_mode_message(failure, self.setting)
                 publish(failure, message)
-                raise MicroBatchOutOfMemoryError(message) from error
+                raise ChunkOutOfMemoryError(message) from error
             if isinstance(error, RuntimeError) and world_size > 1:
                 peer = peer_report(world_size)
                 if peer is not None:
-                    explained = MicroBatchOutOfMemoryError(peer)
+                    explained = ChunkOutOfMemoryError(peer)
                     explained.broken_collective = error  # that rank's process ended: a death, saved after
                     raise explained from None
             raise

@@ -15,6 +15,9 @@ built from it:
 - the docs' argument table, the example config and the setup line (``argument_docs``, ``front_end_arguments``).
 
 Adding an argument: one field here (type, default, docstring, check), then the code that uses it.
+
+Renaming one: the field takes the new name, and ``RENAMED_ARGUMENTS`` keeps the former one working, with a
+deprecation warning, in every front end's signature, its ``TypedDict`` and LightningCLI's YAML.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from datetime import timedelta
 from functools import cache, cached_property
 from typing import Any, Literal, TypeVar, cast
 
+from lightning.fabric.utilities.rank_zero import rank_zero_deprecation
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_ddp_plus.config.backend import normalize_backend
@@ -62,8 +66,8 @@ from lightning_ddp_plus.sharding.optimizer import (
 )
 from lightning_ddp_plus.sync.accumulation import ShortWindow, check_accumulation_steps
 from lightning_ddp_plus.sync.buckets import check_auto_with_hook
+from lightning_ddp_plus.sync.chunks import check_chunk_size, chunk_refusals
 from lightning_ddp_plus.sync.comm_hooks import CommHook, HookFunction, check_comm_wrapper, parse_comm_hook
-from lightning_ddp_plus.sync.micro_batches import check_micro_batch_size, micro_batch_refusals
 from lightning_ddp_plus.sync.uneven import UnevenInputs
 
 #: The front ends, by the class name their messages use.
@@ -114,6 +118,31 @@ class TrainerOnly:
 def argument(default: Any, check: Check | None = None, trainer_only: TrainerOnly | None = None) -> Any:
     """One declared argument: its default, its check, and why Fabric does not take it (``trainer_only``)."""
     return field(default=default, metadata={"check": check, "trainer_only": trainer_only})
+
+
+@dataclass(frozen=True)
+class RenamedArgument:
+    """A former argument name that the front ends still take, with a deprecation warning, as ``name``."""
+
+    former: str
+    name: str
+    since: str
+    """The release that renamed it; the next major release drops the former name."""
+
+    @property
+    def doc(self) -> str:
+        return f"Deprecated since {self.since}: the former name of ``{self.name}``, which see."
+
+    def message(self, value: Any) -> str:
+        return (
+            f"`{self.former}` is renamed `{self.name}` (since lightning-ddp-plus {self.since}); the same value means "
+            f"the same. Fix: write `{self.name}={value!r}`; the former name goes in the next major release."
+        )
+
+
+#: Former names still taken. ``micro_batch_size`` named the chunks a batch is split into, not the micro-batches of an
+#: accumulation window.
+RENAMED_ARGUMENTS = (RenamedArgument("micro_batch_size", "chunk_size", since="0.2.0"),)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -184,7 +213,7 @@ class DDPPlusArguments:
     automatic and manual optimization. The same as ``Trainer(accumulate_grad_batches=...)``: set either (they must
     agree if both are set; checked when ``fit`` starts, before any process is launched)."""
 
-    micro_batch_size: int | Literal["auto"] | None = argument(None, check_micro_batch_size)
+    chunk_size: int | Literal["auto"] | None = argument(None, check_chunk_size)
     """Rows per chunk: each training batch is split along its first dimension into chunks of this many rows, each
     runs forward and backward with its loss weighted by its share of the rows, only the last one all-reduces, and one
     optimizer step follows the batch: the global batch, the schedule and ``global_step`` stay as they are. It
@@ -205,7 +234,7 @@ class DDPPlusArguments:
     every rank's items, as one device computing the global batch would (the counts ride in the last gradient bucket;
     one small all-reduce per optimizer step where they cannot: a comm hook, sharding, 16-bit gradients). ``False``: over each rank's own items, then averaged over the ranks (the Hugging Face Trainer's
     ``average_tokens_across_devices=False``). Without ``num_items``, micro-batches weigh the same (and the chunks of
-    ``micro_batch_size`` weigh their rows)."""
+    ``chunk_size`` weigh their rows)."""
 
     checkpointing_conflict: ConflictMode = argument(
         "error", _choice("use 'error' (default), 'warn', 'resolve' or 'off'.")
@@ -372,20 +401,20 @@ class DDPPlusArguments:
         self._check_timeouts()
         check_comm_wrapper(self.ddp_comm_wrapper, self.comm_hook)
         check_auto_with_hook(self.bucket_cap_mb, self.comm_hook)
-        micro_batch_conflicts = micro_batch_refusals(
-            self.micro_batch_size,
+        chunk_conflicts = chunk_refusals(
+            self.chunk_size,
             self.sync_guard,
             self.static_graph,
             self.gradient_accumulation_steps,
             self.optimizer_sharding == "overlap",
         )
-        if micro_batch_conflicts:
+        if chunk_conflicts:
             raise ArgumentValueError(
                 describe_bad_value(
-                    "micro_batch_size",
-                    self.micro_batch_size,
-                    "it cannot run with these settings: " + " ".join(micro_batch_conflicts),
-                    micro_batch_conflicts.fix,
+                    "chunk_size",
+                    self.chunk_size,
+                    "it cannot run with these settings: " + " ".join(chunk_conflicts),
+                    chunk_conflicts.fix,
                 )
             )
         conflicts = refusals(
@@ -438,7 +467,7 @@ class DDPPlusArguments:
         an argument the front end does not take gets the reason and what to do instead."""
         taken = set(front_end_arguments(front_end))
         declared, extra = {}, {}
-        for name, value in keywords.items():
+        for name, value in with_current_names(keywords).items():
             if name in taken:
                 declared[name] = value
             elif name in ARGUMENT_FIELDS:
@@ -505,6 +534,31 @@ class DDPPlusArguments:
     def given(self, front_end: FrontEnd) -> dict[str, Any]:
         """Every argument the front end takes, with its value (declaration order)."""
         return {name: getattr(self, name) for name in front_end_arguments(front_end)}
+
+
+def with_current_names(keywords: Mapping[str, Any]) -> dict[str, Any]:
+    """``keywords`` with each former name (``RENAMED_ARGUMENTS``) under its new one, warned once per run. A former
+    name left at its default says nothing (LightningCLI passes every parameter); given beside its new name, it is
+    refused."""
+    current = dict(keywords)
+    for renamed in RENAMED_ARGUMENTS:
+        value = current.pop(renamed.former, None)
+        default = ARGUMENT_FIELDS[renamed.name].default
+        if value is None or value == default:
+            continue
+        if current.get(renamed.name, default) != default:
+            raise ArgumentValueError(
+                describe_bad_value(
+                    renamed.former,
+                    value,
+                    f"it is the former name of `{renamed.name}`, and `{renamed.name}={current[renamed.name]!r}` is "
+                    "given too.",
+                    f"keep `{renamed.name}` and remove `{renamed.former}`.",
+                )
+            )
+        rank_zero_deprecation(renamed.message(value))
+        current[renamed.name] = value
+    return current
 
 
 #: The declared arguments' fields, by name (``ddp_kwargs`` is not an argument of its own).
@@ -577,14 +631,23 @@ def argument_docs() -> dict[str, str]:
 
 
 def declared_parameters(front_end: FrontEnd, without: tuple[str, ...] = ()) -> list[inspect.Parameter]:
-    """The front end's declared arguments (but ``without``) as keyword-only parameters, typed, with defaults."""
+    """The front end's declared arguments (but ``without``) as keyword-only parameters, typed, with defaults; then
+    the former names of those it takes (``RENAMED_ARGUMENTS``), defaulting to ``None``, so that YAML written with
+    them still reads."""
     types = argument_types()
+    names = [name for name in front_end_arguments(front_end) if name not in without]
+    former = [r for r in RENAMED_ARGUMENTS if r.name in names]
     return [
-        inspect.Parameter(
-            name, inspect.Parameter.KEYWORD_ONLY, default=ARGUMENT_FIELDS[name].default, annotation=types[name]
-        )
-        for name in front_end_arguments(front_end)
-        if name not in without
+        *(
+            inspect.Parameter(
+                name, inspect.Parameter.KEYWORD_ONLY, default=ARGUMENT_FIELDS[name].default, annotation=types[name]
+            )
+            for name in names
+        ),
+        *(
+            inspect.Parameter(r.former, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=types[r.name])
+            for r in former
+        ),
     ]
 
 
@@ -602,7 +665,7 @@ def takes_declared_arguments(
         further = [inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD, annotation=Any)] if ddp_kwargs else []
         declared = declared_parameters(front_end, without)
         init.__signature__ = inspect.Signature([*own, *declared, *further])  # type: ignore[attr-defined]  # what inspect reads
-        docs = argument_docs()
+        docs = argument_docs() | {r.former: r.doc for r in RENAMED_ARGUMENTS}
         entries = [f"    {parameter.name}: {docs[parameter.name]}" for parameter in declared]
         if ddp_kwargs:
             entries.append(

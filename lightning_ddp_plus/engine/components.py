@@ -38,12 +38,12 @@ from lightning_ddp_plus.preemption.stop import PreemptionStop, StopDecision
 from lightning_ddp_plus.sharding.zero import ZeroSharding
 from lightning_ddp_plus.sync.accumulation import AccumulationWindow, SyncStats, WindowPosition
 from lightning_ddp_plus.sync.buckets import BucketChoice, BucketTuner
+from lightning_ddp_plus.sync.chunk_runner import ChunkRunner
+from lightning_ddp_plus.sync.chunks import CHECKPOINT_KEY, ChunkSizer
 from lightning_ddp_plus.sync.comm_hooks import HookAssembly, HookCallCounter
 from lightning_ddp_plus.sync.flag_carrier import FlagCarrier
 from lightning_ddp_plus.sync.item_averaging import ITEM_SUMS, ItemAveraging
 from lightning_ddp_plus.sync.left_out import LeftOutGradients
-from lightning_ddp_plus.sync.micro_batch_runner import MicroBatchRunner
-from lightning_ddp_plus.sync.micro_batches import CHECKPOINT_KEY, MicroBatchSizer
 from lightning_ddp_plus.sync.side_channel import SideChannel
 from lightning_ddp_plus.sync.step_agreement import AgreementEngine, StepAgreement
 from lightning_ddp_plus.sync.step_guard import SyncFault, SyncGuard
@@ -70,10 +70,10 @@ class EngineComponents:
     items: ItemAveraging
     sync_guard: SyncGuard
     uneven: UnevenInputsCheck
-    micro_batches: MicroBatchSizer
+    chunks: ChunkSizer
     preemption: PreemptionStop
     agreement: StepAgreement
-    micro_batch_runner: MicroBatchRunner
+    chunk_runner: ChunkRunner
     out_of_memory_reports: OutOfMemoryReports
     buckets: BucketTuner | None
     telemetry: SyncTelemetry | None
@@ -118,16 +118,14 @@ class EngineComponents:
         own_chunks = self.sharding.shards.received_into_grads if self.sharding.shards is not None else None
         self.sync_guard = SyncGuard(arguments.sync_guard, self.channel, warn, own_chunks, self.carrier)
         self.uneven = UnevenInputsCheck(arguments.uneven_inputs, info=info, window=self.window)
-        self.micro_batches = MicroBatchSizer(arguments.micro_batch_size, info=info)
+        self.chunks = ChunkSizer(arguments.chunk_size, info=info)
         self.preemption = PreemptionStop(arguments.preemption_signals, self.channel)
-        self.agreement = StepAgreement(
-            engine, self.sync_guard, self.uneven, self.micro_batches, self.channel, self.window
-        )
+        self.agreement = StepAgreement(engine, self.sync_guard, self.uneven, self.chunks, self.channel, self.window)
         must_sync = self.must_sync_first_backward
-        self.micro_batch_runner = MicroBatchRunner(self.micro_batches, self.agreement, self.items, must_sync)
-        #: A front end's batch in chunks of ``micro_batch_size`` (see ``MicroBatchRunner.run``): an engine action.
-        self.run_micro_batches = self.micro_batch_runner.run
-        self.out_of_memory_reports = OutOfMemoryReports(arguments.micro_batch_size, self.ledger, self.micro_batches)
+        self.chunk_runner = ChunkRunner(self.chunks, self.agreement, self.items, must_sync)
+        #: A front end's batch in chunks of ``chunk_size`` (see ``ChunkRunner.run``): an engine action.
+        self.run_chunks = self.chunk_runner.run
+        self.out_of_memory_reports = OutOfMemoryReports(arguments.chunk_size, self.ledger, self.chunks)
         auto_buckets = arguments.settings.bucket_cap_mb == "auto"
         self.buckets = BucketTuner(on_rebuilt=self._reducer_rebuilt, info=info) if auto_buckets else None
         self.telemetry = SyncTelemetry(self.hooks) if arguments.telemetry else None
@@ -207,14 +205,14 @@ class EngineComponents:
         self.preemption.decision = None
 
     @property
-    def micro_batch_size(self) -> int | None:
+    def chunk_size(self) -> int | None:
         """Rows per chunk in effect (``None``: the whole batch)."""
-        return self.micro_batches.size
+        return self.chunks.size
 
     @property
     def batches_in_chunks(self) -> bool:
-        """``micro_batch_size`` is set: a training batch runs in chunks (``run_micro_batches``)."""
-        return self.micro_batches.active
+        """``chunk_size`` is set: a training batch runs in chunks (``run_chunks``)."""
+        return self.chunks.active
 
     # ------------------------------------------------------------------ what the front ends ask outside the step
 
@@ -280,18 +278,18 @@ class EngineComponents:
         """Around a training batch: an out-of-memory error named on every rank (``OutOfMemoryReports``)."""
         return self.out_of_memory_reports.explained(batch, rank, world_size)
 
-    def micro_batches_from_plan(self, folder: str, module: Module, world_size: int) -> None:
-        """``micro_batch_size="auto"``: start from ``ddp-plus check``'s suggestion in ``folder``, if it has one."""
-        self.micro_batches.start_from(*starting_size_in_folder(folder, module, world_size))
+    def chunks_from_plan(self, folder: str, module: Module, world_size: int) -> None:
+        """``chunk_size="auto"``: start from ``ddp-plus check``'s suggestion in ``folder``, if it has one."""
+        self.chunks.start_from(*starting_size_in_folder(folder, module, world_size))
 
-    def save_micro_batch_size(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
+    def save_chunk_size(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
         """The checkpoint with the size in effect, so that a resume starts from it."""
-        if self.micro_batches.active:
-            checkpoint[CHECKPOINT_KEY] = self.micro_batches.state_dict()
+        if self.chunks.active:
+            checkpoint[CHECKPOINT_KEY] = self.chunks.state_dict()
         return checkpoint
 
-    def load_micro_batch_size(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
-        self.micro_batches.load_state_dict(checkpoint.get(CHECKPOINT_KEY, {}))
+    def load_chunk_size(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
+        self.chunks.load_state_dict(checkpoint.get(CHECKPOINT_KEY, {}))
         return checkpoint
 
     def clip_norm(

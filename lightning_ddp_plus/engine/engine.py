@@ -1,6 +1,6 @@
 """The engine both front ends share: the components of a DDP run in one ordered list (``StepPipeline``), called in
 that order at every point of a fit, and the actions the front ends call: ``wrap``, ``shard_optimizers``,
-``batch_starts``, ``backward``, ``run_micro_batches``, ``step_done``, ``end_of_epoch``, ``end_of_training`` and
+``batch_starts``, ``backward``, ``run_chunks``, ``step_done``, ``end_of_epoch``, ``end_of_training`` and
 ``teardown``; ``components.py`` builds the components, with what a front end reads of them and asks of them outside
 the step (collectives in the ledger, a save's phase, the window's position, clipping, the notices)."""
 
@@ -76,8 +76,8 @@ class DDPPlusEngine(EngineComponents):
                 self.left_out,  # parameters DDP left out (frozen at the wrap), averaged once unfrozen
                 self.items,  # per-item averaging: the window's items divide its gradient
                 self.uneven,  # uneven inputs: a held flag in the agreement, "join"'s rescale
-                self.micro_batches,  # micro-batches: the out-of-memory flag in the agreement
-                self.micro_batch_runner,  # a batch's chunks: the buffers it changes, learnt per fit
+                self.chunks,  # chunks: the out-of-memory flag in the agreement
+                self.chunk_runner,  # a batch's chunks: the buffers it changes, learnt per fit
                 self.preemption,  # a termination notice: the stop flag and the decision
                 self.stragglers,  # phase medians compared every N steps
                 self.replica_guard.on,  # replicas compared every N steps, and at the end of training

@@ -3,7 +3,7 @@ built from the declared arguments, read-only views of it, the backend's checks, 
 
 ``DDPPlusFrontEnd`` defines no method that Lightning's strategies define, and calls no ``super()``: each front end
 subclasses its framework's ``DDPStrategy`` and overrides Lightning's hooks itself, thinly, calling the engine's
-actions (``engine.backward``, ``engine.run_micro_batches``, ``engine.step_done``, ...). What both do around
+actions (``engine.backward``, ``engine.run_chunks``, ``engine.step_done``, ...). What both do around
 Lightning's collectives and checkpoint IO is written once in ``framework_io.py``.
 """
 

@@ -2,7 +2,7 @@
 
 The arguments of ``DDPPlusStrategy`` but the Trainer's only (``engine/arguments.py``), and accumulation: with
 ``gradient_accumulation_steps=k`` iterate ``fabric.strategy.micro_batches(loader)`` (it marks the last item, which
-closes a window, and carries ``uneven_inputs``), call ``fabric.backward(loss)`` (or, with ``micro_batch_size``,
+closes a window, and carries ``uneven_inputs``), call ``fabric.backward(loss)`` (or, with ``chunk_size``,
 ``fabric.strategy.train_micro_batches(model, batch, loss_of)``), and step when ``fabric.strategy.sync_gradients``
 says so (the Fabric guide shows the loop). ``fabric.no_backward_sync`` works too (``fabric_loop.py``). After a step
 for which ``fabric.strategy.preemption_agreed`` is set, save and call ``fabric.strategy.end_preempted(path)``. Around
@@ -184,7 +184,7 @@ class DDPPlusFabricStrategy(DDPPlusFrontEnd, DDPStrategy):
         return self.window.items(iterable)
 
     def train_micro_batches(self, module: Module, batch: T, loss_of: Callable[[Module, T], Tensor]) -> Tensor | None:
-        """One micro-batch in chunks of ``micro_batch_size`` rows (``"auto"``: halved on every rank after an
+        """One micro-batch in chunks of ``chunk_size`` rows (``"auto"``: halved on every rank after an
         out-of-memory error on any): ``loss_of(module, chunk)`` returns a chunk's loss, a mean over its rows (or
         ``{"loss", "num_items"}``); the last chunk's backward all-reduces. Returns the batch's loss, detached."""
         return train_in_chunks(self, module, batch, loss_of)

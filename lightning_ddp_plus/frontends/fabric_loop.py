@@ -128,7 +128,7 @@ def train_in_chunks(strategy: Any, module: Module, batch: T, loss_of: Callable[[
     position = engine.next_position(is_last=window.next_is_last)
     synced = engine.syncs(position)
     with engine.out_of_memory_explained(batch, strategy.global_rank, strategy.world_size):
-        done = engine.run_micro_batches(
+        done = engine.run_chunks(
             ddp,
             batch,
             step=lambda chunk: chunk_result(loss_of(module, chunk)),

@@ -166,13 +166,13 @@ class DDPPlusStrategy(DDPPlusFrontEnd, DDPStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
         loaded = self.resume.load_checkpoint(checkpoint_path, super().load_checkpoint, *args, **kwargs)
-        return self.engine.load_micro_batch_size(loaded)
+        return self.engine.load_chunk_size(loaded)
 
     def with_run_state(self, checkpoint: dict[str, Any], gather_generators: bool = True) -> dict[str, Any]:
         """``checkpoint`` with the data layout, the micro-batch size and (a gather) every rank's generators."""
-        sizes = self.gradient_accumulation_steps, self.engine.micro_batch_size
+        sizes = self.gradient_accumulation_steps, self.engine.chunk_size
         self.resume.saving(checkpoint, self.lightning_module, *sizes, gather_generators=gather_generators)
-        return self.engine.save_micro_batch_size(checkpoint)
+        return self.engine.save_chunk_size(checkpoint)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], *args: Any, **kwargs: Any) -> None:
@@ -208,7 +208,7 @@ class DDPPlusStrategy(DDPPlusFrontEnd, DDPStrategy):
         with self.resume.loop_not_restored():  # `estimated_stepping_batches` builds the loader in here
             super().setup(trainer)
         if trainer.training and self.lightning_module is not None:
-            self.engine.micro_batches_from_plan(trainer.default_root_dir, self.lightning_module, trainer.world_size)
+            self.engine.chunks_from_plan(trainer.default_root_dir, self.lightning_module, trainer.world_size)
         add_strategy_callbacks(trainer, self.engine)
 
     @override

@@ -51,7 +51,7 @@ from lightning_ddp_plus.private_apis.lightning import (
     trainer_checkpoint,
 )
 from lightning_ddp_plus.processes.launcher import AFTER_DEATH
-from lightning_ddp_plus.sync.micro_batch_runner import BufferSnapshot, SavedBuffer
+from lightning_ddp_plus.sync.chunk_runner import BufferSnapshot, SavedBuffer
 
 #: Each fit of a process has its own keys in the store (every rank runs the same fits in the same order).
 _FITS = itertools.count()

@@ -1,4 +1,4 @@
-"""``micro_batch_size`` in Lightning's automatic optimization: the chunks of a batch run inside ``training_step``.
+"""``chunk_size`` in Lightning's automatic optimization: the chunks of a batch run inside ``training_step``.
 
 Lightning's closure runs ``training_step``, then ``zero_grad`` (at the first batch of an accumulation window), then
 ``backward`` on the loss returned. The chunks must each run their backward before the next chunk's forward (that is
@@ -22,11 +22,11 @@ from lightning_ddp_plus.sync.accumulation import WindowPosition
 
 
 class TrainerChunks:
-    """The Trainer strategy's side of ``micro_batch_size``: the batch's gradients kept aside between the chunks'
+    """The Trainer strategy's side of ``chunk_size``: the batch's gradients kept aside between the chunks'
     backwards (in ``training_step``) and the closure's ``backward``.
 
     Args:
-        engine: the strategy's engine (``run_micro_batches`` runs the chunks).
+        engine: the strategy's engine (``run_chunks`` runs the chunks).
     """
 
     def __init__(self, engine: DDPPlusEngine) -> None:
@@ -69,7 +69,7 @@ class TrainerChunks:
                 end_epoch_after_this_batch(trainer)
             return run.agreed
 
-        done = engine.run_micro_batches(
+        done = engine.run_chunks(
             ddp,
             batch,
             step=chunk_step,

@@ -23,7 +23,7 @@ from lightning_ddp_plus.persistence.resume import ResumeCoordinator
 from lightning_ddp_plus.private_apis.lightning import end_epoch_after_this_batch, trainer_of
 from lightning_ddp_plus.private_apis.torch_ddp import flush_static_graph
 from lightning_ddp_plus.sync.accumulation import SyncStats, WindowPosition, scale_gradients, window_position
-from lightning_ddp_plus.sync.micro_batches import refuse_micro_batches
+from lightning_ddp_plus.sync.chunks import refuse_chunks
 from lightning_ddp_plus.sync.uneven import RankBatches, even_by_construction
 
 
@@ -100,10 +100,10 @@ def backward_in_window(
 def settle_accumulation(engine: DDPPlusEngine, module: Any, trainer: Any) -> None:
     """In every process, before anything starts: k settled once with the Trainer's ``accumulate_grad_batches``,
     which then says what Lightning's loop must do (k in automatic optimization, where the loop accumulates; 1 in
-    manual, where Lightning refuses it and the engine accumulates), and what ``micro_batch_size`` refuses."""
+    manual, where Lightning refuses it and the engine accumulates), and what ``chunk_size`` refuses."""
     steps = engine.settle_accumulation(trainer.accumulate_grad_batches)
     manual = module is not None and not module.automatic_optimization
-    refuse_micro_batches(engine.arguments.micro_batch_size, manual, steps, module)
+    refuse_chunks(engine.arguments.chunk_size, manual, steps, module)
     trainer.accumulate_grad_batches = 1 if manual else steps
 
 

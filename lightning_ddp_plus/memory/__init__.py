@@ -6,7 +6,7 @@ take (parameters, gradients, DDP's buckets, optimizer state, activations counted
 optimizer step, its allocator's blocks);
 ``plan``: those figures per layout (plain DDP, ``gradient_as_bucket_view``, optimizer sharding at a world size,
 activation checkpointing) against the device's memory; ``decisions``: the decision table, as data; ``suggestion``:
-the micro-batch ``ddp-plus check`` leaves for ``micro_batch_size="auto"`` to start from.
+the chunk size ``ddp-plus check`` leaves for ``chunk_size="auto"`` to start from.
 
 May import: ``config``, ``sharding``, ``private_apis``.
 """

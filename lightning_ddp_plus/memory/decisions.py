@@ -43,9 +43,9 @@ DECISIONS: tuple[Decision, ...] = (
     ),
     Decision(
         "micro_batch",
-        "fits with micro_batch_size={micro_batch_size}: the activations of a whole batch do not",
-        "set `micro_batch_size={micro_batch_size}` ({micro_batch_layout}; the global batch and the schedule stay as "
-        "they are), or `micro_batch_size='auto'`; activation checkpointing is the other way (about one more forward "
+        "fits with chunk_size={chunk_size}: the activations of a whole batch do not",
+        "set `chunk_size={chunk_size}` ({chunk_layout}; the global batch and the schedule stay as "
+        "they are), or `chunk_size='auto'`; activation checkpointing is the other way (about one more forward "
         "per step, and the whole batch at once).",
     ),
     Decision(

@@ -74,7 +74,7 @@ class ModelFigures:
     #: activations with activation checkpointing, when the model can switch it (else ``None``)
     activations_checkpointed: int | None = None
     checkpointing_on: bool = False
-    #: rows of the batch the activations were measured on (``None``: unknown, so no micro-batch is suggested)
+    #: rows of the batch the activations were measured on (``None``: unknown, so no chunk size is suggested)
     rows: int | None = None
     #: the most one forward and backward hold at once beyond parameters, gradients and batch (activations and the
     #: backward's temporaries); ``None``: not measured, the activations stand for it
@@ -138,8 +138,8 @@ class Layout:
     activations: int
     #: the step's peak beyond the activations: the backward's temporaries or the optimizer step's, the larger
     transient: int = 0
-    #: rows per chunk, for the layout that trains each batch in chunks (``micro_batch_size``)
-    micro_batch_size: int | None = None
+    #: rows per chunk, for the layout that trains each batch in chunks (``chunk_size``)
+    chunk_size: int | None = None
 
     @property
     def total(self) -> int:
@@ -342,12 +342,12 @@ def _decided(plan: MemoryPlan) -> MemoryPlan:
     figures, world_size = plan.figures, plan.world_size
     decision = decide({layout.name: bool(plan.fits(layout.name)) for layout in plan.layouts})
     micro = next((layout for layout in plan.layouts if layout.name == "micro_batch"), None)
-    size = micro.micro_batch_size if micro is not None else ""
-    decision = dataclasses.replace(decision, verdict=decision.verdict.format(micro_batch_size=size))
+    size = micro.chunk_size if micro is not None else ""
+    decision = dataclasses.replace(decision, verdict=decision.verdict.format(chunk_size=size))
     fsdp = (figures.parameters + figures.trainable + figures.optimizer_state) / world_size
     advice = decision.advice.format(
-        micro_batch_size=micro.micro_batch_size if micro is not None else "",
-        micro_batch_layout=micro.title.rsplit(",", 1)[0] if micro is not None else "",
+        chunk_size=micro.chunk_size if micro is not None else "",
+        chunk_layout=micro.title.rsplit(",", 1)[0] if micro is not None else "",
         sharding_saves=format_size(plan.layout("ddp_bucket_view").total - plan.layout("sharded").total),
         parameters=format_size(figures.trainable),
         bucket_view_saves=format_size(plan.layout("ddp").gradients),
@@ -396,15 +396,15 @@ def plan_layouts(
     plan = MemoryPlan(figures, world_size, device_memory, headroom, tuple(layouts), configured_name, notes=notes)
     if device_memory is None:
         return plan
-    micro = _micro_batch_layout(plan)
+    micro = _chunk_layout(plan)
     if micro is not None:
         plan = dataclasses.replace(plan, layouts=(*plan.layouts, micro))
     return _decided(plan)
 
 
-def _micro_batch_layout(plan: MemoryPlan) -> Layout | None:
+def _chunk_layout(plan: MemoryPlan) -> Layout | None:
     """Where a whole batch's activations do not fit but one row's do: the cheapest of DDP, bucket view and ZeRO-1
-    with the largest ``micro_batch_size`` whose chunk's step peak fits beside the rest (the activations and the
+    with the largest ``chunk_size`` whose chunk's step peak fits beside the rest (the activations and the
     backward's temporaries grow with the rows of a chunk; the rest, and the optimizer step's temporaries, do not)."""
     figures, usable = plan.figures, plan.usable
     rows = figures.rows
@@ -427,9 +427,9 @@ def _micro_batch_layout(plan: MemoryPlan) -> Layout | None:
             return dataclasses.replace(
                 base,
                 name="micro_batch",
-                title=f"{base.title}, micro_batch_size={size}",
+                title=f"{base.title}, chunk_size={size}",
                 activations=activations,
                 transient=transient,
-                micro_batch_size=size,
+                chunk_size=size,
             )
     return None

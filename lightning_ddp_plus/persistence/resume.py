@@ -486,7 +486,7 @@ class ResumeCoordinator:
         checkpoint: dict[str, Any],
         module: Any,
         accumulation: int,
-        micro_batch_size: int | None = None,
+        chunk_size: int | None = None,
         gather_generators: bool = True,
     ) -> dict[str, Any]:
         """The checkpoint with the layout it is taken with (``DataLayout``), during a fit of ``module``, and every
@@ -516,7 +516,7 @@ class ResumeCoordinator:
             dataset_length=len(sampler.dataset) if sampler is not None else None,  # type: ignore[arg-type]  # a sampler's dataset is sized
             shuffle=bool(sampler.shuffle) if sampler is not None else False,
             seed=int(sampler.seed) if sampler is not None else 0,
-            micro_batch_size=micro_batch_size,
+            chunk_size=chunk_size,
         ).as_dict()
         return checkpoint
 

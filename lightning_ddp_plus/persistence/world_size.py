@@ -47,7 +47,7 @@ class DataLayout:
     dataset_length: int | None  # None: the loader has no DistributedSampler
     shuffle: bool
     seed: int
-    micro_batch_size: int | None = None
+    chunk_size: int | None = None
 
     @property
     def global_batch(self) -> int:
@@ -62,6 +62,7 @@ class DataLayout:
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> DataLayout:
+        values = {"chunk_size": values.get("micro_batch_size"), **values}  # its name before 0.2.0
         return cls(**{name: values[name] for name in cls.__dataclass_fields__ if name in values})
 
 

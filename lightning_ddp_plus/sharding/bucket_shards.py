@@ -26,10 +26,10 @@ class BucketLayout:
         return sum(numel for _, numel in self.buckets[bucket])
 
 
-def chunk_size(size: int, world_size: int) -> int:
+def shard_size(size: int, world_size: int) -> int:
     """Elements of each rank's chunk of a bucket of ``size`` elements, padded to a multiple of ``world_size``.
 
-    >>> chunk_size(10, 4), chunk_size(8, 4), chunk_size(0, 2)
+    >>> shard_size(10, 4), shard_size(8, 4), shard_size(0, 2)
     (3, 2, 0)
     """
     return -(-size // world_size)
@@ -58,7 +58,7 @@ def pieces_of(layout: BucketLayout, rank: int, world_size: int) -> list[Piece]:
     """
     found = []
     for index, bucket in enumerate(layout.buckets):
-        chunk = chunk_size(layout.size(index), world_size)
+        chunk = shard_size(layout.size(index), world_size)
         begin, end = rank * chunk, (rank + 1) * chunk
         offset = 0
         for parameter, numel in bucket:

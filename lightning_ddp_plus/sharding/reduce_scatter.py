@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_ddp_plus.sharding.bucket_shards import BucketLayout, chunk_size, flat_in_memory_order
+from lightning_ddp_plus.sharding.bucket_shards import BucketLayout, flat_in_memory_order, shard_size
 from lightning_ddp_plus.sharding.exchange import exchange_reduce_scatter
 
 
@@ -172,7 +172,7 @@ class GradientShards:
     def consumed(self) -> None:
         """A step used the gradients, or a failed attempt's are discarded: nothing received counts again. (Gradients
         zeroed without a step after a backward that did not end its window would leave what it received counting
-        in the next window: Lightning's loops and the micro-batch chunks never do that.)"""
+        in the next window: Lightning's loops and the chunks of a batch never do that.)"""
         self._received = {}
 
     def count(self, elements: int, element_size: int, times: int = 1) -> None:
@@ -204,7 +204,7 @@ def reduce_scatter_hook(state: GradientShards, bucket: dist.GradBucket) -> torch
     buffer = bucket.buffer()
     world, group = state.world_size, state.process_group
     size = buffer.numel()
-    chunk = chunk_size(size, world)
+    chunk = shard_size(size, world)
     parameters = bucket.parameters()
     carrier = state.carrier if bucket.is_last() and state.carrier is not None and state.carrier.installed else None
     if carrier is not None and chunk and not state.received_for(parameters):

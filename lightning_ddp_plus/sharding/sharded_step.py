@@ -31,7 +31,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_ddp_plus.private_apis.torch_distributed import mark_stepped
-from lightning_ddp_plus.sharding.bucket_shards import BucketLayout, Piece, chunk_size, flat_in_memory_order, pieces_of
+from lightning_ddp_plus.sharding.bucket_shards import BucketLayout, Piece, flat_in_memory_order, pieces_of, shard_size
 from lightning_ddp_plus.sharding.exchange import finish_all_gather, post_all_gather
 from lightning_ddp_plus.sharding.reduce_scatter import GradientShards
 
@@ -145,7 +145,7 @@ class BucketShardedOptimizer(Optimizer):
                 continue
             if len(in_flight) == GATHER_WINDOW:
                 self._gathered(*in_flight.popleft())
-            chunk = chunk_size(self.layout.size(index), world)
+            chunk = shard_size(self.layout.size(index), world)
             first = self.shards.parameters[bucket[0][0]]
             shard = first.new_zeros(chunk)
             for piece in (p for p in owned if p.bucket == index):

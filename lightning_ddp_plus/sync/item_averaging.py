@@ -69,17 +69,17 @@ def counts_first(arguments: Any) -> tuple[bool, bool]:
     """(whether the window's items are counted before its closing backward rather than after, whether a comm hook
     sees the buckets) for the strategy's ``arguments``. Counted first with a comm hook: a compressing one would
     otherwise see the summed loss, which could overflow fp16 in a fit's first window. Not with
-    ``micro_batch_size="auto"``, which may run that backward again: a rank whose first attempt fails before it cannot
+    ``chunk_size="auto"``, which may run that backward again: a rank whose first attempt fails before it cannot
     know whether its step gives ``num_items``, so it could not match the others' collective.
 
     >>> from types import SimpleNamespace as S
-    >>> counts_first(S(comm_hook="fp16", ddp_comm_wrapper=None, micro_batch_size=None))
+    >>> counts_first(S(comm_hook="fp16", ddp_comm_wrapper=None, chunk_size=None))
     (True, True)
-    >>> counts_first(S(comm_hook="fp16", ddp_comm_wrapper=None, micro_batch_size="auto"))
+    >>> counts_first(S(comm_hook="fp16", ddp_comm_wrapper=None, chunk_size="auto"))
     (False, True)
     """
     hooked = arguments.comm_hook is not None or arguments.ddp_comm_wrapper is not None
-    return hooked and arguments.micro_batch_size != "auto", hooked
+    return hooked and arguments.chunk_size != "auto", hooked
 
 
 @dataclass(frozen=True)
@@ -138,7 +138,7 @@ class ItemAveraging(StepComponent):
     """
 
     agreement_flags = (ITEMS_ON, ITEMS_OFF)
-    #: The counts may be all-reduced before the closing backward (not with ``micro_batch_size="auto"``).
+    #: The counts may be all-reduced before the closing backward (not with ``chunk_size="auto"``).
     may_count_first = True
     #: The precision scales the loss for fp16 (a ``GradScaler``): see ``uses_gradient_scaler``.
     scaled_for_fp16 = False
@@ -176,11 +176,11 @@ class ItemAveraging(StepComponent):
         carried: Callable[[], Tensor | None] = lambda: None,
     ) -> ItemAveraging:
         """The averaging the strategy's ``arguments`` ask for (``average_items_across_ranks``, and the comm hook and
-        ``micro_batch_size`` that decide ``counts_first``)."""
+        ``chunk_size`` that decide ``counts_first``)."""
         first, hooked = counts_first(arguments)
         across = arguments.average_items_across_ranks
         averaging = cls(window, across, first, hooked, record=record, info=info, carried=carried)
-        averaging.may_count_first = arguments.micro_batch_size != "auto"
+        averaging.may_count_first = arguments.chunk_size != "auto"
         return averaging
 
     def uses_gradient_scaler(self, scaler: bool) -> None:
@@ -439,19 +439,19 @@ def _finite(parameters: list[Tensor]) -> bool:
 
 
 def warn_first_window_overflow(parameters: list[Tensor]) -> None:
-    """A fit's first window counted after its backward under fp16's gradient scaler (``micro_batch_size="auto"``
+    """A fit's first window counted after its backward under fp16's gradient scaler (``chunk_size="auto"``
     keeps the count after): it ran at the items' summed loss times the scaler's scale, and where that overflowed,
     the scaler skips the step. Said once, with the way to count first."""
     if not _finite(parameters):
         warnings.warn(
-            "num_items: the fit's first window overflowed fp16 (with micro_batch_size='auto' its count comes after "
+            "num_items: the fit's first window overflowed fp16 (with chunk_size='auto' its count comes after "
             "the backward, so it ran at the items' summed loss times the gradient scaler's scale): the scaler skips "
-            "this optimizer step and halves its scale. Set a fixed `micro_batch_size` (or none) to count first."
+            "this optimizer step and halves its scale. Set a fixed `chunk_size` (or none) to count first."
         )
 
 
 def refuse_overflow(parameters: list[Tensor]) -> None:
-    """A fit's first window counted after its backward, with a comm hook (``micro_batch_size="auto"``): its buckets
+    """A fit's first window counted after its backward, with a comm hook (``chunk_size="auto"``): its buckets
     held the items' summed loss, which a compressing hook may have overflowed (fp16 stops at 65504). One check of
     every gradient, once per fit, so that the run ends with the reason instead of training on from NaN."""
     if not _finite(parameters):
@@ -459,9 +459,9 @@ def refuse_overflow(parameters: list[Tensor]) -> None:
             describe_bad_value(
                 "num_items",
                 "a first window whose gradients are not finite after the comm hook",
-                "with a comm hook and `micro_batch_size='auto'` the first window's buckets carry the items' summed loss"
+                "with a comm hook and `chunk_size='auto'` the first window's buckets carry the items' summed loss"
                 " (the window's count comes after its backward), which fp16 compression cannot hold above 65504.",
-                "use a fixed `micro_batch_size` (the count then comes first and the buckets hold the final gradient),"
+                "use a fixed `chunk_size` (the count then comes first and the buckets hold the final gradient),"
                 " bf16 compression (`ddp_comm_hook='bf16'`), or no compression.",
             )
         )

@@ -6,12 +6,12 @@ their own:
 
 - an uneven-inputs flag that a rank held back for it (``uneven_inputs``, automatic optimization with k=1): whether
   this batch is some rank's last;
-- with ``micro_batch_size="auto"``, whether some rank ran out of memory in this batch's attempt, and then, in one
+- with ``chunk_size="auto"``, whether some rank ran out of memory in this batch's attempt, and then, in one
   gather, which ranks, in which phase, at how many rows;
 - whether some rank got a termination notice (``preemption_signals``), so that every rank stops after this step.
 
 Each flag is declared by the component that owns it (``StepComponent.agreement_flags``: ``uneven``'s two,
-``micro_batches``' out-of-memory flag, ``preemption``'s stop) and read back by name; the pipeline lays them out in
+``chunks``' out-of-memory flag, ``preemption``'s stop) and read back by name; the pipeline lays them out in
 one exchange. ``StepAgreement.after_synced_backward`` returns what was agreed as a ``StepAgreed`` record; a fault of
 the guard (a bucket some rank never all-reduced) goes to the run's ``sync_fault``, which the conflict rules decide
 (rule R6).
@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_ddp_plus.pipeline.agreement import AgreedFlags
 from lightning_ddp_plus.pipeline.component import StepPipeline
 from lightning_ddp_plus.sync.accumulation import AccumulationWindow
-from lightning_ddp_plus.sync.micro_batches import OUT_OF_MEMORY, PHASES, MicroBatchSizer, OutOfMemory
+from lightning_ddp_plus.sync.chunks import OUT_OF_MEMORY, PHASES, ChunkSizer, OutOfMemory
 from lightning_ddp_plus.sync.side_channel import SideChannel
 from lightning_ddp_plus.sync.step_guard import SyncFault, SyncGuard
 from lightning_ddp_plus.sync.uneven import RankBatches, UnevenInputsCheck, uneven_flags
@@ -69,7 +69,7 @@ class StepAgreement:
         engine: the engine (its pipeline's declared flags travel in the agreement; see ``AgreementEngine``).
         guard: the per-step guard, whose check carries the agreement.
         uneven: the uneven-inputs check (its held flag, and its decision).
-        micro_batches: ``micro_batch_size`` (with ``"auto"``, this rank's failure in the attempt).
+        chunks: ``chunk_size`` (with ``"auto"``, this rank's failure in the attempt).
         channel: the small gloo group the ranks agree on.
         window: the accumulation window (the step number the guard reports).
     """
@@ -79,11 +79,11 @@ class StepAgreement:
         engine: AgreementEngine,
         guard: SyncGuard,
         uneven: UnevenInputsCheck,
-        micro_batches: MicroBatchSizer,
+        chunks: ChunkSizer,
         channel: SideChannel,
         window: AccumulationWindow,
     ) -> None:
-        self.engine, self.guard, self.uneven, self.micro_batches = engine, guard, uneven, micro_batches
+        self.engine, self.guard, self.uneven, self.chunks = engine, guard, uneven, chunks
         self.channel, self.window = channel, window
         #: The wrapper of the running fit (set by the engine's ``start_fit``).
         self.ddp: DistributedDataParallel | None = None
@@ -117,7 +117,7 @@ class StepAgreement:
 
     def after_synced_backward(self, ddp: DistributedDataParallel, failed: bool, started: bool = True) -> StepAgreed:
         """The guard's check with the declared flags riding on it (``failed``: this rank's backward raised what the
-        guard takes over; with ``micro_batches.failure`` set, this rank's attempt ran out of memory, ``started``
+        guard takes over; with ``chunks.failure`` set, this rank's attempt ran out of memory, ``started``
         saying whether its synced backward had begun)."""
         flags, values = self.engine.pipeline.flags, self.engine.pipeline.agreement_values()
         if not self.guard.active:  # no check to ride on: the flags rode the last bucket, or take their own all-reduce
@@ -127,7 +127,7 @@ class StepAgreement:
             if not self.engine.pipeline.agreement_needed():
                 return StepAgreed(flags=flags.zeros())
             return StepAgreed(flags=flags.read(self.channel.maximum(flags.pack(values))))
-        failure, self.micro_batches.failure = self.micro_batches.failure, None
+        failure, self.chunks.failure = self.chunks.failure, None
         deferred = self.uneven.take_deferred()
         outcome = self.guard.check(
             ddp,
@@ -150,11 +150,11 @@ class StepAgreement:
         return StepAgreed(ends_epoch=ends_epoch, flags=agreed, skipped=skipped)
 
     def agree_on_failure(self, failure: OutOfMemory, synced_backward_started: bool) -> StepAgreed:
-        """On a rank whose attempt at a batch ran out of memory (``micro_batch_size="auto"``), in place of its synced
+        """On a rank whose attempt at a batch ran out of memory (``chunk_size="auto"``), in place of its synced
         backward: issue the bucket all-reduces the other ranks' backward waits for, and agree with them."""
         assert self.ddp is not None and self.guard.active
         self.engine.decide_pending_conflicts(self.ddp)
-        self.micro_batches.failure = failure
+        self.chunks.failure = failure
         return self.after_synced_backward(self.ddp, failed=True, started=synced_backward_started)
 
     def reset_reducer(self) -> None:

@@ -123,7 +123,7 @@ def run_case(case: dict) -> dict:
                     optimizer.step()
                     optimizer.zero_grad()
                     outcome["steps"] += 1
-            outcome["micro_batch_size"] = fabric.strategy.engine.micro_batches.size
+            outcome["chunk_size"] = fabric.strategy.engine.chunks.size
         elif "preempt_at" in case:
             outcome.update(preempted_with(fabric, model, optimizer, batches, case["preempt_at"]))
         else:

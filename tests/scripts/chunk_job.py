@@ -1,4 +1,4 @@
-"""Runs micro-batch cases on one 2-rank process group: ``micro_batch_job.py OUT_JSON CASES_JSON``.
+"""Runs micro-batch cases on one 2-rank process group: ``chunk_job.py OUT_JSON CASES_JSON``.
 
 Started once per rank by the test. Each case trains a regression model for one epoch of 32-row batches per rank.
 Out-of-memory errors are real: torch's ``OutOfMemoryError`` raised where CUDA's allocator raises it (in the forward,
@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_ddp_plus import DDPPlusStrategy
-from lightning_ddp_plus.memory.suggestion import MicroBatchSuggestion, parameter_count, write_suggestion
+from lightning_ddp_plus.memory.suggestion import ChunkSuggestion, parameter_count, write_suggestion
 from tests.helpers import QUIET_TRAINER, TinyRegression, job_main
 
 ALLREDUCE_HOOK = "torch.distributed.algorithms.ddp_comm_hooks.default_hooks.allreduce_hook"
@@ -82,7 +82,7 @@ def run_case(case: dict) -> dict:
     sharded = case.get("strategy", {}).get("optimizer_sharding") is True  # its reduce-scatter is the hook
     strategy = DDPPlusStrategy(
         ddp_comm_hook=None if sharded else ALLREDUCE_HOOK,
-        micro_batch_size=case.get("micro_batch_size"),
+        chunk_size=case.get("chunk_size"),
         timeout="60s",
         **case.get("strategy", {}),
     )
@@ -99,7 +99,7 @@ def run_case(case: dict) -> dict:
     root = None
     if "plan" in case:  # what `ddp-plus check` leaves in the run's folder (one per rank: no rank waits on another's)
         root = f"{case['plan_root']}/rank{os.environ['LOCAL_RANK']}"
-        plan = MicroBatchSuggestion(**case["plan"], device_memory=1 << 30, parameters=parameter_count(model))
+        plan = ChunkSuggestion(**case["plan"], device_memory=1 << 30, parameters=parameter_count(model))
         write_suggestion(root, plan)
     trainer = L.Trainer(
         strategy=strategy,
@@ -126,9 +126,9 @@ def run_case(case: dict) -> dict:
     return {
         **case,
         "error": error,
-        "size": strategy.engine.micro_batches.size,
-        "changes": [[c.old, c.new, [f.rank for f in c.failures]] for c in strategy.engine.micro_batches.changes],
-        "attempt_seconds": [c.attempt_seconds for c in strategy.engine.micro_batches.changes],
+        "size": strategy.engine.chunks.size,
+        "changes": [[c.old, c.new, [f.rank for f in c.failures]] for c in strategy.engine.chunks.changes],
+        "attempt_seconds": [c.attempt_seconds for c in strategy.engine.chunks.changes],
         "fit_seconds": fit_seconds,
         "hook_calls": strategy.comm_hook_counter.calls,
         "optimizer_steps": stats.optimizer_steps,

@@ -1,18 +1,18 @@
-"""``micro_batch_size``: one training batch run in chunks, and run again with smaller chunks after an out-of-memory
-error on any rank (``"auto"``), by one owner, ``MicroBatchRunner``, which both front ends call.
+"""``chunk_size``: one training batch run in chunks, and run again with smaller chunks after an out-of-memory
+error on any rank (``"auto"``), by one owner, ``ChunkRunner``, which both front ends call.
 
 A batch's flow (module by module):
 
-1. the front end calls ``MicroBatchRunner.run`` with the batch, its step function (forward, loss) and its guarded
+1. the front end calls ``ChunkRunner.run`` with the batch, its step function (forward, loss) and its guarded
    backward;
-2. ``run`` splits the batch (``micro_batches.MicroBatchSizer.chunks``), saves the buffers a batch changes
+2. ``run`` splits the batch (``micro_batches.ChunkSizer.chunks``), saves the buffers a batch changes
    (``BufferSnapshot``, ``"auto"`` only), and runs each chunk's forward and backward; only the last chunk's
    backward all-reduces;
 3. that backward ends in the ranks' agreement (``step_agreement``), which says whether some rank ran out of memory;
    a rank that ran out itself asks for the same agreement in place of its backward (``recovery.agree_on_failure``),
    after launching the bucket all-reduces the others wait for;
 4. when some rank ran out, every rank restores the buffers, gets a fresh reducer, halves the size
-   (``MicroBatchSizer.shrink``, which raises when a single row did not fit) and runs the batch again.
+   (``ChunkSizer.shrink``, which raises when a single row did not fit) and runs the batch again.
 
 Every step returns a record (``Attempt``, ``StepAgreed``); no exception carries a result between modules.
 """
@@ -32,8 +32,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_ddp_plus.pipeline.component import FitStart, StepComponent
 from lightning_ddp_plus.private_apis.torch_distributed import tensor_version
+from lightning_ddp_plus.sync.chunks import ChunkSizer, OutOfMemory, free_memory, is_out_of_memory
 from lightning_ddp_plus.sync.item_averaging import ItemAveraging, check_num_items
-from lightning_ddp_plus.sync.micro_batches import MicroBatchSizer, OutOfMemory, free_memory, is_out_of_memory
 from lightning_ddp_plus.sync.step_agreement import StepAgreed
 
 #: ``step(chunk) -> (loss or None, output)``: a chunk's forward; ``None``: nothing to run backward on.
@@ -135,12 +135,12 @@ class BufferSnapshot:
         return restored
 
 
-class MicroBatchRunner(StepComponent):
+class ChunkRunner(StepComponent):
     """Owns a batch's chunks, its attempts, the buffer snapshot, the agreement after an out-of-memory error and the
     retry (see the module's docstring).
 
     Args:
-        sizer: ``micro_batch_size``: the size in effect and how a batch is split.
+        sizer: ``chunk_size``: the size in effect and how a batch is split.
         recovery: the agreement and the reducer after an out-of-memory error.
         items: the window's item counts (a chunk's ``num_items`` goes there; a batch run again counts once).
         must_sync: whether the next backward must all-reduce whatever chunk it is (a static graph's first backward,
@@ -148,7 +148,7 @@ class MicroBatchRunner(StepComponent):
     """
 
     def __init__(
-        self, sizer: MicroBatchSizer, recovery: OutOfMemoryRecovery, items: ItemAveraging, must_sync: Callable[[], bool]
+        self, sizer: ChunkSizer, recovery: OutOfMemoryRecovery, items: ItemAveraging, must_sync: Callable[[], bool]
     ) -> None:
         self.sizer, self.recovery, self.items, self.must_sync = sizer, recovery, items, must_sync
         self.buffers = BufferSnapshot()

@@ -1,20 +1,21 @@
-"""``micro_batch_size``: batches split into chunks with one all-reduce and one optimizer step per batch, and
+"""``chunk_size``: batches split into chunks with one all-reduce and one optimizer step per batch, and
 ``"auto"``, where an out-of-memory error on any rank makes every rank halve its chunks and run the batch again.
 
 The jobs are real: 2 gloo ranks, torch's ``OutOfMemoryError`` raised where CUDA's allocator raises it (forward, or
 backward through an autograd function), and the CPU allocator failing under an address-space limit on one rank."""
 
 import dataclasses
+import json
 from collections import namedtuple
 
 import pytest
 import torch
 from lightning import Trainer
 
-from lightning_ddp_plus import DDPPlusStrategy, MicroBatch
-from lightning_ddp_plus.sync.micro_batches import (
+from lightning_ddp_plus import Chunk, DDPPlusStrategy
+from lightning_ddp_plus.sync.chunks import (
     CHECKPOINT_KEY,
-    MicroBatchSizer,
+    ChunkSizer,
     OutOfMemory,
     UnsplittableBatchError,
     default_mode_message,
@@ -97,11 +98,11 @@ def test_a_batch_that_cannot_be_split_names_the_part_and_the_hook_to_write(batch
 
 
 def test_a_split_hook_must_return_micro_batches():
-    sizer = MicroBatchSizer(2, info=print)
+    sizer = ChunkSizer(2, info=print)
     x = torch.zeros(4, 2)
-    chunks = sizer.chunks(x, lambda batch, size: [MicroBatch(batch[:size], size), MicroBatch(batch[size:], 2)])
+    chunks = sizer.chunks(x, lambda batch, size: [Chunk(batch[:size], size), Chunk(batch[size:], 2)])
     assert rows_of(chunks) == [2, 2]
-    with pytest.raises(UnsplittableBatchError, match=r"must return a non-empty list of .*MicroBatch.*got Tensor"):
+    with pytest.raises(UnsplittableBatchError, match=r"must return a non-empty list of .*Chunk.*got Tensor"):
         sizer.chunks(x, lambda batch, size: [batch[:size]])
 
 
@@ -125,7 +126,7 @@ def test_an_out_of_memory_error_in_the_optimizer_step_is_not_halved_away_and_say
     assert in_step.startswith("Out of memory on rank 1 in the optimizer step, training a batch of 32 rows")
     assert "does not depend on the batch: shard the optimizer state (`optimizer_sharding=True`)" in in_step
     in_backward = default_mode_message(OutOfMemory(0, "backward", 32, 32), None)
-    assert "set `micro_batch_size='auto'`" in in_backward and "below 32" in in_backward
+    assert "set `chunk_size='auto'`" in in_backward and "below 32" in in_backward
 
 
 def test_sizes_halve_down_to_one_row():
@@ -138,9 +139,9 @@ def test_sizes_halve_down_to_one_row():
 
 @pytest.mark.multiprocess
 def test_manual_optimization_is_refused_before_anything_is_launched():
-    strategy = DDPPlusStrategy(micro_batch_size=8)
+    strategy = DDPPlusStrategy(chunk_size=8)
     trainer = Trainer(strategy=strategy, accelerator="cpu", devices=2, max_epochs=1, **QUIET_TRAINER)
-    with pytest.raises(ValueError, match=r"`micro_batch_size=8` is not valid: it needs automatic optimization.*Fix"):
+    with pytest.raises(ValueError, match=r"`chunk_size=8` is not valid: it needs automatic optimization.*Fix"):
         trainer.fit(TinyRegressionManual())
     assert strategy.launcher.procs == []
 
@@ -150,51 +151,51 @@ def test_manual_optimization_is_refused_before_anything_is_launched():
 SAVED = "micro_batches.ckpt"
 CASES = [
     {"name": "reference"},
-    {"name": "fixed 8", "micro_batch_size": 8},
+    {"name": "fixed 8", "chunk_size": 8},
     {"name": "reference, accumulate 2", "accumulate": 2},
-    {"name": "fixed 8, accumulate 2", "micro_batch_size": 8, "accumulate": 2},
-    {"name": "auto, rank 1 in the forward", "micro_batch_size": "auto", "limits": {"1": 8}, "phase": "forward"},
+    {"name": "fixed 8, accumulate 2", "chunk_size": 8, "accumulate": 2},
+    {"name": "auto, rank 1 in the forward", "chunk_size": "auto", "limits": {"1": 8}, "phase": "forward"},
     {
         "name": "auto, both ranks in the backward",
-        "micro_batch_size": "auto",
+        "chunk_size": "auto",
         "limits": {"0": 16, "1": 8},
         "phase": "backward",
     },
     {  # chunks of 16 from the plan; rank 1's second chunk (the synced one, after the first chunk's gradients) fails
         # before any gradient of its own is ready, while rank 0's backward waits for every bucket
         "name": "auto, rank 1 in a synced backward after a chunk",
-        "micro_batch_size": "auto",
+        "chunk_size": "auto",
         "limits": {"1": 0},
         "at_calls": [1],
         "phase": "backward",
-        "plan": {"micro_batch_size": 16, "world_size": 2},
+        "plan": {"chunk_size": 16, "world_size": 2},
     },
-    {"name": "auto, a later batch", "micro_batch_size": "auto", "limits": {"0": 8}, "from_step": 2, "save_to": SAVED},
+    {"name": "auto, a later batch", "chunk_size": "auto", "limits": {"0": 8}, "from_step": 2, "save_to": SAVED},
     {
         "name": "fixed 8, with sharding, telemetry and the replica guard",
-        "micro_batch_size": 8,
+        "chunk_size": 8,
         "strategy": {"optimizer_sharding": True, "telemetry": True, "verify_replicas_every_n_steps": 1},
     },
-    {"name": "fixed 8, static graph", "micro_batch_size": 8, "strategy": {"static_graph": True}},
-    {"name": "fixed 8, uneven inputs joined", "micro_batch_size": 8, "strategy": {"uneven_inputs": "join"}},
+    {"name": "fixed 8, static graph", "chunk_size": 8, "strategy": {"static_graph": True}},
+    {"name": "fixed 8, uneven inputs joined", "chunk_size": 8, "strategy": {"uneven_inputs": "join"}},
     # `ddp-plus check`'s suggestion in the run's folder: "auto" starts from it, and never runs out of memory here
     {
         "name": "auto, from the memory plan",
-        "micro_batch_size": "auto",
+        "chunk_size": "auto",
         "limits": {"1": 8},
-        "plan": {"micro_batch_size": 8, "world_size": 2},
+        "plan": {"chunk_size": 8, "world_size": 2},
     },
     {  # a plan made for another world size is not used: the whole batch first, as without one
         "name": "auto, a plan of another world size",
-        "micro_batch_size": "auto",
+        "chunk_size": "auto",
         "limits": {"1": 8},
-        "plan": {"micro_batch_size": 8, "world_size": 4},
+        "plan": {"chunk_size": 8, "world_size": 4},
     },
-    {"name": "auto, no row fits", "micro_batch_size": "auto", "limits": {"1": 0}, "phase": "forward"},
+    {"name": "auto, no row fits", "chunk_size": "auto", "limits": {"1": 0}, "phase": "forward"},
     {"name": "reference, wide", "wide": True},
     {
         "name": "auto, address-space limit",
-        "micro_batch_size": "auto",
+        "chunk_size": "auto",
         "limits": {"1": 224},
         "phase": "rlimit",
         "wide": True,
@@ -221,19 +222,19 @@ EXPECTED = {
 
 
 @pytest.fixture(scope="module")
-def micro_batch_results(tmp_path_factory):
+def chunk_results(tmp_path_factory):
     folder = tmp_path_factory.mktemp("micro_batches")
     cases = [{**case, "save_to": str(folder / case["save_to"])} if "save_to" in case else case for case in CASES]
     cases = [{**case, "plan_root": str(folder / "runs" / case["name"])} if "plan" in case else case for case in cases]
     # one arena: a thread's own malloc arena would reserve 64 MiB of the address space the limit case measures
-    results = run_case_job("micro_batch_job.py", cases, folder / "results.json", env={"MALLOC_ARENA_MAX": "1"})
+    results = run_case_job("chunk_job.py", cases, folder / "results.json", env={"MALLOC_ARENA_MAX": "1"})
     return {result["name"]: result for result in results}, folder
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("name", list(EXPECTED))
-def test_every_case_equals_its_reference_on_identical_replicas(micro_batch_results, name):
-    results, _ = micro_batch_results
+def test_every_case_equals_its_reference_on_identical_replicas(chunk_results, name):
+    results, _ = chunk_results
     result = results[name]
     assert result["error"] is None, result["error"]
     reference_name, size = EXPECTED[name]
@@ -250,8 +251,8 @@ def test_every_case_equals_its_reference_on_identical_replicas(micro_batch_resul
 
 
 @pytest.mark.multiprocess
-def test_auto_halves_on_every_rank_and_names_the_rank_that_failed(micro_batch_results):
-    results, _ = micro_batch_results
+def test_auto_halves_on_every_rank_and_names_the_rank_that_failed(chunk_results):
+    results, _ = chunk_results
     assert results["auto, rank 1 in the forward"]["changes"] == [[32, 16, [1]], [16, 8, [1]]]
     assert results["auto, both ranks in the backward"]["changes"] == [[32, 16, [0, 1]], [16, 8, [1]]]
     assert results["auto, a later batch"]["changes"] == [[32, 16, [0]], [16, 8, [0]]]
@@ -263,12 +264,12 @@ def test_auto_halves_on_every_rank_and_names_the_rank_that_failed(micro_batch_re
 
 
 @pytest.mark.multiprocess
-def test_when_not_even_one_row_fits_every_rank_ends_with_an_error_that_says_so(micro_batch_results):
-    results, _ = micro_batch_results
+def test_when_not_even_one_row_fits_every_rank_ends_with_an_error_that_says_so(chunk_results):
+    results, _ = chunk_results
     failed = results["auto, no row fits"]
     assert failed["error"].startswith(
-        "MicroBatchOutOfMemoryError: micro_batch_size='auto': out of memory on rank 1 in the forward of 1 rows with "
-        "chunks of a single row, so no micro-batch size fits. Fix:"
+        "ChunkOutOfMemoryError: chunk_size='auto': out of memory on rank 1 in the forward of 1 rows with "
+        "chunks of a single row, so no chunk size fits. Fix:"
     )
     assert [change[:2] for change in failed["changes"]] == [[32, 16], [16, 8], [8, 4], [4, 2], [2, 1]]
     assert failed["global_step"] == 0  # no optimizer step was applied
@@ -278,10 +279,10 @@ def test_when_not_even_one_row_fits_every_rank_ends_with_an_error_that_says_so(m
 def test_a_model_with_batch_normalization_is_warned_that_its_statistics_are_per_chunk():
     from torch import nn
 
-    from lightning_ddp_plus.sync.micro_batches import refuse_micro_batches
+    from lightning_ddp_plus.sync.chunks import refuse_chunks
 
-    with pytest.warns(UserWarning, match=r"micro_batch_size=8: the model has batch normalization.*per chunk"):
-        refuse_micro_batches(8, manual=False, accumulation_steps=1, module=nn.Sequential(nn.BatchNorm1d(4)))
+    with pytest.warns(UserWarning, match=r"chunk_size=8: the model has batch normalization.*per chunk"):
+        refuse_chunks(8, manual=False, accumulation_steps=1, module=nn.Sequential(nn.BatchNorm1d(4)))
 
 
 def test_an_attempt_run_again_starts_from_the_running_statistics_before_it():
@@ -290,7 +291,7 @@ def test_an_attempt_run_again_starts_from_the_running_statistics_before_it():
     ``num_batches_tracked`` was put back)."""
     from torch import nn
 
-    from lightning_ddp_plus.sync.micro_batch_runner import BufferSnapshot
+    from lightning_ddp_plus.sync.chunk_runner import BufferSnapshot
 
     torch.manual_seed(0)
     model, snapshot = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3)), BufferSnapshot()
@@ -308,13 +309,64 @@ def test_an_attempt_run_again_starts_from_the_running_statistics_before_it():
 
 
 @pytest.mark.multiprocess
-def test_the_size_reached_is_saved_and_a_resume_starts_from_it(micro_batch_results):
-    _, folder = micro_batch_results
+def test_the_size_reached_is_saved_and_a_resume_starts_from_it(chunk_results):
+    _, folder = chunk_results
     path = folder / SAVED
-    assert torch.load(path, weights_only=False)[CHECKPOINT_KEY] == {"micro_batch_size": 8}
-    resumed = DDPPlusStrategy(micro_batch_size="auto")
+    assert torch.load(path, weights_only=False)[CHECKPOINT_KEY] == {"chunk_size": 8}
+    resumed = DDPPlusStrategy(chunk_size="auto")
     resumed.load_checkpoint(path)
-    assert resumed.engine.micro_batches.size == 8
-    fixed = DDPPlusStrategy(micro_batch_size=4)  # a size the user fixed stays theirs
+    assert resumed.engine.chunks.size == 8
+    fixed = DDPPlusStrategy(chunk_size=4)  # a size the user fixed stays theirs
     fixed.load_checkpoint(path)
-    assert fixed.engine.micro_batches.size == 4
+    assert fixed.engine.chunks.size == 4
+
+
+# ------------------------------------------------------------------ the former names, kept as deprecated aliases
+
+
+def test_the_former_argument_name_still_sets_the_chunk_size_and_says_it_was_renamed():
+    with pytest.warns(
+        DeprecationWarning, match=r"`micro_batch_size` is renamed `chunk_size`.*Fix: write `chunk_size=8`"
+    ):
+        strategy = DDPPlusStrategy(micro_batch_size=8)
+    assert strategy.arguments.chunk_size == 8
+
+
+def test_fabric_takes_the_former_argument_name_too():
+    from lightning_ddp_plus import DDPPlusFabricStrategy
+
+    with pytest.warns(DeprecationWarning, match=r"`micro_batch_size` is renamed `chunk_size`"):
+        strategy = DDPPlusFabricStrategy(micro_batch_size="auto")
+    assert strategy.arguments.chunk_size == "auto"
+
+
+def test_both_names_given_is_refused_with_the_fix():
+    with pytest.raises(ValueError, match=r"`micro_batch_size=8`.*`chunk_size=4` is given too.*Fix: keep `chunk_size`"):
+        DDPPlusStrategy(chunk_size=4, micro_batch_size=8)
+
+
+def test_the_former_class_names_are_the_new_classes_with_a_warning():
+    import lightning_ddp_plus
+
+    with pytest.warns(DeprecationWarning, match=r"`MicroBatch` is renamed `Chunk`"):
+        former = lightning_ddp_plus.MicroBatch
+    assert former is lightning_ddp_plus.Chunk
+    with pytest.warns(DeprecationWarning, match=r"`MicroBatchOutOfMemoryError` is renamed `ChunkOutOfMemoryError`"):
+        former_error = lightning_ddp_plus.MicroBatchOutOfMemoryError
+    assert former_error is lightning_ddp_plus.ChunkOutOfMemoryError
+
+
+def test_a_checkpoint_saved_under_the_former_key_resumes_its_size(tmp_path):
+    path = tmp_path / "before-the-rename.ckpt"
+    torch.save({CHECKPOINT_KEY: {"micro_batch_size": 8}}, path)
+    resumed = DDPPlusStrategy(chunk_size="auto")
+    resumed.load_checkpoint(path)
+    assert resumed.engine.chunks.size == 8
+
+
+def test_a_memory_plan_written_under_the_former_key_is_read(tmp_path):
+    from lightning_ddp_plus.memory.suggestion import SUGGESTION_FILE, read_suggestion
+
+    former = {"micro_batch_size": 8, "world_size": 2, "device_memory": 2**30, "parameters": 1000}
+    (tmp_path / SUGGESTION_FILE).write_text(json.dumps(former))
+    assert read_suggestion(tmp_path).chunk_size == 8

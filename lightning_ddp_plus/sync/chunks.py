@@ -1,13 +1,13 @@
-"""Micro-batches: a training batch split into chunks of ``micro_batch_size`` rows, one optimizer step per batch.
+"""Micro-batches: a training batch split into chunks of ``chunk_size`` rows, one optimizer step per batch.
 
 Each chunk runs forward and backward; only the last one's backward all-reduces (the accumulation window's rule,
 inside one batch), and each chunk's loss is weighted by its share of the batch's rows, so for a loss that is a mean
 over rows the gradient is the whole batch's. The global batch, the learning-rate schedule and ``global_step`` do not
 change.
 
-With ``micro_batch_size="auto"`` an out-of-memory error on any rank makes every rank drop the batch's gradients,
+With ``chunk_size="auto"`` an out-of-memory error on any rank makes every rank drop the batch's gradients,
 halve the size and run the same batch again. The pure parts live here (what a batch's rows are, how it is split,
-which errors are out-of-memory, the size after a failure, the messages); ``micro_batch_runner`` runs a batch's
+which errors are out-of-memory, the size after a failure, the messages); ``chunk_runner`` runs a batch's
 chunks and attempts, and the agreement rides on the per-step guard's (``step_agreement``): a rank that failed tells
 the others there, after issuing the bucket all-reduces the others' backward waits for, so no rank is left waiting
 inside its backward.
@@ -28,8 +28,8 @@ from torch import Tensor
 from lightning_ddp_plus.config.messages import ArgumentTypeError, ArgumentValueError, describe_bad_value
 from lightning_ddp_plus.pipeline.component import StepComponent
 
-#: ``DDPPlusStrategy(micro_batch_size=...)``: rows per chunk, ``"auto"``, or ``None`` (the whole batch at once).
-MicroBatchSize = int | Literal["auto"] | None
+#: ``DDPPlusStrategy(chunk_size=...)``: rows per chunk, ``"auto"``, or ``None`` (the whole batch at once).
+ChunkSize = int | Literal["auto"] | None
 #: The agreement flag of ``"auto"``: some rank ran out of memory in this batch's attempt.
 OUT_OF_MEMORY = "out of memory"
 
@@ -44,17 +44,17 @@ _OUT_OF_MEMORY_MESSAGES = (
 )
 
 
-def check_micro_batch_size(argument: str, value: Any) -> MicroBatchSize:
+def check_chunk_size(argument: str, value: Any) -> ChunkSize:
     """``None``, ``"auto"`` or an integer of at least 1.
 
-    >>> check_micro_batch_size("micro_batch_size", 0)
+    >>> check_chunk_size("chunk_size", 0)
     Traceback (most recent call last):
     ...
-    lightning_ddp_plus.config.messages.ArgumentValueError: `micro_batch_size=0` is not valid: it must be at least 1 row per chunk. Fix: write e.g. `micro_batch_size=8`, `micro_batch_size='auto'` (halve on out-of-memory), or None (the whole batch).
+    lightning_ddp_plus.config.messages.ArgumentValueError: `chunk_size=0` is not valid: it must be at least 1 row per chunk. Fix: write e.g. `chunk_size=8`, `chunk_size='auto'` (halve on out-of-memory), or None (the whole batch).
     """
     fix = f"write e.g. `{argument}=8`, `{argument}='auto'` (halve on out-of-memory), or None (the whole batch)."
     if value is None or value == "auto":
-        return cast(MicroBatchSize, value)
+        return cast(ChunkSize, value)
     if isinstance(value, bool) or not isinstance(value, int):
         raise ArgumentTypeError(
             describe_bad_value(
@@ -67,21 +67,21 @@ def check_micro_batch_size(argument: str, value: Any) -> MicroBatchSize:
 
 
 class Refusals(list[str]):
-    """Why a ``micro_batch_size`` cannot run with the other settings (empty: it can), and the fix."""
+    """Why a ``chunk_size`` cannot run with the other settings (empty: it can), and the fix."""
 
     fix = ""
 
 
-def micro_batch_refusals(
-    setting: MicroBatchSize,
+def chunk_refusals(
+    setting: ChunkSize,
     sync_guard: bool,
     static_graph: bool,
     accumulation_steps: int | None,
     overlapped_optimizer: bool,
 ) -> Refusals:
-    """The settings ``micro_batch_size`` cannot run with, each with its reason.
+    """The settings ``chunk_size`` cannot run with, each with its reason.
 
-    >>> list(micro_batch_refusals("auto", sync_guard=False, static_graph=False, accumulation_steps=None, overlapped_optimizer=False))
+    >>> list(chunk_refusals("auto", sync_guard=False, static_graph=False, accumulation_steps=None, overlapped_optimizer=False))
     ['the ranks agree on an out-of-memory error inside the per-step guard, which `sync_guard=False` turns off.']
     """
     found = Refusals()
@@ -92,7 +92,7 @@ def micro_batch_refusals(
             "`optimizer_sharding='overlap'` steps the optimizer inside the backward, so the chunks of a batch would "
             "each step it."
         )
-        found.fix = "use `optimizer_sharding=True` with micro-batches."
+        found.fix = "use `optimizer_sharding=True` with chunks."
     if setting != "auto":
         return found
     if not sync_guard:
@@ -108,7 +108,7 @@ def micro_batch_refusals(
         )
     if not found.fix and found:
         found.fix = (
-            "use a fixed `micro_batch_size` (it composes with all of these), or change the settings named "
+            "use a fixed `chunk_size` (it composes with all of these), or change the settings named "
             "(`sync_guard=True`, `static_graph=False`, a larger batch instead of accumulation)."
         )
     return found
@@ -131,11 +131,11 @@ def is_out_of_memory(error: BaseException) -> bool:
 
 
 class UnsplittableBatchError(TypeError):
-    """A training batch that ``micro_batch_size`` cannot split; the message names the part and the hook to write."""
+    """A training batch that ``chunk_size`` cannot split; the message names the part and the hook to write."""
 
 
 @dataclass(frozen=True)
-class MicroBatch:
+class Chunk:
     """One chunk of a training batch: what ``training_step`` receives, and how many of the batch's rows it holds
     (its loss is weighted by ``rows / batch rows``). A LightningModule's ``split_batch(batch, size)`` returns these
     for batches the strategy cannot split itself."""
@@ -150,8 +150,8 @@ _SCALARS = (int, float, bool, str, bytes, type(None))
 def _hook_fix(where: str) -> str:
     return (
         f"{where} Fix: give your LightningModule a `split_batch(self, batch, size)` method that returns a list of "
-        "`lightning_ddp_plus.MicroBatch(data, rows)` (each `data` what `training_step` takes), or set "
-        "`micro_batch_size=None`."
+        "`lightning_ddp_plus.Chunk(data, rows)` (each `data` what `training_step` takes), or set "
+        "`chunk_size=None`."
     )
 
 
@@ -181,7 +181,7 @@ def _is_batch_encoding(batch: Any) -> bool:
     return type(batch).__name__ == "BatchEncoding" and hasattr(batch, "data") and hasattr(batch, "items")
 
 
-def split_batch(batch: Any, size: int) -> list[MicroBatch]:
+def split_batch(batch: Any, size: int) -> list[Chunk]:
     """``batch`` in chunks of at most ``size`` rows along the first dimension: tensors are split, mappings, lists,
     tuples, namedtuples, dataclasses and ``BatchEncoding`` split part by part, scalars (and 0-d tensors) copied into
     every chunk, and a list of scalars with one item per row sliced. Anything else, or a tensor whose first dimension
@@ -194,14 +194,13 @@ def split_batch(batch: Any, size: int) -> list[MicroBatch]:
     if rows is None:
         raise UnsplittableBatchError(
             _hook_fix(
-                f"micro_batch_size cannot split a training batch of type {type(batch).__name__}: it holds no "
+                f"chunk_size cannot split a training batch of type {type(batch).__name__}: it holds no "
                 "tensor with a first dimension to split along."
             )
         )
     starts = range(0, rows, size)
     return [
-        MicroBatch(_slice(batch, start, min(start + size, rows), rows, "batch"), min(size, rows - start))
-        for start in starts
+        Chunk(_slice(batch, start, min(start + size, rows), rows, "batch"), min(size, rows - start)) for start in starts
     ]
 
 
@@ -212,7 +211,7 @@ def _slice(batch: Any, start: int, stop: int, rows: int, path: str) -> Any:
         if batch.shape[0] != rows:
             raise UnsplittableBatchError(
                 _hook_fix(
-                    f"micro_batch_size cannot split {path}: its first dimension is {batch.shape[0]} where the "
+                    f"chunk_size cannot split {path}: its first dimension is {batch.shape[0]} where the "
                     f"batch has {rows} rows."
                 )
             )
@@ -242,11 +241,11 @@ def _slice(batch: Any, start: int, stop: int, rows: int, path: str) -> Any:
         if hasattr(batch, "_fields"):  # a namedtuple
             return type(batch)(*parts)
         return type(batch)(parts)
-    raise UnsplittableBatchError(_hook_fix(f"micro_batch_size cannot split {path} of type {type(batch).__name__}."))
+    raise UnsplittableBatchError(_hook_fix(f"chunk_size cannot split {path} of type {type(batch).__name__}."))
 
 
 def size_after_out_of_memory(size: int) -> int | None:
-    """The micro-batch size to try after an out-of-memory error at ``size`` rows: half of it (rounded up, so that
+    """The chunk size to try after an out-of-memory error at ``size`` rows: half of it (rounded up, so that
     3 rows become 2), or ``None`` when a single row did not fit.
 
     >>> size_after_out_of_memory(32), size_after_out_of_memory(3), size_after_out_of_memory(1)
@@ -291,14 +290,14 @@ def describe_failures(failures: Sequence[OutOfMemory]) -> str:
 
 def shrink_message(failures: Sequence[OutOfMemory], old: int, new: int) -> str:
     return (
-        f"micro_batch_size='auto': out of memory on {describe_failures(failures)}; every rank now splits each batch "
+        f"chunk_size='auto': out of memory on {describe_failures(failures)}; every rank now splits each batch "
         f"into chunks of {new} rows (was {old}), keeping the batch of {failures[0].batch_rows} rows per rank and one "
         "optimizer step per batch."
     )
 
 
-class MicroBatchOutOfMemoryError(torch.OutOfMemoryError):
-    """Out of memory on some rank that ``micro_batch_size`` cannot get around (the message says why and what to
+class ChunkOutOfMemoryError(torch.OutOfMemoryError):
+    """Out of memory on some rank that ``chunk_size`` cannot get around (the message says why and what to
     change); raised on every rank."""
 
     #: On a rank whose collective broke because the rank that ran out of memory ended: that collective's error (its
@@ -308,15 +307,15 @@ class MicroBatchOutOfMemoryError(torch.OutOfMemoryError):
 
 def single_row_message(failures: Sequence[OutOfMemory]) -> str:
     return (
-        f"micro_batch_size='auto': out of memory on {describe_failures(failures)} with chunks of a single row, so no "
-        "micro-batch size fits. Fix: free memory on the device (activation checkpointing, a smaller model or "
+        f"chunk_size='auto': out of memory on {describe_failures(failures)} with chunks of a single row, so no "
+        "chunk size fits. Fix: free memory on the device (activation checkpointing, a smaller model or "
         "sequence, `optimizer_sharding=True`), or shard the model (FSDP)."
     )
 
 
-def default_mode_message(failure: OutOfMemory, micro_batch_size: MicroBatchSize) -> str:
-    """What every rank raises when a rank ran out of memory and ``micro_batch_size`` is not ``"auto"``."""
-    chunk = f" (a chunk of {failure.rows} rows of micro_batch_size={micro_batch_size})" if micro_batch_size else ""
+def default_mode_message(failure: OutOfMemory, chunk_size: ChunkSize) -> str:
+    """What every rank raises when a rank ran out of memory and ``chunk_size`` is not ``"auto"``."""
+    chunk = f" (a chunk of {failure.rows} rows of chunk_size={chunk_size})" if chunk_size else ""
     if failure.phase == "optimizer step":
         fix = (
             "the optimizer step does not depend on the batch: shard the optimizer state "
@@ -324,8 +323,8 @@ def default_mode_message(failure: OutOfMemory, micro_batch_size: MicroBatchSize)
         )
     else:
         fix = (
-            "set `micro_batch_size='auto'` (every rank halves its chunks together until they fit, the global batch "
-            f"unchanged) or a fixed `micro_batch_size` below {failure.rows}; or lower the batch size."
+            "set `chunk_size='auto'` (every rank halves its chunks together until they fit, the global batch "
+            f"unchanged) or a fixed `chunk_size` below {failure.rows}; or lower the batch size."
         )
     return (
         f"Out of memory on rank {failure.rank} in the {failure.phase}, training a batch of {failure.batch_rows} "
@@ -344,16 +343,16 @@ class SizeChange:
     attempt_seconds: float
 
 
-class MicroBatchSizer(StepComponent):
-    """Owns ``micro_batch_size``: the size in effect, how a batch is split, and the size after an out-of-memory
+class ChunkSizer(StepComponent):
+    """Owns ``chunk_size``: the size in effect, how a batch is split, and the size after an out-of-memory
     error that every rank agreed on.
 
     Args:
-        setting: ``micro_batch_size`` as given.
+        setting: ``chunk_size`` as given.
         info: how the one line about a change reaches the user (rank 0 only).
     """
 
-    def __init__(self, setting: MicroBatchSize, info: Any) -> None:
+    def __init__(self, setting: ChunkSize, info: Any) -> None:
         self.setting = setting
         #: Rows per chunk in effect; ``None``: the whole batch (``"auto"`` before its first out-of-memory error).
         self.size: int | None = setting if isinstance(setting, int) else None
@@ -377,16 +376,16 @@ class MicroBatchSizer(StepComponent):
     def auto(self) -> bool:
         return self.setting == "auto"
 
-    def chunks(self, batch: Any, split_hook: Any = None) -> list[MicroBatch]:
+    def chunks(self, batch: Any, split_hook: Any = None) -> list[Chunk]:
         """The batch in chunks of the size in effect (``split_hook``: the LightningModule's ``split_batch``)."""
         if split_hook is not None:
             rows = batch_rows(batch)
             chunks = list(split_hook(batch, self.size or rows or 1))
-            if not chunks or not all(isinstance(chunk, MicroBatch) for chunk in chunks):
+            if not chunks or not all(isinstance(chunk, Chunk) for chunk in chunks):
                 raise UnsplittableBatchError(
-                    "split_batch(batch, size) must return a non-empty list of `lightning_ddp_plus.MicroBatch(data, "
+                    "split_batch(batch, size) must return a non-empty list of `lightning_ddp_plus.Chunk(data, "
                     f"rows)`, got {type(chunks[0]).__name__ if chunks else 'an empty list'}. Fix: wrap each chunk "
-                    "as `MicroBatch(data=chunk, rows=its rows)`."
+                    "as `Chunk(data=chunk, rows=its rows)`."
                 )
             return chunks
         rows = batch_rows(batch)
@@ -394,11 +393,11 @@ class MicroBatchSizer(StepComponent):
 
     def shrink(self, failures: Sequence[OutOfMemory], attempt_seconds: float) -> int:
         """After the ranks agreed on an out-of-memory error: the new size (logged once), or
-        ``MicroBatchOutOfMemoryError`` when a single row did not fit."""
+        ``ChunkOutOfMemoryError`` when a single row did not fit."""
         old = min(f.rows for f in failures)
         new = size_after_out_of_memory(old)
         if new is None:
-            raise MicroBatchOutOfMemoryError(single_row_message(failures))
+            raise ChunkOutOfMemoryError(single_row_message(failures))
         self.changes.append(SizeChange(old, new, tuple(failures), attempt_seconds))
         self.size = new
         self._info(shrink_message(failures, old, new))
@@ -415,11 +414,11 @@ class MicroBatchSizer(StepComponent):
             self._info(message)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"micro_batch_size": self.size}
+        return {"chunk_size": self.size}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """A resumed fit starts from the size saved (``"auto"`` only: a fixed size stays as given)."""
-        size = state.get("micro_batch_size")
+        size = state.get("chunk_size", state.get("micro_batch_size"))  # its name before 0.2.0
         if self.auto and isinstance(size, int):
             self.size = size
 
@@ -431,15 +430,15 @@ _BATCH_NORMS = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d
 CHECKPOINT_KEY = "ddp_plus_micro_batches"
 
 
-def refuse_micro_batches(setting: MicroBatchSize, manual: bool, accumulation_steps: int, module: Any) -> None:
-    """Before launch, once the Trainer and the LightningModule are known: what ``micro_batch_size`` cannot do with
+def refuse_chunks(setting: ChunkSize, manual: bool, accumulation_steps: int, module: Any) -> None:
+    """Before launch, once the Trainer and the LightningModule are known: what ``chunk_size`` cannot do with
     them raises; a model with batch normalization gets a warning."""
     if setting is None:
         return
     if manual:
         raise ArgumentValueError(
             describe_bad_value(
-                "micro_batch_size",
+                "chunk_size",
                 setting,
                 "it needs automatic optimization: with `automatic_optimization = False` your `training_step` runs the "
                 "backward itself, so the strategy cannot run it once per chunk.",
@@ -450,16 +449,16 @@ def refuse_micro_batches(setting: MicroBatchSize, manual: bool, accumulation_ste
     if setting == "auto" and accumulation_steps > 1:
         raise ArgumentValueError(
             describe_bad_value(
-                "micro_batch_size",
+                "chunk_size",
                 setting,
                 f"it cannot run with `accumulate_grad_batches={accumulation_steps}`: a failed attempt would have to "
                 "give back the gradients the window accumulated before it, which are not kept.",
                 f"give the loader {accumulation_steps}x the batch size and `accumulate_grad_batches=1` (the same "
-                "global batch: 'auto' then splits it as memory allows), or use a fixed `micro_batch_size`.",
+                "global batch: 'auto' then splits it as memory allows), or use a fixed `chunk_size`.",
             )
         )
     if module is not None and any(isinstance(m, _BATCH_NORMS) for m in module.modules()):
         rank_zero_warn(
-            f"micro_batch_size={setting!r}: the model has batch normalization, whose statistics are then computed "
+            f"chunk_size={setting!r}: the model has batch normalization, whose statistics are then computed "
             "per chunk, not per batch (its running statistics too); the gradients differ from the whole batch's.",
         )
