@@ -370,3 +370,14 @@ def test_a_memory_plan_written_under_the_former_key_is_read(tmp_path):
     former = {"micro_batch_size": 8, "world_size": 2, "device_memory": 2**30, "parameters": 1000}
     (tmp_path / SUGGESTION_FILE).write_text(json.dumps(former))
     assert read_suggestion(tmp_path).chunk_size == 8
+
+
+def test_fabrics_former_method_name_warns_and_runs_the_new_one():
+    from lightning_ddp_plus import DDPPlusFabricStrategy
+
+    strategy = DDPPlusFabricStrategy()
+    with (
+        pytest.warns(DeprecationWarning, match=r"`train_micro_batches` is renamed `train_in_chunks`"),
+        pytest.raises(RuntimeError, match=r"train_in_chunks needs the module set up first"),
+    ):
+        strategy.train_micro_batches(torch.nn.Linear(2, 1), torch.zeros(4, 2), lambda module, chunk: module(chunk))

@@ -35,7 +35,7 @@ CASES = [
     {"uneven": [3, 5], "strategy": {"uneven_inputs": "join", "gradient_accumulation_steps": 2}},
     # 15: rank 1's batches arrive 150 ms late; the ranks compare their phase times every 10 steps
     {"slow_rank": 1, "delay_s": 0.15, "num_samples": 160, "strategy": {"find_stragglers_every_n_steps": 10}},
-    # 16, 17: train_micro_batches; rank 1 runs out of memory above 1 row (auto: 4 -> 2 -> 1), and fixed chunks of 3
+    # 16, 17: train_in_chunks; rank 1 runs out of memory above 1 row (auto: 4 -> 2 -> 1), and fixed chunks of 3
     {"oom_above": 1, "strategy": {"chunk_size": "auto"}},
     {"oom_above": 4, "strategy": {"chunk_size": 3, "gradient_accumulation_steps": 2}},
     {
@@ -239,7 +239,7 @@ def test_a_balanced_fabric_loop_names_no_straggler(results):
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(("index", "k", "size"), [(16, 1, 1), (17, 2, 3)])
-def test_train_micro_batches_in_a_fabric_loop(results, index, k, size):
+def test_train_in_chunks_in_a_fabric_loop(results, index, k, size):
     result = results[index]
     check_trained(result, reference(result, k=k))
     assert result["chunk_size"] == size

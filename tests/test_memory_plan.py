@@ -180,7 +180,7 @@ def test_the_decision_table_is_data_in_order():
         "ddp",
         "ddp_bucket_view",
         "sharded",
-        "micro_batch",
+        "chunks",
         "sharded_checkpointing",
         "fsdp",
     ]
@@ -213,8 +213,8 @@ def test_when_only_the_activations_do_not_fit_the_plan_suggests_the_largest_micr
     # 32 rows, 5000 bytes of activations (156.25 per row); ZeRO-1 with bucket view needs 28000 besides them
     figures = dataclasses.replace(figures_of([1000, 600, 400], activations=5000, checkpointed=1000), rows=32)
     plan = plan_layouts(figures, 2, 30_000, headroom=0.0)  # 2000 left for activations
-    assert plan.decision.layout == "micro_batch"  # before activation checkpointing, which would fit too
-    micro = plan.layout("micro_batch")
+    assert plan.decision.layout == "chunks"  # before activation checkpointing, which would fit too
+    micro = plan.layout("chunks")
     assert micro.chunk_size == 12 == int(2000 // (5000 / 32))  # the largest that fits
     assert micro.total <= 30_000 < micro.total + 5000 / 32
     assert plan.decision.verdict == "fits with chunk_size=12: the activations of a whole batch do not"
@@ -237,8 +237,8 @@ def test_a_tiny_gpt2_whose_activations_do_not_fit_gets_a_micro_batch_not_fsdp():
     held = fixed.total - fixed.activations - fixed.transient
     device = held + figures.backward_peak // 3  # a third of the batch's forward and backward fits
     plan = plan_layouts(figures, 1, device, headroom=0.0)
-    assert plan.decision.layout == "micro_batch"
-    assert plan.layout("micro_batch").chunk_size == 2  # 8 rows / 3, rounded down
+    assert plan.decision.layout == "chunks"
+    assert plan.layout("chunks").chunk_size == 2  # 8 rows / 3, rounded down
 
 
 def test_the_optimizer_steps_temporaries_leave_out_its_state_and_follow_the_implementation_of_the_jobs_device():

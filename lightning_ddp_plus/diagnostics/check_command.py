@@ -210,8 +210,8 @@ def leave_suggestion(plan: MemoryPlan, folder: str, model: pl.LightningModule) -
     if plan.decision is None or plan.device_memory is None:
         return None
     path = Path(folder) / SUGGESTION_FILE
-    micro = next((layout for layout in plan.layouts if layout.name == "micro_batch"), None)
-    if plan.decision.layout != "micro_batch" or micro is None or micro.chunk_size is None:
+    micro = next((layout for layout in plan.layouts if layout.name == "chunks"), None)
+    if plan.decision.layout != "chunks" or micro is None or micro.chunk_size is None:
         if path.is_file():
             path.unlink()
             return f"removed {path}: this plan suggests no chunk size for chunk_size='auto' to start from."

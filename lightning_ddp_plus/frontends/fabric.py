@@ -3,7 +3,7 @@
 The arguments of ``DDPPlusStrategy`` but the Trainer's only (``engine/arguments.py``), and accumulation: with
 ``gradient_accumulation_steps=k`` iterate ``fabric.strategy.micro_batches(loader)`` (it marks the last item, which
 closes a window, and carries ``uneven_inputs``), call ``fabric.backward(loss)`` (or, with ``chunk_size``,
-``fabric.strategy.train_micro_batches(model, batch, loss_of)``), and step when ``fabric.strategy.sync_gradients``
+``fabric.strategy.train_in_chunks(model, batch, loss_of)``), and step when ``fabric.strategy.sync_gradients``
 says so (the Fabric guide shows the loop). ``fabric.no_backward_sync`` works too (``fabric_loop.py``). After a step
 for which ``fabric.strategy.preemption_agreed`` is set, save and call ``fabric.strategy.end_preempted(path)``. Around
 the loop, ``with fabric.strategy.save_after_rank_death(path, state):`` saves the last step from a survivor when a
@@ -20,7 +20,7 @@ import torch
 from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.strategies import DDPStrategy
-from lightning.fabric.utilities.rank_zero import rank_zero_info
+from lightning.fabric.utilities.rank_zero import rank_zero_deprecation, rank_zero_info
 from torch import Tensor
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
@@ -183,11 +183,19 @@ class DDPPlusFabricStrategy(DDPPlusFrontEnd, DDPStrategy):
         until every rank's have."""
         return self.window.items(iterable)
 
-    def train_micro_batches(self, module: Module, batch: T, loss_of: Callable[[Module, T], Tensor]) -> Tensor | None:
+    def train_in_chunks(self, module: Module, batch: T, loss_of: Callable[[Module, T], Tensor]) -> Tensor | None:
         """One micro-batch in chunks of ``chunk_size`` rows (``"auto"``: halved on every rank after an
         out-of-memory error on any): ``loss_of(module, chunk)`` returns a chunk's loss, a mean over its rows (or
         ``{"loss", "num_items"}``); the last chunk's backward all-reduces. Returns the batch's loss, detached."""
         return train_in_chunks(self, module, batch, loss_of)
+
+    def train_micro_batches(self, module: Module, batch: T, loss_of: Callable[[Module, T], Tensor]) -> Tensor | None:
+        """Deprecated since 0.2.0: the former name of ``train_in_chunks`` (it trains one micro-batch, in chunks)."""
+        rank_zero_deprecation(
+            "`train_micro_batches` is renamed `train_in_chunks` (since lightning-ddp-plus 0.2.0). Fix: call "
+            "`fabric.strategy.train_in_chunks(model, batch, loss_of)`; the former name goes in the next major release."
+        )
+        return self.train_in_chunks(module, batch, loss_of)
 
     def save_after_rank_death(
         self, path: str | os.PathLike[str], state: dict[str, Any], step_key: str = "step"

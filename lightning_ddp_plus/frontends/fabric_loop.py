@@ -24,7 +24,7 @@ T = TypeVar("T")
 
 
 def chunk_result(value: Any) -> tuple[Any, Any]:
-    """What ``train_micro_batches``' ``loss_of`` returned, as the chunk runner takes it: (loss, output); a mapping
+    """What ``train_in_chunks``' ``loss_of`` returned, as the chunk runner takes it: (loss, output); a mapping
     ``{"loss": ..., "num_items": ...}`` is the output too, so that its count is read."""
     return (value.get("loss"), value) if isinstance(value, dict) else (value, None)
 
@@ -120,11 +120,11 @@ class FabricWindow:
 
 
 def train_in_chunks(strategy: Any, module: Module, batch: T, loss_of: Callable[[Module, T], Any]) -> Tensor | None:
-    """``DDPPlusFabricStrategy.train_micro_batches``: one micro-batch in chunks, the last chunk's backward synced."""
+    """``DDPPlusFabricStrategy.train_in_chunks``: one micro-batch in chunks, the last chunk's backward synced."""
     window, engine = strategy.window, strategy.engine
     ddp = window.ddp
     if ddp is None:
-        raise RuntimeError("train_micro_batches needs the module set up first: `fabric.setup(model, optimizer)`.")
+        raise RuntimeError("train_in_chunks needs the module set up first: `fabric.setup(model, optimizer)`.")
     position = engine.next_position(is_last=window.next_is_last)
     synced = engine.syncs(position)
     with engine.out_of_memory_explained(batch, strategy.global_rank, strategy.world_size):

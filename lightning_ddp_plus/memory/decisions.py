@@ -42,7 +42,7 @@ DECISIONS: tuple[Decision, ...] = (
         "optimizer state).",
     ),
     Decision(
-        "micro_batch",
+        "chunks",
         "fits with chunk_size={chunk_size}: the activations of a whole batch do not",
         "set `chunk_size={chunk_size}` ({chunk_layout}; the global batch and the schedule stay as "
         "they are), or `chunk_size='auto'`; activation checkpointing is the other way (about one more forward "

@@ -341,7 +341,7 @@ def _decided(plan: MemoryPlan) -> MemoryPlan:
     """``plan`` with the decision table's verdict for its device memory, and the advice filled in."""
     figures, world_size = plan.figures, plan.world_size
     decision = decide({layout.name: bool(plan.fits(layout.name)) for layout in plan.layouts})
-    micro = next((layout for layout in plan.layouts if layout.name == "micro_batch"), None)
+    micro = next((layout for layout in plan.layouts if layout.name == "chunks"), None)
     size = micro.chunk_size if micro is not None else ""
     decision = dataclasses.replace(decision, verdict=decision.verdict.format(chunk_size=size))
     fsdp = (figures.parameters + figures.trainable + figures.optimizer_state) / world_size
@@ -426,7 +426,7 @@ def _chunk_layout(plan: MemoryPlan) -> Layout | None:
             transient = max(0, int(peak_per_row * size) - activations, stepped - activations)
             return dataclasses.replace(
                 base,
-                name="micro_batch",
+                name="chunks",
                 title=f"{base.title}, chunk_size={size}",
                 activations=activations,
                 transient=transient,

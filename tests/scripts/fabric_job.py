@@ -118,7 +118,7 @@ def run_case(case: dict) -> dict:
                 return nn.functional.mse_loss(module(chunk[0]), chunk[1])
 
             for batch in fabric.strategy.micro_batches(batches):
-                fabric.strategy.train_micro_batches(model, batch, loss_of)
+                fabric.strategy.train_in_chunks(model, batch, loss_of)
                 if fabric.strategy.sync_gradients:
                     optimizer.step()
                     optimizer.zero_grad()
