@@ -90,6 +90,7 @@ def test_each_feature_declares_its_own_flags_as_its_arguments_turn_it_on(argumen
 def test_the_development_guide_lists_the_pipeline_in_the_engines_order():
     """``docs/development.md`` shows the component list as the engine holds it (a reordering fails here)."""
     engine = DDPPlusStrategy(
+        setup_timeout=600,
         find_stragglers_every_n_steps=10,
         telemetry=True,
         bucket_cap_mb="auto",
@@ -188,6 +189,8 @@ def test_a_feature_that_is_off_is_left_out_of_the_pipeline():
     on = [type(c).__name__ for c in DDPPlusStrategy(verify_replicas_every_n_steps=5).engine.pipeline]
     assert "ReplicaGuard" not in off
     assert "ReplicaGuard" in on
+    assert "GroupTimeouts" not in off  # no setup_timeout: the group's timeout never changes
+    assert "GroupTimeouts" in [type(c).__name__ for c in DDPPlusStrategy(setup_timeout=600).engine.pipeline]
 
 
 def test_a_trainer_step_enters_no_file_of_a_feature_that_is_off(tmp_path):
@@ -198,3 +201,7 @@ def test_a_trainer_step_enters_no_file_of_a_feature_that_is_off(tmp_path):
         files = trace_one_step(str(tmp_path)).files
     assert "frontends/strategy.py" in files  # the trace saw the step
     assert "diagnostics/replicas.py" not in files  # verify_replicas_every_n_steps is off by default
+    assert "config/timeout.py" not in files  # so is setup_timeout
+    assert "frontends/trainer_chunks.py" not in files  # and chunk_size
+    assert "sync/chunks.py" not in files
+    assert "persistence/resume.py" not in files  # no resume: no generators to give back

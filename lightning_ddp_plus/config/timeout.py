@@ -168,6 +168,12 @@ class GroupTimeouts(StepComponent):
         #: The fit has run a training step (so ``timeout`` is in effect).
         self.steps_started = False
 
+    @property
+    def switching(self) -> GroupTimeouts | None:
+        """This, where ``setup_timeout`` makes the group's timeout change over a fit; ``None`` (nothing to call at any
+        point) where ``timeout`` holds throughout."""
+        return self if self.setup is not None else None
+
     def forward_starts(self, forward: ForwardStart) -> None:
         if forward.training:  # setup is over: a step waits `timeout`
             self.first_step()

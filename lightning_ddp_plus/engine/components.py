@@ -209,11 +209,6 @@ class EngineComponents:
         """Rows per chunk in effect (``None``: the whole batch)."""
         return self.chunks.size
 
-    @property
-    def batches_in_chunks(self) -> bool:
-        """``chunk_size`` is set: a training batch runs in chunks (``run_chunks``)."""
-        return self.chunks.active
-
     # ------------------------------------------------------------------ what the front ends ask outside the step
 
     def give_num_items(self, count: Any) -> None:

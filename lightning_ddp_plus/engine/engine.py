@@ -63,7 +63,7 @@ class DDPPlusEngine(EngineComponents):
         # reverse one). A feature is one line here (``docs/development.md``).
         self.pipeline = StepPipeline(
             [
-                self.timeouts,  # the group's timeout: setup's until the first training forward
+                self.timeouts.switching,  # setup_timeout: the group's until the first training forward
                 self.window,  # the accumulation window: backwards and steps counted
                 self.ledger,  # the phase and step this rank is in (stall reports, straggler timing)
                 self.channel,  # the side channel the agreement runs on: opened first, closed last
@@ -141,13 +141,12 @@ class DDPPlusEngine(EngineComponents):
         self.items.uses_gradient_scaler(getattr(precision, "scaler", None) is not None)
         return self.sharding.shard(optimizers, self.ddp, self.settings.static_graph, clipping, precision)
 
-    def batch_starts(self, state: RankBatches, epoch: int, one_synced_backward: bool, loaders: Any = None) -> bool:
+    def batch_starts(self, state: RankBatches, epoch: int, one_synced: bool, loaders: Callable[[], Any] | None) -> bool:
         """Before a training batch, on every rank: ``uneven_inputs`` decides whether this batch must be this rank's
-        epoch's last (``loaders``: the epoch's training loaders, when the front end knows them; shards that are even
-        by construction compare nothing)."""
+        epoch's last (``loaders()``: the epoch's training loaders, asked once per epoch; even shards compare nothing)."""
         if loaders is not None and self.uneven.even_by_construction(epoch, loaders):
             return False
-        return self.agreement.batch_starts(state, epoch, one_synced_backward)
+        return self.agreement.batch_starts(state, epoch, one_synced)
 
     @contextmanager
     def backward(

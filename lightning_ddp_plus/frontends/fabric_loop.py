@@ -84,7 +84,7 @@ class FabricWindow:
             self.engine.padding_ends()
 
     def _ends_here(self, state: RankBatches) -> bool:
-        return self.ddp is not None and self.engine.batch_starts(state, self.epoch, one_synced_backward=False)
+        return self.ddp is not None and self.engine.batch_starts(state, self.epoch, one_synced=False, loaders=None)
 
     def before_forward(self, ddp: DistributedDataParallel) -> None:
         """At a training forward (the engine's ``before_training_forward``): a micro-batch that does not close its

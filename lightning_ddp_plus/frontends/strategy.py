@@ -8,6 +8,7 @@ place, with the communication hooks registered again)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from typing import Any
@@ -123,7 +124,9 @@ class DDPPlusStrategy(DDPPlusFrontEnd, DDPStrategy):
             declared, self, rank_zero_warn, rank_zero_info, self.engine.resume_with_accumulation
         )
         self._backward_syncs, self._static_graph_flushed = True, False
-        self._chunks = TrainerChunks(self.engine)
+        #: ``chunk_size``'s side of the Trainer (``None``: off, nothing of it is called in a step).
+        self._chunks = TrainerChunks(self.engine) if declared.chunk_size is not None else None
+        self._batch: Any = None  # the training batch running now: an out-of-memory error names its rows
 
     @classmethod
     def from_training_arguments(
@@ -271,16 +274,16 @@ class DDPPlusStrategy(DDPPlusFrontEnd, DDPStrategy):
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        # after a resume: each rank's generators where the uninterrupted run's stood
-        self.resume.give_generators_back(self.global_rank, self.world_size)
+        if self.resume.saved_generators is not None:  # after a resume: where the uninterrupted run's stood
+            self.resume.give_generators_back(self.global_rank, self.world_size)
         # Every rank says whether this batch is its epoch's last (Lightning knows one batch ahead): uneven_inputs.
         module = self.lightning_module
         if module is None or not isinstance(self.model, DistributedDataParallel):
             return
         trainer = module.trainer
         one_synced_backward = module.automatic_optimization and self.gradient_accumulation_steps == 1
-        epoch, loaders = trainer.current_epoch, training_loaders(trainer)
-        if self.engine.batch_starts(rank_batches(trainer), epoch, one_synced_backward, loaders):
+        loaders = functools.partial(training_loaders, trainer)  # asked once per epoch
+        if self.engine.batch_starts(rank_batches(trainer), trainer.current_epoch, one_synced_backward, loaders):
             end_epoch_after_this_batch(trainer)
 
     @property
@@ -302,10 +305,10 @@ class DDPPlusStrategy(DDPPlusFrontEnd, DDPStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._chunks.batch = args[0] if args else None
-        with self.engine.out_of_memory_explained(self._chunks.batch, self.global_rank, self.world_size):
+        self._batch = args[0] if args else None
+        with self.engine.out_of_memory_explained(self._batch, self.global_rank, self.world_size):
             ddp, module = self.model, self.lightning_module
-            if not (self.engine.batches_in_chunks and isinstance(ddp, DistributedDataParallel) and module):
+            if not (self._chunks and isinstance(ddp, DistributedDataParallel) and module):
                 output = super().training_step(*args, **kwargs)  # its `num_items` go to its backward
                 return self.items_of_training_step(output) if module and module.automatic_optimization else output
             optimizer = module.trainer.optimizers[0] if module.trainer.optimizers else None
@@ -319,7 +322,7 @@ class DDPPlusStrategy(DDPPlusFrontEnd, DDPStrategy):
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         self.give_num_items(kwargs)  # `self.manual_backward(loss, num_items=n)`
-        if self._chunks.restore_gradients():  # the chunks ran their backwards in training_step
+        if self._chunks and self._chunks.restore_gradients():  # the chunks ran their backwards in training_step
             return closure_loss
         ddp, module = self.model, self.lightning_module
         if not isinstance(ddp, DistributedDataParallel) or module is None:
@@ -351,7 +354,7 @@ class DDPPlusStrategy(DDPPlusFrontEnd, DDPStrategy):
                 rank_zero_warn(self.engine.step_mid_window_warning())
             rescale = lambda: self.engine.gradient_rescale(self._position())
             closure = rescaling_closure(closure, optimizer, rescale)
-        explained = self.engine.out_of_memory_explained(self._chunks.batch, self.global_rank, self.world_size)
+        explained = self.engine.out_of_memory_explained(self._batch, self.global_rank, self.world_size)
         with explained:  # the closure runs the training step and the backward
             output = super().optimizer_step(optimizer, closure, model, **kwargs)
         step = self.engine.step_done()

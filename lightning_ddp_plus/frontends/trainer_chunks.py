@@ -32,8 +32,6 @@ class TrainerChunks:
     def __init__(self, engine: DDPPlusEngine) -> None:
         self.engine = engine
         self._kept: list[tuple[Tensor, Tensor | None]] | None = None
-        #: The training batch running now (the out-of-memory error names its rows).
-        self.batch: Any = None
 
     def run_training_step(
         self,

@@ -391,8 +391,8 @@ class ResumeCoordinator:
         self._set_accumulation = set_accumulation
         #: The layout of the checkpoint this fit loaded (``None``: none loaded, or one without a layout).
         self.saved_layout: DataLayout | None = None
-        #: Every rank's generator states in the checkpoint this fit loaded, until they are given back.
-        self._saved_generators: list[dict[str, Any] | None] | None = None
+        #: Every rank's generator states in the checkpoint this fit loaded, until they are given back (``None``: none).
+        self.saved_generators: list[dict[str, Any] | None] | None = None
         self._sampler_seed: int | None = None
         self._request: ResumeRequest = "never"
         #: The file chosen on every rank (``None`` before a choice, or when nothing was chosen).
@@ -454,14 +454,14 @@ class ResumeCoordinator:
         loops = checkpoint.get("loops")  # restored by Lightning from this very dict, after the strategy's setup
         self._loaded_fit_loop = loops.get("fit_loop") if isinstance(loops, dict) else None
         generators = checkpoint.get(GENERATORS_KEY)
-        self._saved_generators = generators if isinstance(generators, list) else None
+        self.saved_generators = generators if isinstance(generators, list) else None
         self._sampler_seed = self.saved_layout.seed if self.saved_layout is not None else None
         return checkpoint
 
     def give_generators_back(self, rank: int, world_size: int) -> None:
         """Before the first training batch after a resume: this rank's generator states from the checkpoint, or, for
         a rank it did not have, generators seeded from the seed and the rank (``generators``)."""
-        saved, self._saved_generators = self._saved_generators, None
+        saved, self.saved_generators = self.saved_generators, None
         if saved is None:
             return
         give_generators_back(saved, rank, self._sampler_seed)

@@ -258,11 +258,11 @@ class UnevenInputsCheck(StepComponent):
             per_item = self.window is not None and self.window.per_item
             scale_gradients(self._parameters(), self.take_rescale(per_item))
 
-    def even_by_construction(self, epoch: int, loaders: Any) -> bool:
-        """Whether the epoch's training loaders all draw from a ``DistributedSampler`` (then no count is compared);
-        looked at once per epoch."""
+    def even_by_construction(self, epoch: int, loaders: Callable[[], Any]) -> bool:
+        """Whether the epoch's training loaders (``loaders()``) all draw from a ``DistributedSampler`` (then no count
+        is compared); looked at once per epoch."""
         if self._even_shards.epoch != epoch:
-            self._even_shards = EvenShards(epoch, even_by_construction(loaders))
+            self._even_shards = EvenShards(epoch, even_by_construction(loaders()))
         return self._even_shards.even
 
     def reset(self) -> None:
