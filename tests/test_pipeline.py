@@ -198,10 +198,13 @@ def test_a_trainer_step_enters_no_file_of_a_feature_that_is_off(tmp_path):
     from benchmarks.step_path import trace_one_step
 
     with process_group_ended_after():
-        files = trace_one_step(str(tmp_path)).files
+        trace = trace_one_step(str(tmp_path))
+    files = trace.files
     assert "frontends/strategy.py" in files  # the trace saw the step
     assert "diagnostics/replicas.py" not in files  # verify_replicas_every_n_steps is off by default
     assert "config/timeout.py" not in files  # so is setup_timeout
     assert "frontends/trainer_chunks.py" not in files  # and chunk_size
     assert "sync/chunks.py" not in files
     assert "persistence/resume.py" not in files  # no resume: no generators to give back
+    # no call climbs back into a file already on the stack (the launcher's, or the loop wrapper's in private_apis)
+    assert sorted(trace.climbs) == []

@@ -12,7 +12,8 @@ import torch
 from lightning_ddp_plus.crash.survivor_save import SurvivorSave
 from lightning_ddp_plus.crash.survivors import SurvivorAgreement
 from lightning_ddp_plus.private_apis.torch_distributed import default_store
-from lightning_ddp_plus.processes.launcher import AFTER_DEATH, launching_process_gone
+from lightning_ddp_plus.processes.after_death_window import AFTER_DEATH
+from lightning_ddp_plus.processes.launcher import launching_process_gone
 from lightning_ddp_plus.processes.reachability import ProcessesHere
 from lightning_ddp_plus.sharding.optimizer import is_zero_redundancy
 

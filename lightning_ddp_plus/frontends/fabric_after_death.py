@@ -28,7 +28,7 @@ from lightning_ddp_plus.crash.peer_death import peer_gone_in
 from lightning_ddp_plus.crash.survivor_save import SurvivorSave, save_from_survivor
 from lightning_ddp_plus.frontends.after_death import announce_own_error, survivor_save_of
 from lightning_ddp_plus.private_apis.lightning import fabric_checkpoint
-from lightning_ddp_plus.processes.launcher import AFTER_DEATH
+from lightning_ddp_plus.processes.after_death_window import AFTER_DEATH
 
 #: Each block of a process has its own keys in the store (every rank enters the same blocks in the same order).
 _BLOCKS = itertools.count()

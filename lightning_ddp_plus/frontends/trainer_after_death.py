@@ -44,13 +44,11 @@ from lightning_ddp_plus.frontends.after_death import announce_own_error, survivo
 from lightning_ddp_plus.frontends.trainer_preemption import preemption_checkpoint_path
 from lightning_ddp_plus.persistence.generators import GENERATORS_KEY, GeneratorSnapshot, packed, unpacked
 from lightning_ddp_plus.private_apis.lightning import (
-    LoopState,
-    before_each_batch,
+    StepBoundaryLoops,
     in_lightnings_signal_handler,
-    resumable_at_boundary,
     trainer_checkpoint,
 )
-from lightning_ddp_plus.processes.launcher import AFTER_DEATH
+from lightning_ddp_plus.processes.after_death_window import AFTER_DEATH
 from lightning_ddp_plus.sync.chunk_runner import BufferSnapshot, SavedBuffer
 
 #: Each fit of a process has its own keys in the store (every rank runs the same fits in the same order).
@@ -144,9 +142,8 @@ class StepBoundaries:
         self.trainer = trainer
         self.fit = 0
         self.last: StepBoundary | None = None
-        self._loop_state: LoopState | None = None
         self._buffers = ChangingBuffers()
-        before_each_batch(trainer, self._batch_starts)
+        self._loops = StepBoundaryLoops(trainer, self._step_starts, due=self._window_starts)
 
     @classmethod
     def keep(cls, trainer: pl.Trainer) -> StepBoundaries:
@@ -155,7 +152,8 @@ class StepBoundaries:
         AverageSwapped.follow(trainer)
         boundaries = _KEPT.get(trainer) or cls(trainer)
         _KEPT[trainer] = boundaries
-        boundaries.fit, boundaries.last, boundaries._loop_state = next(_FITS), None, None
+        boundaries.fit, boundaries.last = next(_FITS), None
+        boundaries._loops.new_fit()
         boundaries._buffers = ChangingBuffers()
         return boundaries
 
@@ -163,19 +161,15 @@ class StepBoundaries:
     def of(cls, trainer: pl.Trainer) -> StepBoundaries | None:
         return _KEPT.get(trainer)
 
-    def _batch_starts(self) -> None:
-        trainer = self.trainer
-        if self.last is None or self.last.step != trainer.global_step:  # a window's first batch
-            if self._loop_state is None:  # the loops as this fit runs them (after a checkpoint's restore)
-                self._loop_state = LoopState(trainer.fit_loop)
-            now = time.monotonic()
-            if self.last is not None:
-                AFTER_DEATH.step_took(now - self.last.at)
-            loops = resumable_at_boundary(self._loop_state())
-            buffers, generators = self._buffers.copy(trainer.lightning_module), GeneratorSnapshot.take()
-            self.last = StepBoundary(
-                step=trainer.global_step, loops=loops, at=now, buffers=buffers, generators=generators
-            )
+    def _window_starts(self) -> bool:  # a window's first batch: the step count changed
+        return self.last is None or self.last.step != self.trainer.global_step
+
+    def _step_starts(self, loops: dict[str, Any]) -> None:
+        trainer, now = self.trainer, time.monotonic()
+        if self.last is not None:
+            AFTER_DEATH.step_took(now - self.last.at)
+        buffers, generators = self._buffers.copy(trainer.lightning_module), GeneratorSnapshot.take()
+        self.last = StepBoundary(step=trainer.global_step, loops=loops, at=now, buffers=buffers, generators=generators)
 
 
 _KEPT: weakref.WeakKeyDictionary[Any, StepBoundaries] = weakref.WeakKeyDictionary()

@@ -13,7 +13,7 @@
 | keeping Lightning's termination handling off the preemption signals (``leave_signals_to``) | ``Trainer._signal_connector``, its ``register_signal_handlers`` and ``_original_handlers``, ``_TrainingEpochLoop._broadcast_sigterm_tensor`` | the same | each part skipped where missing: Lightning's handler would then run beside the strategy's. Two patches (the instance's ``register_signal_handlers``, the epoch loop's ``_broadcast_sigterm_tensor``); what would remove them: a switch for Lightning's signal handling (asked in Lightning #5225, closed as won't fix) and no per-step broadcast (Lightning #21487; PR #21640 would broadcast every N steps, which still costs a host sync then) |
 | telling that an error was raised inside Lightning's own signal handlers (``in_lightnings_signal_handler``) | ``SignalConnector._sigterm_notifier_fn``, ``_slurm_sigusr_handler_fn`` | the same | each missing one is not recognized: a death learnt there would be saved as the step before it |
 | SLURM's requeue checkpoint (``slurm_requeue_checkpoint_path``) | ``Trainer._checkpoint_connector.hpc_save_path`` | the same | none |
-| the step boundary: the point before a batch is fetched (``before_each_batch``), after every hook of the batch before it, its validation, and an epoch's end and the next one's start | ``Trainer.fit_loop.epoch_loop.advance`` (``_TrainingEpochLoop``'s, wrapped on the instance) | the same | ``RuntimeError`` naming the missing method: no public hook runs before the next batch is counted. A patch (the instance's ``advance`` wrapped); what would remove it: a callback hook before the next batch is fetched (no Lightning issue or PR found) |
+| the step boundary: the point before a batch is fetched (``before_each_batch``; ``StepBoundaryLoops`` reads the loops' state there), after every hook of the batch before it, its validation, and an epoch's end and the next one's start | ``Trainer.fit_loop.epoch_loop.advance`` (``_TrainingEpochLoop``'s, wrapped on the instance) | the same | ``RuntimeError`` naming the missing method: no public hook runs before the next batch is counted. A patch (the instance's ``advance`` wrapped); what would remove it: a callback hook before the next batch is fetched (no Lightning issue or PR found) |
 | ending the epoch after the running batch (``end_epoch_after_this_batch``, ``uneven_inputs="stop"``) | ``Trainer.fit_loop.epoch_loop.batch_progress.is_last_batch`` (written) | the same | none: returning -1 from ``on_train_batch_start`` skips the running batch instead of training it as the epoch's last (closing its accumulation window). A patch of the loop's state; what would remove it: a public way to end the epoch after the running batch (no Lightning issue or PR found) |
 | a step boundary's loop state as Lightning's restore continues it (``resumable_at_boundary``) | the fit loop's ``state_dict`` keys (``epoch_progress``, ``epoch_loop.batch_progress``, ``epoch_loop.state_dict``'s ``_batches_that_stepped``) and ``_TrainingEpochLoop.update_restart_stage``'s rule | the same | none: Lightning restores no state saved between a batch's end and the next batch without running that batch's end again where validation is due |
 | the fit loop's state as ``state_dict()`` gives it, in a few µs (``LoopState``) | ``lightning.pytorch.loops.loop._Loop``, ``lightning.pytorch.loops.progress._BaseProgress`` (their ``state_dict`` walk, redone), ``lightning.pytorch.loops._FitLoop`` (its own state is its stateful loaders') | the same | none |
@@ -52,6 +52,7 @@ __all__ = [
     "LoopState",
     "MultiProcessingLauncher",
     "PathLike",
+    "StepBoundaryLoops",
     "SubprocessScriptLauncher",
     "before_each_batch",
     "collect_rng_states",
@@ -294,6 +295,28 @@ def resumable_at_boundary(fit_loop: dict[str, Any]) -> dict[str, Any]:
         },
         "epoch_loop.state_dict": {**counters, "_batches_that_stepped": counters["_batches_that_stepped"] - 1},
     }
+
+
+class StepBoundaryLoops:
+    """``call(loops)`` before each training batch that ``due()`` says starts an optimizer step: ``loops`` is the fit
+    loop's state then, as Lightning's restore continues it (``resumable_at_boundary``). Read here, where the epoch
+    loop's ``advance`` is wrapped (``before_each_batch``), so that the caller reads nothing of Lightning's loops
+    itself; ``new_fit()`` forgets the loops found for the last fit (a restore replaces their records)."""
+
+    def __init__(self, trainer: Any, call: Callable[[dict[str, Any]], None], due: Callable[[], bool]) -> None:
+        self._trainer, self._call, self._due = trainer, call, due
+        self._state: LoopState | None = None
+        self.undo = before_each_batch(trainer, self._batch_starts)
+
+    def new_fit(self) -> None:
+        self._state = None
+
+    def _batch_starts(self) -> None:
+        if not self._due():
+            return
+        if self._state is None:  # the loops as this fit runs them (after a checkpoint's restore)
+            self._state = LoopState(self._trainer.fit_loop)
+        self._call(resumable_at_boundary(self._state()))
 
 
 def _fields(record: Any) -> dict[str, Any]:

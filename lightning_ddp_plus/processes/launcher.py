@@ -6,7 +6,7 @@ process included, and leaves the children waiting in a collective until the time
 0) fails or is killed. The popen launcher below kills its children when rank 0 fails, and children it starts watch
 their parent and exit when it is gone. Neither end comes before a survivor that is saving after a rank's death
 (``save_on_rank_death``) has saved: ``AFTER_DEATH`` says whether the main thread is at it, and the threads that end
-the process wait for it, within a bound (``AfterDeathWindow``).
+the process wait for it, within a bound (``after_death_window.AfterDeathWindow``).
 
 A launcher's ``launch`` is the one point of Lightning's flow that has the Trainer, after all its settings are known
 and before any process is started, in every process of the job: that is where ``before_launch`` runs.
@@ -41,6 +41,7 @@ from lightning_ddp_plus.private_apis.lightning import (
     start_child_ranks,
 )
 from lightning_ddp_plus.private_apis.torch_distributed import default_group
+from lightning_ddp_plus.processes.after_death_window import AFTER_DEATH, AfterDeathWindow
 
 #: How the ranks are started (Lightning's launchers): ``popen`` re-runs the script, the others start workers.
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
@@ -51,85 +52,6 @@ BeforeLaunch = Callable[[Any, Callable[..., Any], tuple[Any, ...]], tuple[Any, .
 #: ``after_failure(trainer, error) -> error``: in every process, as an error leaves the launched function; returns
 #: the error to raise instead (``None``: the error itself).
 AfterFailure = Callable[[Any, BaseException], BaseException | None]
-
-
-class AfterDeathWindow:
-    """Whether this process's main thread is saving after a rank's death, so that a thread about to end the process
-    (the parent watch, the child observer) waits for it, within a bound.
-
-    ``enabled`` is set at each launch whose strategy saves after a rank's death (``save_on_rank_death``). A survivor
-    learns of the death at its next collective, at most one step's compute later: it gets ``notice_seconds`` to start
-    (three times the slowest step seen, at least ``min_notice_seconds``: a rank hung outside any collective never
-    starts, and must not hold the job long), then ``save_seconds`` to agree and write, then ``exit_seconds`` to raise
-    its error and end by itself.
-    """
-
-    def __init__(
-        self, min_notice_seconds: float = 10.0, save_seconds: float = 330.0, exit_seconds: float = 30.0
-    ) -> None:
-        self.enabled = False
-        self.min_notice_seconds, self.notice_seconds = min_notice_seconds, min_notice_seconds
-        self.save_seconds, self.exit_seconds = save_seconds, exit_seconds
-        self.started, self.finished = threading.Event(), threading.Event()
-        #: The global ranks this process's launcher saw exit with an error (the survivors need not wait for them).
-        self.dead_ranks: set[int] = set()
-        #: Ends this process's collectives in flight once a peer is known dead, where the backend's would wait for it
-        #: until the timeout (``abort_collectives_on_a_death``); ``None``: they fail by themselves (gloo).
-        self.leave_collectives: Callable[[], None] | None = None
-
-    def reset(self, enabled: bool) -> None:
-        """At each launch (a process may fit several times)."""
-        self.enabled, self.notice_seconds = enabled, self.min_notice_seconds
-        self.dead_ranks, self.leave_collectives = set(), None
-        self.started.clear()
-        self.finished.clear()
-
-    def peer_died(self, ranks: set[int]) -> None:
-        """The launcher saw ``ranks`` exit with an error, or this child's launching process is gone (``set()``: its
-        rank is the node's first, not known here). Where collectives would wait for the dead until the timeout, this
-        process's are aborted now (once), so that the main thread's wait raises and it can save."""
-        self.dead_ranks |= ranks
-        leave, self.leave_collectives = self.leave_collectives, None
-        if self.enabled and leave is not None and not self.started.is_set():
-            with contextlib.suppress(Exception):  # the group may be gone already; the bound below still holds
-                leave()
-
-    def step_took(self, seconds: float) -> None:
-        """A step's time, as the run goes: a survivor may need as long to reach its next collective."""
-        self.notice_seconds = max(self.notice_seconds, 3.0 * seconds)
-
-    def wait(self) -> None:
-        """Until the main thread's save is over (or never started): at most ``notice_seconds + save_seconds``."""
-        if not self.enabled:
-            return
-        if self.started.wait(self.notice_seconds):
-            self.finished.wait(self.save_seconds)
-
-    @contextlib.contextmanager
-    def saving(self) -> Any:
-        """The main thread's save after a death. A SIGTERM meanwhile (torchrun's agent stops the survivors as soon
-        as it sees a worker die) is held until the save is over, then delivered: a death is not a notice."""
-        self.started.set()
-        held: list[int] = []
-        previous, mask = None, None
-        if self.enabled and threading.current_thread() is threading.main_thread():
-            previous = signal.signal(signal.SIGTERM, lambda signum, frame: held.append(signum))
-            # Kept off this thread too: a signal that lands in a store call here interrupts it (a failed agreement)
-            mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-        try:
-            yield
-        finally:
-            if mask is not None:
-                signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # one still pending comes now, to `held`
-            if previous is not None:
-                signal.signal(signal.SIGTERM, previous)
-            self.finished.set()
-            if held:
-                signal.raise_signal(signal.SIGTERM)
-
-
-#: This process's window (one main thread per process).
-AFTER_DEATH = AfterDeathWindow()
 
 
 def nodes_of_this_attempt(
