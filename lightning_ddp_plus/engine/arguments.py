@@ -537,9 +537,9 @@ class DDPPlusArguments:
 
 
 def with_current_names(keywords: Mapping[str, Any]) -> dict[str, Any]:
-    """``keywords`` with each former name (``RENAMED_ARGUMENTS``) under its new one, warned once per run. A former
-    name left at its default says nothing (LightningCLI passes every parameter); given beside its new name, it is
-    refused."""
+    """``keywords`` with each former name (``RENAMED_ARGUMENTS``) under its new one, with Lightning's deprecation
+    warning (rank 0). A former name left at its default says nothing (LightningCLI passes every parameter); given
+    beside its new name, it is refused."""
     current = dict(keywords)
     for renamed in RENAMED_ARGUMENTS:
         value = current.pop(renamed.former, None)

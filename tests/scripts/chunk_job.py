@@ -1,4 +1,4 @@
-"""Runs micro-batch cases on one 2-rank process group: ``chunk_job.py OUT_JSON CASES_JSON``.
+"""Runs chunk_size cases on one 2-rank process group: ``chunk_job.py OUT_JSON CASES_JSON``.
 
 Started once per rank by the test. Each case trains a regression model for one epoch of 32-row batches per rank.
 Out-of-memory errors are real: torch's ``OutOfMemoryError`` raised where CUDA's allocator raises it (in the forward,
