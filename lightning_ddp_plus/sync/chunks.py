@@ -11,6 +11,12 @@ which errors are out-of-memory, the size after a failure, the messages); ``chunk
 chunks and attempts, and the agreement rides on the per-step guard's (``step_agreement``): a rank that failed tells
 the others there, after issuing the bucket all-reduces the others' backward waits for, so no rank is left waiting
 inside its backward.
+
+The batch walkers (``batch_rows``, ``split_batch``) are written here rather than taken from Lightning:
+``extract_batch_size`` takes a 0-d tensor that comes first for a batch of 1 row (and warns of an ambiguous batch), and
+its error for a batch without any tensor is about ``self.log``, where a chunk size must skip scalars and refuse that
+batch, naming its fix; ``apply_to_collection`` maps each leaf alone, so it can neither slice a list of per-row strings
+with the tensors nor say which part of the batch could not be split.
 """
 
 from __future__ import annotations
