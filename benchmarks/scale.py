@@ -19,7 +19,13 @@ Per variant and world size it reports, from rank 0:
 - the CPU time rank 0's process spends per step, all its threads (the hooks' and gloo's included): on a cluster, where
   each rank has cores of its own, this is what a step's host work adds; here, with more ranks than cores, the step
   times also carry every other rank's;
-- the time from the process's start, and from ``Trainer.fit``, to the first training batch (the slowest rank's).
+- the time from the process's start to the first training batch (the slowest rank's), and from the last rank's
+  ``Trainer.fit`` call to it: what the strategy's start costs once every rank is there. With many processes on a few
+  cores, the ranks finish importing torch and Lightning seconds apart (the spread of their ``fit`` calls, reported
+  too), and a rank that calls ``fit`` early waits for the last one in the process group's rendezvous, whatever the
+  strategy: the time from a rank's own ``fit`` call measures that spread, not the strategy.
+- the CPU time from ``fit`` to the first training batch (the most of any rank): what the start costs a rank where each
+  rank has cores of its own.
 
     python benchmarks/scale.py                        # 2, 4, 8, 16 ranks, a few minutes on 2 cores
     python benchmarks/scale.py --ranks 2 4 --steps 20 --out results
@@ -148,11 +154,18 @@ def rank_main(variant: str, options: argparse.Namespace) -> None:
         default_root_dir=os.environ["SCALE_DIR"],
     )
     data = TensorDataset(torch.randn(8 * options.steps * world, 8), torch.randn(8 * options.steps * world, 1))
-    fit_called = time.time()
+    fit_called, fit_cpu = time.time(), time.process_time()
     with flags_on_side_channel(variant == "ddp_plus_side_channel"):
         trainer.fit(Sleepy(), DataLoader(data, batch_size=8))
     first = marks["batch_starts"][0]
-    times = [{"from start": first - started, "from fit": first - fit_called}]
+    times = [
+        {
+            "from start": first - started,
+            "fit called": fit_called,
+            "first": first,
+            "CPU to first": marks["cpu_at"][0] - fit_cpu,
+        }
+    ]
     gathered: list[Any] = [None] * world
     import torch.distributed as dist
 
@@ -176,7 +189,12 @@ def rank_main(variant: str, options: argparse.Namespace) -> None:
             "median step (ms)": 1e3 * statistics.median(b - a for a, b in zip(starts[warm:], starts[warm + 1 :])),
             "CPU per step (ms)": 1e3 * (marks["cpu_at"][-1] - marks["cpu_at"][warm]) / steady,
             "first step from start (s)": max(rank["from start"] for rank in gathered),
-            "first step from fit (s)": max(rank["from fit"] for rank in gathered),
+            # the clocks are one machine's: the last fit call, and the first step that every rank has reached
+            "first step from the last fit call (s)": max(r["first"] for r in gathered)
+            - max(r["fit called"] for r in gathered),
+            "fit calls spread (s)": max(r["fit called"] for r in gathered) - min(r["fit called"] for r in gathered),
+            # what a rank's start costs where each rank has cores of its own (a cluster), whatever shares them here
+            "CPU from fit to the first step (s)": max(r["CPU to first"] for r in gathered),
             "flag all_reduce (us)": 1e6 * flag_latency,
         }
         Path(os.environ["SCALE_OUT"]).write_text(json.dumps(result))
@@ -213,10 +231,11 @@ def markdown(results: list[dict[str, Any]]) -> str:
     bare = {r["ranks"]: r["median step (ms)"] for r in results if r["variant"] == "bare"}
     lines = [
         (
-            "| ranks | variant | step (ms) | to bare | CPU per step (ms) | first step from start / fit (s) "
+            "| ranks | variant | step (ms) | to bare | CPU per step (ms) | first step from start / last fit call (s) "
+            "| fit calls spread (s) | CPU from fit to step 1 (s) "
             "| per step, own | before step 1 | 5-int all_reduce (us) |"
         ),
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         ratio = r["median step (ms)"] / bare[r["ranks"]] if r["ranks"] in bare else float("nan")
@@ -225,7 +244,8 @@ def markdown(results: list[dict[str, Any]]) -> str:
         lines.append(
             f"| {r['ranks']} | {r['variant']} | {r['median step (ms)']:.1f} | {ratio:.2f}x | "
             f"{r['CPU per step (ms)']:.2f} | "
-            f"{r['first step from start (s)']:.1f} / {r['first step from fit (s)']:.2f} | {own} | {start} | "
+            f"{r['first step from start (s)']:.1f} / {r['first step from the last fit call (s)']:.2f} | "
+            f"{r['fit calls spread (s)']:.2f} | {r['CPU from fit to the first step (s)']:.2f} | {own} | {start} | "
             f"{r['flag all_reduce (us)']:.0f} |"
         )
     return "\n".join(lines)

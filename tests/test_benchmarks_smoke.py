@@ -115,6 +115,10 @@ def test_the_scale_benchmark_counts_what_each_variant_issues_per_step(tmp_path):
     assert by_variant["stock"]["per step"] == {"collective broadcast": 1.0}
     assert by_variant["bare"]["per step"] == {}
     assert by_variant["bare"]["first step from start (s)"] > 0
+    # the start after every rank called fit, apart from the ranks' import times (their fit calls' spread)
+    bare = by_variant["bare"]
+    assert 0 < bare["first step from the last fit call (s)"] < bare["first step from start (s)"]
+    assert bare["fit calls spread (s)"] >= 0
 
 
 def test_the_flag_transport_benchmark_keeps_the_gradients(tmp_path):
