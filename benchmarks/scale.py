@@ -175,6 +175,7 @@ def rank_main(variant: str, options: argparse.Namespace) -> None:
         gathered = times
     flag_latency = flag_all_reduce_seconds() if dist.is_initialized() else 0.0
     if trainer.global_rank == 0:
+        fit_calls = [rank["fit called"] for rank in gathered]
         warm = options.warm_up
         starts, calls = marks["batch_starts"], marks["calls_at"]
         steady = len(starts) - 1 - warm
@@ -190,9 +191,8 @@ def rank_main(variant: str, options: argparse.Namespace) -> None:
             "CPU per step (ms)": 1e3 * (marks["cpu_at"][-1] - marks["cpu_at"][warm]) / steady,
             "first step from start (s)": max(rank["from start"] for rank in gathered),
             # the clocks are one machine's: the last fit call, and the first step that every rank has reached
-            "first step from the last fit call (s)": max(r["first"] for r in gathered)
-            - max(r["fit called"] for r in gathered),
-            "fit calls spread (s)": max(r["fit called"] for r in gathered) - min(r["fit called"] for r in gathered),
+            "first step from the last fit call (s)": max(r["first"] for r in gathered) - max(fit_calls),
+            "fit calls spread (s)": max(fit_calls) - min(fit_calls),
             # what a rank's start costs where each rank has cores of its own (a cluster), whatever shares them here
             "CPU from fit to the first step (s)": max(r["CPU to first"] for r in gathered),
             "flag all_reduce (us)": 1e6 * flag_latency,
