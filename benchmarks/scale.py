@@ -3,7 +3,11 @@
 started as torchrun starts them.
 
 Each rank trains a tiny model whose step sleeps ``--sleep`` seconds for the accelerator's time, so that many ranks fit
-on a few cores. "Bare DDP" is stock Lightning with its per-step SIGTERM broadcast off (the floor).
+on a few cores. Its gradient (``--width``; 2,817 elements at the default) is not smaller than gloo's all-reduce needs
+to reach its full cost: below about twice the ranks' number of elements, an all-reduce costs less the fewer they are,
+so on a gradient of a few elements the flags riding in the last bucket would price gloo's element count, not the
+strategy (measured in ``docs/benchmarks.md``). "Bare DDP" is stock Lightning with its per-step SIGTERM broadcast off
+(the floor).
 ``ddp_plus_side_channel`` is ``ddp_plus`` with nothing riding in the buckets, as with PowerSGD's or a user's
 ``ddp_comm_hook``, or ``optimizer_sharding="overlap"``: the flags take an all-reduce of their own on every synced
 backward.
@@ -120,7 +124,8 @@ def rank_main(variant: str, options: argparse.Namespace) -> None:
     class Sleepy(pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            self.net = torch.nn.Linear(8, 1)
+            width = options.width
+            self.net = torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.ReLU(), torch.nn.Linear(width, 1))
 
         def training_step(self, batch: Any, batch_idx: int) -> Any:
             time.sleep(options.sleep)  # the accelerator's time
@@ -257,6 +262,7 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warm-up", type=int, default=5)
+    parser.add_argument("--width", type=int, default=256, help="the hidden layer's width (the gradient's size)")
     parser.add_argument("--sleep", type=float, default=0.04, help="seconds each step sleeps (the accelerator)")
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--out", help="a folder for scale.json and scale.md")
