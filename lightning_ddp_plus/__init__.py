@@ -16,7 +16,7 @@ from typing import Any
 from lightning.fabric.utilities.rank_zero import rank_zero_deprecation
 
 from lightning_ddp_plus.config.backend import KNOWN_BACKENDS
-from lightning_ddp_plus.config.messages import ArgumentTypeError, ArgumentValueError
+from lightning_ddp_plus.config.messages import ArgumentTypeError, ArgumentValueError, renamed_message
 from lightning_ddp_plus.config.settings import DDPSettings
 from lightning_ddp_plus.config.timeout import DEFAULT_TIMEOUT, parse_timeout
 from lightning_ddp_plus.conflicts.errors import DDPConflictError
@@ -79,9 +79,7 @@ _RENAMED = {"MicroBatch": "Chunk", "MicroBatchOutOfMemoryError": "ChunkOutOfMemo
 
 def __getattr__(name: str) -> Any:
     if name in _RENAMED:
-        rank_zero_deprecation(
-            f"`{name}` is renamed `{_RENAMED[name]}` (since lightning-ddp-plus 0.2.0). Fix: import "
-            f"`lightning_ddp_plus.{_RENAMED[name]}`; the former name goes in the next major release."
-        )
+        new = _RENAMED[name]
+        rank_zero_deprecation(renamed_message(name, new, "0.2.0", f"import `lightning_ddp_plus.{new}`"))
         return globals()[_RENAMED[name]]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -37,6 +37,19 @@ def closest_name(value: str, choices: Iterable[str]) -> str | None:
     return matches[0] if matches else None
 
 
+def renamed_message(former: str, name: str, since: str, fix: str) -> str:
+    """The one wording of a former name the package still takes (an argument, an import, a method), for Lightning's
+    deprecation warning.
+
+    >>> renamed_message("MicroBatch", "Chunk", "0.2.0", "import `lightning_ddp_plus.Chunk`")
+    '`MicroBatch` is renamed `Chunk` (since lightning-ddp-plus 0.2.0). Fix: import `lightning_ddp_plus.Chunk`; the former name goes in the next major release.'
+    """
+    return (
+        f"`{former}` is renamed `{name}` (since lightning-ddp-plus {since}). Fix: {fix}; the former name goes in the "
+        "next major release."
+    )
+
+
 def describe_bad_value(argument: str, value: Any, allowed: str, fix: str) -> str:
     """Format the one message style the package uses for a rejected setting.
 

@@ -41,7 +41,13 @@ from lightning_ddp_plus.config.checks import (
     require_one_of,
     require_positive_int_or_none,
 )
-from lightning_ddp_plus.config.messages import ArgumentTypeError, ArgumentValueError, closest_name, describe_bad_value
+from lightning_ddp_plus.config.messages import (
+    ArgumentTypeError,
+    ArgumentValueError,
+    closest_name,
+    describe_bad_value,
+    renamed_message,
+)
 from lightning_ddp_plus.config.settings import DDPSettings, require_bool_or_auto, require_bucket_cap
 from lightning_ddp_plus.config.timeout import (
     DEFAULT_TIMEOUT,
@@ -134,10 +140,8 @@ class RenamedArgument:
         return f"Deprecated since {self.since}: the former name of ``{self.name}``, which see."
 
     def message(self, value: Any) -> str:
-        return (
-            f"`{self.former}` is renamed `{self.name}` (since lightning-ddp-plus {self.since}); the same value means "
-            f"the same. Fix: write `{self.name}={value!r}`; the former name goes in the next major release."
-        )
+        fix = f"write `{self.name}={value!r}` (the same value means the same)"
+        return renamed_message(self.former, self.name, self.since, fix)
 
 
 #: Former names still taken. ``micro_batch_size`` named the chunks a batch is split into, not the micro-batches of an

@@ -27,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import Unpack, override
 
+from lightning_ddp_plus.config.messages import renamed_message
 from lightning_ddp_plus.engine.arguments import takes_declared_arguments
 from lightning_ddp_plus.engine.keywords import DDPPlusFabricStrategyKeywords
 from lightning_ddp_plus.frontends.common import DDPPlusFrontEnd
@@ -191,10 +192,8 @@ class DDPPlusFabricStrategy(DDPPlusFrontEnd, DDPStrategy):
 
     def train_micro_batches(self, module: Module, batch: T, loss_of: Callable[[Module, T], Tensor]) -> Tensor | None:
         """Deprecated since 0.2.0: the former name of ``train_in_chunks`` (it trains one micro-batch, in chunks)."""
-        rank_zero_deprecation(
-            "`train_micro_batches` is renamed `train_in_chunks` (since lightning-ddp-plus 0.2.0). Fix: call "
-            "`fabric.strategy.train_in_chunks(model, batch, loss_of)`; the former name goes in the next major release."
-        )
+        fix = "call `fabric.strategy.train_in_chunks(model, batch, loss_of)`"
+        rank_zero_deprecation(renamed_message("train_micro_batches", "train_in_chunks", "0.2.0", fix))
         return self.train_in_chunks(module, batch, loss_of)
 
     def save_after_rank_death(
