@@ -311,12 +311,15 @@ class StepBoundaryLoops:
     def new_fit(self) -> None:
         self._state = None
 
-    def _batch_starts(self) -> None:
-        if not self._due():
-            return
+    def read(self) -> dict[str, Any]:
+        """The fit loop's state now, as Lightning's restore continues it."""
         if self._state is None:  # the loops as this fit runs them (after a checkpoint's restore)
             self._state = LoopState(self._trainer.fit_loop)
-        self._call(resumable_at_boundary(self._state()))
+        return resumable_at_boundary(self._state())
+
+    def _batch_starts(self) -> None:
+        if self._due():
+            self._call(self.read())
 
 
 def _fields(record: Any) -> dict[str, Any]:
