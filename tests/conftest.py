@@ -2,6 +2,9 @@
 ``--no-loadscope-reorder``, which keeps this order) finish together instead of one waiting on the last long file.
 Measured on 2 cores; a file not named keeps its place after these. Only the order changes, never what runs."""
 
+import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -42,6 +45,18 @@ LONGEST_FIRST = (
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     place = {name: index for index, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: place.get(Path(str(item.fspath)).name, len(LONGEST_FIRST)))
+
+
+@pytest.fixture(autouse=True)
+def jobs_temporary_folder(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The processes a test starts write their temporary files in a folder of its own (``TMPDIR``), removed after the
+    test: torchrun's agent makes a log folder there at each start (``torchelastic_*``) and never removes it."""
+    folder = tempfile.mkdtemp(prefix="ddp-plus-test-")
+    monkeypatch.setenv("TMPDIR", folder)
+    try:
+        yield
+    finally:
+        shutil.rmtree(folder)
 
 
 def pytest_sessionfinish() -> None:

@@ -205,6 +205,7 @@ def _become(request: dict[str, Any], output_fd: int, set_by_imports: dict[str, s
     import numpy
 
     numpy.random.seed()  # a fresh interpreter seeds its global generator from the system's entropy
+    tempfile.tempdir = None  # and finds its temporary folder from its own environment (TMPDIR)
     try:
         runpy.run_path(argv[0], run_name="__main__")
     except SystemExit as stop:

@@ -66,6 +66,8 @@ def preempted_with(fabric, model, optimizer, batches, at_step: int) -> dict:
                 started = time.monotonic()
                 fabric.save(path, {"model": model, "optimizer": optimizer, "steps": steps})
                 fabric.strategy.end_preempted(path, time.monotonic() - started)
+        if fabric.global_rank == 0:
+            os.rmdir(folder)  # nothing was saved: no rank agreed to stop
         return {"preempted": None}
     except Preempted as preempted:
         state = {"model": model, "optimizer": optimizer, "steps": 0}
