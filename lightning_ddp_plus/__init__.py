@@ -81,5 +81,5 @@ def __getattr__(name: str) -> Any:
     if name in _RENAMED:
         new = _RENAMED[name]
         rank_zero_deprecation(renamed_message(name, new, "0.2.0", f"import `lightning_ddp_plus.{new}`"))
-        return globals()[_RENAMED[name]]
+        return globals()[new]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -66,9 +66,7 @@ def preempted_with(fabric, model, optimizer, batches, at_step: int) -> dict:
                 started = time.monotonic()
                 fabric.save(path, {"model": model, "optimizer": optimizer, "steps": steps})
                 fabric.strategy.end_preempted(path, time.monotonic() - started)
-        if fabric.global_rank == 0:
-            os.rmdir(folder)  # nothing was saved: no rank agreed to stop
-        return {"preempted": None}
+        outcome: dict = {"preempted": None}
     except Preempted as preempted:
         state = {"model": model, "optimizer": optimizer, "steps": 0}
         fabric.load(path, state)
@@ -76,10 +74,11 @@ def preempted_with(fabric, model, optimizer, batches, at_step: int) -> dict:
             fabric.backward(nn.functional.mse_loss(model(xb), yb))
             optimizer.step()
             optimizer.zero_grad()
-        fabric.barrier()
-        if fabric.global_rank == 0:
-            shutil.rmtree(folder)
-        return {"preempted": str(preempted), "code": preempted.code, "saved_steps": state["steps"]}
+        fabric.barrier()  # every rank has loaded the file before it goes
+        outcome = {"preempted": str(preempted), "code": preempted.code, "saved_steps": state["steps"]}
+    if fabric.global_rank == 0:
+        shutil.rmtree(folder)
+    return outcome
 
 
 def run_case(case: dict) -> dict:
